@@ -1,0 +1,65 @@
+"""rlinf: asyncio-native messaging for distributed reinforcement learning.
+
+Importing rlinf has no side effects: no sockets, no CUDA, no threads. See
+``docs/getting-started.md`` and the public API in ``__all__``.
+"""
+
+from __future__ import annotations
+
+from .channel import policies
+from .channel.policies import ConsumerInfo, ItemInfo, LoadBalancePolicy
+from .cluster import Cluster, WorkerGroup
+from .comm import Communicator, connect
+from .errors import (
+    AuthenticationError,
+    ClosedError,
+    CommTimeoutError,
+    DecodeError,
+    EncodeError,
+    EndOfChannel,
+    PeerLostError,
+    ProtocolError,
+    RlinfError,
+    TransportUnavailableError,
+    WorkerFailedError,
+    WouldBlock,
+)
+from .info import DeviceInfo, MembershipEvent, WorkerInfo
+from .manager import Manager
+from .stats import CommStats, PeerStats, TransportStats
+from .work import Work
+from .worker import Worker
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AuthenticationError",
+    "ClosedError",
+    "Cluster",
+    "CommStats",
+    "CommTimeoutError",
+    "Communicator",
+    "ConsumerInfo",
+    "DecodeError",
+    "DeviceInfo",
+    "EncodeError",
+    "EndOfChannel",
+    "ItemInfo",
+    "LoadBalancePolicy",
+    "Manager",
+    "MembershipEvent",
+    "PeerLostError",
+    "PeerStats",
+    "ProtocolError",
+    "RlinfError",
+    "TransportStats",
+    "TransportUnavailableError",
+    "Work",
+    "Worker",
+    "WorkerFailedError",
+    "WorkerGroup",
+    "WorkerInfo",
+    "WouldBlock",
+    "connect",
+    "policies",
+]

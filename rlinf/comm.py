@@ -1,0 +1,480 @@
+"""The Communicator: one worker's endpoint in the cluster.
+
+It owns the worker's ZeroMQ context, its data listener, its session with the manager,
+one :class:`~rlinf.outbox.Outbox` per destination and a :class:`~rlinf.mailbox.Mailbox`
+for what arrives. It delegates: encoding to the codec, the link scheme to
+:mod:`rlinf.routing`, queueing and coalescing to the outbox, matching to the mailbox.
+
+Connections are lazy: nothing is dialled until the first message to a peer. A peer not
+yet registered is looked up (the lookup waits for it to join), so a worker that joins
+late is reachable at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import threading
+from typing import Any, AsyncIterator, Callable
+
+import zmq
+
+from . import control, devices, routing, wire
+from .codec import Codec
+from .errors import ClosedError, CommTimeoutError, PeerLostError, ProtocolError
+from .info import MembershipEvent, WorkerInfo, parse_address
+from .mailbox import Mailbox, Message
+from .outbox import SMALL_MESSAGE, OutMessage, Outbox, split_frames
+from .security import ClusterKeys, ZapHandler, tcp_encryption_enabled
+from .stats import CommStats, Counters
+from .transports.base import Received
+from .transports.zeromq import ZmqTransport
+from .work import Work
+
+__all__ = ["Communicator", "connect"]
+
+log = logging.getLogger("rlinf.comm")
+
+_GRACEFUL_LINGER_MS = 2000
+
+
+def _check_tag(tag: Any) -> None:
+    if not isinstance(tag, int) or isinstance(tag, bool):
+        raise TypeError(f"tag must be an int, got {type(tag).__name__}")
+
+
+def _tcp_host(manager: str) -> tuple[str, str]:
+    """(bind host, advertised host) for the data TCP listener."""
+    host = os.environ.get("RLINF_HOST")
+    if host:
+        return host, host
+    manager_host = manager.split("://", 1)[-1].rsplit(":", 1)[0]
+    if manager.startswith("ipc://") or manager_host.startswith("127.") or manager_host in ("localhost", "[::1]"):
+        return "127.0.0.1", "127.0.0.1"
+    local = devices.preferred_address([manager_host], devices.host_addresses()) or socket.gethostbyname(socket.gethostname())
+    return "0.0.0.0", local
+
+
+class Communicator:
+    """A worker's endpoint: point-to-point messaging, membership, groups and channels.
+
+    Use it as an async context manager (see :func:`connect`). All methods run on the
+    loop that entered it, except ``blocking_*`` (any other thread).
+
+    Args:
+        address: this worker's ``"group:rank"``.
+        manager: the manager's endpoint (default ``$RLINF_MANAGER``).
+        token: the cluster token (default ``$RLINF_TOKEN``).
+        codec: the codec to encode/decode messages with (default ``Codec()``).
+        connect_timeout: seconds to wait for the manager at start.
+        meta: extra registration data (shown by ``rlinf top``).
+    """
+
+    def __init__(self, address: str | None = None, *, manager: str | None = None, token: str | None = None,
+                 codec: Codec | None = None, connect_timeout: float = 30.0, meta: dict | None = None) -> None:
+        address = address or os.environ.get("RLINF_ADDRESS")
+        if not address:
+            raise ValueError("no worker address: pass address='group:rank' or set RLINF_ADDRESS")
+        parse_address(address)
+        self.manager_address = manager or os.environ.get("RLINF_MANAGER") or ""
+        if not self.manager_address:
+            raise ValueError("no manager: pass manager='tcp://host:port' or set RLINF_MANAGER")
+        token = token or os.environ.get("RLINF_TOKEN")
+        if not token:
+            raise ValueError("no cluster token: pass token=... or set RLINF_TOKEN")
+        self.address = address
+        self.incarnation = secrets.token_hex(8)
+        self.info: WorkerInfo | None = None
+        self._keys = ClusterKeys(token)
+        self._codec = codec or Codec()
+        self._connect_timeout = connect_timeout
+        self._meta = dict(meta or {})
+        self._roster: dict[str, WorkerInfo] = {}
+        self._outboxes: dict[str, Outbox] = {}
+        self._mailbox = Mailbox()
+        self._dead: set[tuple[str, str]] = set()
+        self._subscribers: list[asyncio.Queue] = []
+        self._counters = Counters(address)
+        self._identity = f"{address}|{self.incarnation}".encode()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._context: zmq.Context | None = None
+        self._closed: ClosedError | None = None
+        self._started = False
+        self._warned: set[str] = set()
+        self._routing = routing.RoutingConfig.from_env()
+
+    def __repr__(self) -> str:
+        pending = sum(len(o.queue) for o in self._outboxes.values())
+        state = "closed" if self._closed else ("open" if self._started else "new")
+        return (f"<Communicator {self.address} {state} peers={len(self._roster)} "
+                f"connections={sum(1 for o in self._outboxes.values() if o.link)} "
+                f"pending_sends={pending} queued_recvs={len(self._mailbox)}>")
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def __aenter__(self) -> Communicator:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()
+
+    async def start(self) -> Communicator:
+        """Bind data sockets and register with the manager.
+
+        Raises:
+            AuthenticationError: the manager refused the token.
+            CommTimeoutError: no manager answered within ``connect_timeout``.
+        """
+        if self._started:
+            return self
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._context = zmq.Context()
+        try:
+            self._zap = ZapHandler(self._context, self._keys)
+            self._zap.attach(self._loop)
+            bind, advertise = _tcp_host(self.manager_address)
+            self._transport = ZmqTransport(self._context, self._keys, tcp_host=bind, advertise_host=advertise,
+                                           encrypt_tcp=tcp_encryption_enabled())
+            self._listener = await self._transport.listen()
+            self._listener.set_handler(self._on_frames)
+            self.info = WorkerInfo(
+                address=self.address, incarnation=self.incarnation, node_id=devices.node_id(),
+                host=socket.gethostname(), pid=os.getpid(), endpoints=dict(self._listener.endpoints),
+                devices=devices.discover_devices(), transports=(routing.INLINE,),
+                meta={"machine": control.machine_id(), **self._meta},
+            )
+            self._control = control.ControlClient(self._context, self._keys, self.manager_address, self.info,
+                                                  self._on_event, stats=lambda: self.stats().to_dict())
+            await self._control.register(timeout=self._connect_timeout)
+        except BaseException:
+            await self._teardown(deregister=False)
+            raise
+        self._started = True
+        return self
+
+    async def aclose(self) -> None:
+        """Deregister, fail pending operations with ``ClosedError``, release everything.
+
+        Messages already handed to the transport still go out (bounded linger).
+        Idempotent; safe to call from a cancelled task.
+        """
+        if self._closed is not None:
+            return
+        self._closed = ClosedError(f"communicator {self.address} is closed")
+        await self._teardown(deregister=True)
+
+    async def _teardown(self, *, deregister: bool) -> None:
+        error = self._closed or ClosedError(f"communicator {self.address} failed to start")
+        self._closed = error
+        try:
+            control_client = getattr(self, "_control", None)
+            if control_client is not None:
+                await control_client.close(deregister=deregister)
+        finally:
+            for outbox in self._outboxes.values():
+                outbox.flush()
+                outbox.close(_GRACEFUL_LINGER_MS, error)
+            self._mailbox.close(error)
+            for queue in self._subscribers:
+                queue.put_nowait(None)
+            listener = getattr(self, "_listener", None)
+            if listener is not None:
+                listener.close()
+            zap = getattr(self, "_zap", None)
+            if zap is not None:
+                zap.close()
+            if self._context is not None:
+                context, self._context = self._context, None
+                # term() waits for lingering frames; keep the loop free meanwhile.
+                await asyncio.get_running_loop().run_in_executor(None, context.term)
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise self._closed
+        if not self._started:
+            raise ClosedError("communicator is not started: use 'async with rlinf.connect(...)'")
+
+    # -- sending -----------------------------------------------------------------------
+    async def send(self, obj: Any, dst: str, *, tag: int = 0, timeout: float | None = None) -> None:
+        """Send ``obj`` to ``dst``.
+
+        Returns when the buffers of ``obj`` may be reused: small messages (< 1 MiB) are
+        copied at once, large ones are sent zero-copy and awaited until released.
+
+        Raises:
+            PeerLostError: ``dst`` died or left. CommTimeoutError: not sent in ``timeout``.
+            EncodeError: ``obj`` cannot be encoded. ClosedError: we are closed.
+        """
+        _check_tag(tag)
+        future = self._enqueue(obj, dst, tag, wire.USER, need_future=False)
+        if future is not None:
+            await self._wait(future, timeout, f"send to {dst}")
+
+    def async_send(self, obj: Any, dst: str, *, tag: int = 0) -> Work[None]:
+        """Start a send now (ordering is fixed by this call) and return its :class:`Work`."""
+        _check_tag(tag)
+        future = self._enqueue(obj, dst, tag, wire.USER, need_future=True)
+        return Work(future, f"send to {dst} tag={tag}")
+
+    def blocking_send(self, obj: Any, dst: str, *, tag: int = 0, timeout: float | None = None) -> None:
+        """:meth:`send` from a thread other than the loop's."""
+        self._run_threadsafe(self.send(obj, dst, tag=tag, timeout=timeout), timeout)
+
+    def _enqueue(self, obj: Any, dst: str, tag: Any, kind: int, *, need_future: bool) -> asyncio.Future | None:
+        """Encode and queue one message; returns a future unless it completed at once."""
+        self._check_open()
+        parse_address(dst)
+        codec_header, buffers = self._codec.encode(obj)
+        if dst == self.address:
+            return self._send_to_self(tag, kind, codec_header, buffers, need_future)
+        outbox = self._outboxes.get(dst)
+        if outbox is None:
+            outbox = self._outbox(dst)
+        elif outbox.error is not None:
+            raise outbox.error
+        frames, counts, nbytes = split_frames(buffers)
+        large = nbytes >= SMALL_MESSAGE
+        if not large:
+            frames = [bytes(f) for f in frames]   # copy now: the caller may reuse its buffers
+        entry = [kind, tag, codec_header, counts]
+        if not large and outbox.ready and not need_future:
+            outbox.put(OutMessage(entry, frames, nbytes, None, False), self._loop)
+            return None
+        future = self._loop.create_future()
+        if not large and outbox.ready:
+            future.set_result(None)
+        outbox.put(OutMessage(entry, frames, nbytes, future, large), self._loop)
+        return future
+
+    def _send_to_self(self, tag, kind, codec_header, buffers, need_future) -> asyncio.Future | None:
+        copies = [bytearray(memoryview(b).cast("B")) for b in buffers]
+        self._mailbox.deliver(Message(self.address, self.incarnation, tag, codec_header, copies))
+        if not need_future:
+            return None
+        future = self._loop.create_future()
+        future.set_result(None)
+        return future
+
+    def _outbox(self, dst: str) -> Outbox:
+        lost = self._mailbox.is_lost(dst)
+        if lost is not None:
+            raise PeerLostError(str(lost), peer=dst)
+        outbox = self._outboxes[dst] = Outbox(dst, (self.address, self.incarnation), self._counters)
+        info = self._roster.get(dst)
+        if info is not None:
+            self._connect(outbox, info)
+        else:
+            outbox.resolving = self._loop.create_task(self._resolve(outbox))
+        return outbox
+
+    def _connect(self, outbox: Outbox, info: WorkerInfo) -> None:
+        scheme = routing.select_scheme(self.info, info)
+        endpoint = info.endpoints.get(scheme) or next(iter(info.endpoints.values()))
+        outbox.attach(self._transport.connect_now(endpoint, identity=self._identity), info)
+
+    async def _resolve(self, outbox: Outbox) -> None:
+        """Find a peer that is not in our roster yet (waits for it to join)."""
+        while outbox.link is None and outbox.error is None:
+            info = self._roster.get(outbox.address)
+            if info is None:
+                try:
+                    info = await self._control.lookup(outbox.address, wait=True, timeout=2.0)
+                except CommTimeoutError:
+                    continue   # manager slow or restarting: ask again
+                except ClosedError as exc:
+                    outbox.fail(exc)
+                    return
+            if info is not None and outbox.link is None and outbox.error is None:
+                self._roster.setdefault(info.address, info)
+                self._connect(outbox, info)
+
+    # -- receiving ---------------------------------------------------------------------
+    async def recv(self, src: str, *, tag: int = 0, timeout: float | None = None) -> Any:
+        """Receive the next message from ``src`` with ``tag``.
+
+        Arrays and tensors in it are writable views over the received buffers, owned
+        by the caller. Cancelling (or timing out) never loses a message.
+
+        Raises:
+            PeerLostError: ``src`` died or left and nothing from it is queued.
+            CommTimeoutError, DecodeError, ClosedError.
+        """
+        _check_tag(tag)
+        parse_address(src)
+        return self._decode(await self._get(src, tag, timeout))
+
+    async def recv_any(self, *, tag: int = 0, timeout: float | None = None) -> tuple[Any, str]:
+        """Receive the oldest message with ``tag`` from any source: ``(obj, src)``."""
+        _check_tag(tag)
+        msg = await self._get(None, tag, timeout)
+        return self._decode(msg), msg.src
+
+    def async_recv(self, src: str, *, tag: int = 0) -> Work[Any]:
+        """Start a receive now and return its :class:`Work` (cancel it safely with ``cancel()``)."""
+        _check_tag(tag)
+        parse_address(src)
+        self._check_open()
+        task = self._loop.create_task(self.recv(src, tag=tag))
+        return Work(task, f"recv from {src} tag={tag}")
+
+    def blocking_recv(self, src: str, *, tag: int = 0, timeout: float | None = None) -> Any:
+        """:meth:`recv` from a thread other than the loop's."""
+        return self._run_threadsafe(self.recv(src, tag=tag, timeout=timeout), timeout)
+
+    async def recv_into(self, target: Any, src: str, *, tag: int = 0, timeout: float | None = None) -> Any:
+        """Receive a message and write its arrays/tensors into ``target``'s, in place.
+
+        ``target`` must have the same structure, shapes and dtypes as the message.
+
+        Returns:
+            ``target``.
+
+        Raises:
+            ValueError / TypeError: the message does not match ``target``.
+        """
+        from .into import copy_into   # only recv_into needs it
+
+        obj = await self.recv(src, tag=tag, timeout=timeout)
+        copy_into(target, obj)
+        return target
+
+    async def _get(self, src: str | None, tag: Any, timeout: float | None) -> Message:
+        self._check_open()
+        msg = self._mailbox.get_nowait(src, tag)
+        if msg is not None:
+            return msg
+        if timeout is None:
+            return await self._mailbox.get(src, tag)
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._mailbox.get(src, tag)
+        except TimeoutError:
+            what = f"from {src}" if src else "from any source"
+            raise CommTimeoutError(f"{self.address}: no message {what} with tag {tag!r} within {timeout} s") from None
+
+    def _decode(self, msg: Message) -> Any:
+        return self._codec.decode(msg.codec_header, msg.buffers)
+
+    def _on_frames(self, received: Received) -> None:
+        frames = received.frames
+        try:
+            src, incarnation, entries = wire.unpack_header(received.header, len(frames))
+            if received.peer != f"{src}|{incarnation}".encode():
+                raise ProtocolError("frame set claims a source other than its connection's")
+        except ProtocolError as exc:
+            self._counters.dropped_frames += 1
+            log.warning("rlinf %s: dropped a bad frame set: %r", self.address, exc)
+            return
+        if (src, incarnation) in self._dead:
+            self._counters.dropped_frames += 1
+            return
+        i = 0
+        for entry in entries:
+            buffers, nbytes = [], 0
+            for count in entry.frame_counts:
+                buf = frames[i] if count == 1 else _join(frames[i:i + count])
+                i += count
+                buffers.append(buf)
+                nbytes += buf.nbytes
+            self._counters.received(src, nbytes)
+            if entry.kind == wire.USER:
+                self._mailbox.deliver(Message(src, incarnation, entry.tag, entry.codec_header, buffers, 0, nbytes))
+
+    # -- membership --------------------------------------------------------------------
+    def _on_event(self, event: MembershipEvent) -> None:
+        if event.address == self.address:
+            return
+        if event.kind == "joined" and event.info is not None:
+            old = self._roster.get(event.address)
+            self._roster[event.address] = event.info
+            self._mailbox.peer_joined(event.address, event.incarnation)
+            outbox = self._outboxes.get(event.address)
+            if outbox is not None and (outbox.error is not None or (old and old.incarnation != event.incarnation)):
+                del self._outboxes[event.address]   # next send dials the new incarnation
+                if outbox.error is None:
+                    outbox.fail(PeerLostError(f"{event.address} restarted", peer=event.address))
+        else:
+            info = self._roster.get(event.address)
+            if info is not None and event.incarnation and info.incarnation != event.incarnation:
+                return   # an older incarnation went away; the current one is fine
+            self._roster.pop(event.address, None)
+            self._dead.add((event.address, event.incarnation))
+            error = PeerLostError(f"{event.address} {'left' if event.kind == 'left' else 'was lost'}",
+                                  peer=event.address)
+            self._mailbox.peer_lost(event.address, error)
+            outbox = self._outboxes.get(event.address)
+            if outbox is not None:
+                outbox.fail(error)
+        for queue in self._subscribers:
+            queue.put_nowait(event)
+
+    async def peers(self) -> list[WorkerInfo]:
+        """The workers this communicator knows (its cached roster, without itself)."""
+        self._check_open()
+        return list(self._roster.values())
+
+    async def events(self) -> AsyncIterator[MembershipEvent]:
+        """Membership events from now on, until the communicator closes."""
+        self._check_open()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._subscribers.append(queue)
+        try:
+            while True:
+                event = await queue.get()
+                if event is None:
+                    return
+                yield event
+        finally:
+            self._subscribers.remove(queue)
+
+    def stats(self) -> CommStats:
+        """A frozen snapshot of traffic per peer and per transport."""
+        connected = {a for a, o in self._outboxes.items() if o.link is not None}
+        return self._counters.snapshot(connected)
+
+    # -- helpers -----------------------------------------------------------------------
+    async def _wait(self, future: asyncio.Future, timeout: float | None, what: str) -> Any:
+        if timeout is None:
+            return await future
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            raise CommTimeoutError(f"{self.address}: {what} did not complete within {timeout} s") from None
+
+    def _run_threadsafe(self, coro, timeout: float | None) -> Any:
+        self._check_open()
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop or threading.get_ident() == self._loop_thread:
+            coro.close()
+            raise RuntimeError("blocking_* would deadlock on the communicator's own loop; use 'await'")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+
+def _join(frames: list) -> memoryview:
+    """Reassemble a chunked buffer into one writable buffer (one copy)."""
+    import numpy as np   # numpy is a core dependency; imported here to keep import light
+
+    total = sum(f.nbytes for f in frames)
+    out = np.empty(total, dtype=np.uint8)
+    offset = 0
+    for f in frames:
+        n = f.nbytes
+        out[offset:offset + n] = np.frombuffer(f, dtype=np.uint8)
+        offset += n
+    return memoryview(out)
+
+
+def connect(address: str | None = None, manager: str | None = None, token: str | None = None,
+            **options: Any) -> Communicator:
+    """A communicator for ``address``; use it as ``async with rlinf.connect(...) as comm``.
+
+    Defaults come from ``RLINF_ADDRESS``, ``RLINF_MANAGER`` and ``RLINF_TOKEN``.
+    """
+    return Communicator(address, manager=manager, token=token, **options)

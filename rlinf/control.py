@@ -1,0 +1,300 @@
+"""The control plane: a worker's connection to the manager, and shared helpers.
+
+:class:`ControlClient` registers a worker, keeps it registered (heartbeats; it
+re-registers by itself when a restarted manager does not know it), answers lookups,
+and hands every membership event to a callback. Messages are msgpack maps with an
+``op``; requests carry an ``id`` that the reply repeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+import os
+import socket
+import time
+from typing import Any, Callable, Coroutine
+
+import msgpack
+import zmq
+import zmq.utils.monitor
+
+from .errors import AuthenticationError, ClosedError, CommTimeoutError, ProtocolError
+from .info import MembershipEvent, WorkerInfo
+from .security import ClusterKeys
+
+__all__ = ["ControlClient", "pack", "unpack", "machine_id", "run", "default_peer_timeout"]
+
+log = logging.getLogger("rlinf.control")
+
+_MAX_CONTROL = 16 << 20
+
+
+def default_peer_timeout() -> float:
+    """Seconds of silence before a peer is lost (``RLINF_PEER_TIMEOUT``, default 1.5)."""
+    return float(os.environ.get("RLINF_PEER_TIMEOUT", "1.5"))
+
+
+def heartbeat_interval() -> float:
+    return float(os.environ.get("RLINF_HEARTBEAT_INTERVAL", "0.25"))
+
+
+def pack(message: dict[str, Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(data: bytes) -> dict[str, Any]:
+    """Decode a control message; raises ``ProtocolError`` on anything but a map with ``op``."""
+    if len(data) > _MAX_CONTROL:
+        raise ProtocolError("control message too large")
+    try:
+        message = msgpack.unpackb(data, raw=False, strict_map_key=False, max_ext_len=0)
+    except Exception as exc:  # garbage input raises many msgpack types
+        raise ProtocolError(f"undecodable control message: {exc}") from exc
+    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+        raise ProtocolError("control message is not a map with an 'op'")
+    return message
+
+
+@functools.cache
+def machine_id() -> str:
+    """This machine's identity (not overridable: used to check local process liveness)."""
+    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
+        try:
+            with open(path) as f:
+                value = f.read().strip()
+            if value:
+                return f"{socket.gethostname()}-{value[:12]}"
+        except OSError:
+            continue
+    return socket.gethostname()
+
+
+def run(coro: Coroutine) -> Any:
+    """Run ``coro`` on a fresh event loop, uvloop when installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+_HANDSHAKE_FAILED = {
+    getattr(zmq, name) for name in (
+        "EVENT_HANDSHAKE_FAILED_AUTH", "EVENT_HANDSHAKE_FAILED_PROTOCOL", "EVENT_HANDSHAKE_FAILED_NO_DETAIL")
+    if hasattr(zmq, name)
+}
+
+
+class ControlClient:
+    """A worker's session with the manager.
+
+    Args:
+        context: the worker's ZeroMQ context (its ZAP handler lives there).
+        keys: the cluster's derived keys.
+        manager: the manager's request endpoint.
+        info: this worker's registration.
+        on_event: called on the loop thread with each :class:`MembershipEvent`, including
+            ones synthesised after a resync (a worker that vanished while we missed the
+            manager's events is reported ``lost``).
+        stats: returns the stats dict sent with heartbeats.
+    """
+
+    def __init__(self, context: zmq.Context, keys: ClusterKeys, manager: str, info: WorkerInfo,
+                 on_event: Callable[[MembershipEvent], None],
+                 stats: Callable[[], dict] | None = None) -> None:
+        self.manager = manager
+        self.info = info
+        self._on_event = on_event
+        self._stats = stats
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._known: dict[str, WorkerInfo] = {}
+        self._version = 0
+        self._loop = asyncio.get_running_loop()
+        self._auth_failed: asyncio.Future = self._loop.create_future()
+        self._sock = context.socket(zmq.DEALER)
+        self._sock.linger = 0
+        self._sock.sndhwm = 1000
+        self._sock.routing_id = f"{info.address}|{info.incarnation}".encode()
+        keys.secure_client(self._sock)
+        self._monitor = self._sock.get_monitor_socket()
+        self._sock.connect(manager)
+        self._loop.add_reader(self._sock.FD, self._on_readable)
+        self._loop.add_reader(self._monitor.FD, self._on_monitor)
+        self._loop.call_soon(self._on_monitor)   # edge-triggered: drain what came before
+        self._heartbeat: asyncio.Task | None = None
+        self._closed = False
+        self.manager_reachable = False
+
+    # -- requests ----------------------------------------------------------------------
+    async def request(self, op: str, *, timeout: float | None, **fields: Any) -> dict[str, Any]:
+        """Send a request and wait for its reply.
+
+        Raises:
+            CommTimeoutError: no reply within ``timeout``.
+            AuthenticationError: the manager refused our credentials.
+        """
+        if self._closed:
+            raise ClosedError("control connection is closed")
+        request_id = next(self._ids)
+        fut = self._loop.create_future()
+        self._pending[request_id] = fut
+        try:
+            self._send(pack({"op": op, "id": request_id, **fields}))
+            done, _ = await asyncio.wait({fut, self._auth_failed}, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        except zmq.Again as exc:
+            raise CommTimeoutError(f"manager at {self.manager} is not accepting requests") from exc
+        finally:
+            self._pending.pop(request_id, None)
+        if fut in done:
+            return fut.result()
+        if self._auth_failed in done:
+            raise self._auth_failed.exception()
+        fut.cancel()
+        raise CommTimeoutError(f"no reply from the manager at {self.manager} to {op!r} within {timeout} s")
+
+    async def register(self, timeout: float | None) -> list[WorkerInfo]:
+        """Register (or re-register) and return the roster."""
+        reply = await self.request("register", timeout=timeout, info=self.info.to_wire())
+        self.manager_reachable = True
+        roster = [WorkerInfo.from_wire(w) for w in reply["roster"]]
+        self._resync(roster, reply["version"])
+        if self._heartbeat is None:
+            self._heartbeat = self._loop.create_task(self._heartbeat_loop())
+        return roster
+
+    async def lookup(self, address: str, *, wait: bool, timeout: float | None) -> WorkerInfo | None:
+        reply = await self.request("lookup", timeout=timeout, address=address, wait=wait)
+        return WorkerInfo.from_wire(reply["info"]) if reply.get("info") else None
+
+    def _send(self, data: bytes) -> None:
+        self._sock.send(data, zmq.NOBLOCK)
+        # A send may consume the edge-triggered read notification: look again.
+        self._loop.call_soon(self._on_readable)
+
+    # -- incoming ----------------------------------------------------------------------
+    def _on_readable(self) -> None:
+        sock = self._sock
+        while not sock.closed:
+            try:
+                data = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._dispatch(unpack(data))
+            except (ProtocolError, KeyError, TypeError, ValueError) as exc:
+                log.warning("rlinf: bad message from the manager: %s", exc)
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        op = message["op"]
+        if op == "reply":
+            fut = self._pending.get(message.get("id"))
+            if fut is not None and not fut.done():
+                fut.set_result(message)
+        elif op == "event":
+            info = WorkerInfo.from_wire(message["info"]) if message.get("info") else None
+            event = MembershipEvent(message["kind"], message["address"], message.get("incarnation", ""), info)
+            self._version = max(self._version, message.get("version", 0))
+            self._apply(event)
+        elif op == "heartbeat":
+            self.manager_reachable = True
+            if not message["known"]:
+                self._loop.create_task(self._reregister())
+            elif message["version"] != self._version:
+                self._loop.create_task(self._refresh())
+
+    def _apply(self, event: MembershipEvent) -> None:
+        if event.kind == "joined" and event.info is not None:
+            self._known[event.address] = event.info
+        elif self._known.get(event.address, None) is not None:
+            if self._known[event.address].incarnation == event.incarnation or not event.incarnation:
+                del self._known[event.address]
+        self._on_event(event)
+
+    def _resync(self, roster: list[WorkerInfo], version: int) -> None:
+        """Reconcile our view with a full roster: synthesise the events we missed."""
+        new = {w.address: w for w in roster}
+        for address, old in list(self._known.items()):
+            cur = new.get(address)
+            if cur is None or cur.incarnation != old.incarnation:
+                self._apply(MembershipEvent("lost", address, old.incarnation, old))
+        for address, cur in new.items():
+            old = self._known.get(address)
+            if old is None or old.incarnation != cur.incarnation:
+                self._apply(MembershipEvent("joined", address, cur.incarnation, cur))
+        self._version = version
+
+    def _on_monitor(self) -> None:
+        while not self._monitor.closed:
+            try:
+                event = zmq.utils.monitor.recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] in _HANDSHAKE_FAILED and not self.manager_reachable and not self._auth_failed.done():
+                self._auth_failed.set_exception(AuthenticationError(
+                    f"the manager at {self.manager} refused the handshake: wrong or missing cluster token"))
+                self._auth_failed.exception()  # retrieved here; re-raised by request()
+
+    # -- background --------------------------------------------------------------------
+    async def _reregister(self) -> None:
+        try:
+            await self.register(timeout=5.0)
+            log.info("rlinf: %s re-registered with the manager", self.info.address)
+        except (CommTimeoutError, ClosedError) as exc:
+            log.debug("rlinf: re-registration failed: %s", exc)
+
+    async def _refresh(self) -> None:
+        try:
+            reply = await self.request("roster", timeout=5.0)
+        except (CommTimeoutError, ClosedError):
+            return
+        self._resync([WorkerInfo.from_wire(w) for w in reply["roster"]], reply["version"])
+
+    async def _heartbeat_loop(self) -> None:
+        interval = heartbeat_interval()
+        ident = {"op": "heartbeat", "address": self.info.address, "incarnation": self.info.incarnation}
+        last_stats = 0.0
+        while not self._closed:
+            message = ident
+            now = time.monotonic()
+            if self._stats is not None and now - last_stats >= 1.0:
+                message = {**ident, "stats": self._stats()}
+                last_stats = now
+            try:
+                self._send(pack(message))
+            except zmq.Again:
+                pass  # manager away; the queue is full of heartbeats already
+            await asyncio.sleep(interval)
+
+    async def close(self, *, deregister: bool = True) -> None:
+        """Deregister (best effort, bounded) and close. Idempotent."""
+        if self._closed:
+            return
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            try:
+                await self._heartbeat
+            except asyncio.CancelledError:
+                pass
+        if deregister and self.manager_reachable:
+            try:
+                await self.request("deregister", timeout=1.0, address=self.info.address,
+                                   incarnation=self.info.incarnation)
+            except (CommTimeoutError, AuthenticationError):
+                pass
+        self._closed = True
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(ClosedError("control connection closed"))
+        for sock in (self._sock, self._monitor):
+            try:
+                self._loop.remove_reader(sock.FD)
+            except (ValueError, OSError, RuntimeError):
+                pass
+        self._sock.disable_monitor()
+        self._monitor.close(0)
+        self._sock.close(0)

@@ -1,0 +1,193 @@
+"""Matching received messages to ``recv`` calls, without losing one on cancellation.
+
+Messages wait in one FIFO per ``(source, tag)``; a global arrival number orders
+``recv_any`` across sources. A ``recv`` that finds nothing parks a future; delivery
+hands the message straight to the oldest matching waiter. If that waiter is cancelled
+after the hand-over but before its task resumed (a timeout racing a delivery), the
+message goes back to the *front* of its queue, so cancellation never loses or reorders
+a message.
+
+Losing a peer fails its parked waiters with ``PeerLostError``; messages it sent before
+dying stay readable. When a peer comes back as a new incarnation, messages still queued
+from the old one are dropped (they are stale).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ClosedError, PeerLostError
+
+__all__ = ["Mailbox", "Message"]
+
+
+@dataclass(slots=True)
+class Message:
+    """A received, not yet decoded message. ``buffers`` are owned by the receiver."""
+
+    src: str
+    incarnation: str
+    tag: Any
+    codec_header: bytes
+    buffers: list[Any]
+    seq: int = 0
+    nbytes: int = 0
+
+
+class _Waiter:
+    __slots__ = ("future", "src", "tag")
+
+    def __init__(self, future: asyncio.Future, src: str | None, tag: Any) -> None:
+        self.future = future
+        self.src = src
+        self.tag = tag
+
+
+class Mailbox:
+    """Per-``(src, tag)`` queues and waiters of one communicator (loop thread only)."""
+
+    def __init__(self) -> None:
+        self._queues: dict[tuple[str, Any], collections.deque[Message]] = {}
+        self._sources_by_tag: dict[Any, set[str]] = collections.defaultdict(set)
+        self._waiters: dict[tuple[str, Any], collections.deque[_Waiter]] = {}
+        self._any_waiters: dict[Any, collections.deque[_Waiter]] = {}
+        self._lost: dict[str, PeerLostError] = {}
+        self._closed: BaseException | None = None
+        self._arrivals = itertools.count()
+        self.queued = 0
+
+    def __len__(self) -> int:
+        return self.queued
+
+    # -- delivery ----------------------------------------------------------------------
+    def deliver(self, msg: Message) -> None:
+        msg.seq = next(self._arrivals)
+        key = (msg.src, msg.tag)
+        if self._hand_over(self._waiters.get(key), msg) or self._hand_over(self._any_waiters.get(msg.tag), msg):
+            return
+        self._push(msg, front=False)
+
+    def _hand_over(self, waiters: collections.deque[_Waiter] | None, msg: Message) -> bool:
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.future.done():
+                waiter.future.set_result(msg)
+                return True
+        return False
+
+    def _push(self, msg: Message, *, front: bool) -> None:
+        key = (msg.src, msg.tag)
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = collections.deque()
+        if front:
+            queue.appendleft(msg)
+        else:
+            queue.append(msg)
+        self._sources_by_tag[msg.tag].add(msg.src)
+        self.queued += 1
+
+    def _pop(self, key: tuple[str, Any]) -> Message:
+        queue = self._queues[key]
+        msg = queue.popleft()
+        self.queued -= 1
+        if not queue:
+            del self._queues[key]
+            sources = self._sources_by_tag[key[1]]
+            sources.discard(key[0])
+            if not sources:
+                del self._sources_by_tag[key[1]]
+        return msg
+
+    # -- receiving ---------------------------------------------------------------------
+    def get_nowait(self, src: str | None, tag: Any) -> Message | None:
+        """The next matching message, or None. Raises if none can ever come."""
+        if src is not None:
+            if (src, tag) in self._queues:
+                return self._pop((src, tag))
+            if src in self._lost:
+                raise PeerLostError(str(self._lost[src]), peer=src) from self._lost[src].__cause__
+        else:
+            sources = self._sources_by_tag.get(tag)
+            if sources:
+                oldest = min(sources, key=lambda s: self._queues[(s, tag)][0].seq)
+                return self._pop((oldest, tag))
+        if self._closed is not None:
+            raise self._closed
+        return None
+
+    async def get(self, src: str | None, tag: Any) -> Message:
+        """Wait for the next matching message. Cancellation-safe (see module docstring)."""
+        msg = self.get_nowait(src, tag)
+        if msg is not None:
+            return msg
+        future = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(future, src, tag)
+        table = self._waiters if src is not None else self._any_waiters
+        key = (src, tag) if src is not None else tag
+        table.setdefault(key, collections.deque()).append(waiter)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self._push(future.result(), front=True)   # handed over, then cancelled: put back
+            raise
+        finally:
+            waiters = table.get(key)
+            if waiters is not None:
+                try:
+                    waiters.remove(waiter)
+                except ValueError:
+                    pass
+                if not waiters:
+                    del table[key]
+
+    # -- membership --------------------------------------------------------------------
+    def peer_lost(self, address: str, error: PeerLostError) -> None:
+        """Fail waiters on ``address``; later ``recv(address)`` raises once its queue drains."""
+        self._lost[address] = error
+        for waiter in self._waiters.pop_matching(address) if False else self._take_waiters(address):
+            if not waiter.future.done():
+                waiter.future.set_exception(error)
+
+    def _take_waiters(self, address: str) -> list[_Waiter]:
+        taken = []
+        for key in [k for k in self._waiters if k[0] == address]:
+            taken.extend(self._waiters.pop(key))
+        return taken
+
+    def peer_joined(self, address: str, incarnation: str) -> None:
+        """A (new incarnation of) ``address`` joined: forget its loss, drop stale messages."""
+        self._lost.pop(address, None)
+        for key in [k for k in self._queues if k[0] == address]:
+            queue = self._queues[key]
+            fresh = collections.deque(m for m in queue if m.incarnation == incarnation)
+            self.queued -= len(queue) - len(fresh)
+            if fresh:
+                self._queues[key] = fresh
+            else:
+                del self._queues[key]
+                sources = self._sources_by_tag[key[1]]
+                sources.discard(address)
+                if not sources:
+                    del self._sources_by_tag[key[1]]
+
+    def is_lost(self, address: str) -> PeerLostError | None:
+        return self._lost.get(address)
+
+    def close(self, error: ClosedError) -> None:
+        """Fail every waiter with ``error``; later calls raise it. Queued messages are dropped."""
+        self._closed = error
+        for table in (self._waiters, self._any_waiters):
+            for waiters in table.values():
+                for waiter in waiters:
+                    if not waiter.future.done():
+                        waiter.future.set_exception(error)
+            table.clear()
+        self._queues.clear()
+        self._sources_by_tag.clear()
+        self.queued = 0

@@ -1,0 +1,308 @@
+"""The registry server: who is in the cluster, where they are, and who left.
+
+The manager owns a ZeroMQ ROUTER (requests from workers, and membership events pushed
+back on the same connection so no worker misses one) and a PUB socket (the same events
+for observers such as ``rlinf top``). Both are CURVE-authenticated with the cluster
+token. It keeps a roster ``address -> WorkerInfo`` plus the latest stats each worker
+reported with its heartbeat, and announces ``joined`` / ``left`` / ``lost``.
+
+A worker is ``lost`` when it misses heartbeats for ``peer_timeout`` seconds, or at once
+when it ran on this machine and its process is gone. The manager holds no state that
+workers cannot rebuild: a restarted manager learns the roster again from the workers,
+which re-register when a heartbeat reply says they are unknown.
+
+Run it embedded (``async with Manager(...)``) or standalone::
+
+    python -m rlinf.manager --bind tcp://0.0.0.0:5555 --token SECRET
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import logging
+import os
+import time
+from typing import Any
+
+import msgpack
+import zmq
+
+from . import control
+from .errors import ProtocolError
+from .info import MembershipEvent, WorkerInfo
+from .security import ClusterKeys, ZapHandler, generate_token
+
+__all__ = ["Manager", "main"]
+
+log = logging.getLogger("rlinf.manager")
+
+
+def _process_gone(pid: int) -> bool:
+    """True when ``pid`` no longer runs on this machine (missing or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    # state is the field after the parenthesised command name
+    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] in (b"Z", b"X")
+
+
+class Manager:
+    """The cluster registry (see the module docstring).
+
+    Args:
+        bind: ZeroMQ endpoint for requests, e.g. ``"tcp://127.0.0.1:0"`` (port 0 picks one).
+        token: the cluster secret (generated when None; read it from ``.token``).
+        peer_timeout: seconds without a heartbeat before a worker is declared lost.
+        check_interval: how often liveness is checked.
+    """
+
+    def __init__(self, bind: str = "tcp://127.0.0.1:0", *, token: str | None = None,
+                 peer_timeout: float | None = None, check_interval: float = 0.1) -> None:
+        self.token = token or generate_token()
+        self._keys = ClusterKeys(self.token)
+        self._bind = bind
+        self.peer_timeout = peer_timeout if peer_timeout is not None else control.default_peer_timeout()
+        self._check_interval = check_interval
+        self._roster: dict[str, WorkerInfo] = {}
+        self._identity: dict[str, bytes] = {}       # address -> ROUTER identity
+        self._last_seen: dict[str, float] = {}
+        self._stats: dict[str, Any] = {}
+        self._lookups: dict[str, list[tuple[bytes, int]]] = collections.defaultdict(list)
+        self.events: collections.deque[MembershipEvent] = collections.deque(maxlen=200)
+        self.version = 0
+        self.address = ""
+        self.events_address = ""
+        self._context: zmq.Context | None = None
+        self._router: zmq.Socket | None = None
+        self._pub: zmq.Socket | None = None
+        self._zap: ZapHandler | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._checker: asyncio.Task | None = None
+        self._machine = control.machine_id()
+        self._recheck = False
+
+    def __repr__(self) -> str:
+        return f"<Manager {self.address or 'unbound'} workers={len(self._roster)}>"
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> Manager:
+        """Bind and start serving. Returns self."""
+        self._loop = asyncio.get_running_loop()
+        self._context = zmq.Context()
+        self._zap = ZapHandler(self._context, self._keys)
+        self._zap.attach(self._loop)
+        router = self._context.socket(zmq.ROUTER)
+        router.linger = 0
+        router.router_mandatory = False
+        router.sndhwm = 100_000
+        self._keys.secure_server(router)
+        pub = self._context.socket(zmq.PUB)
+        pub.linger = 0
+        self._keys.secure_server(pub)
+        try:
+            router.bind(self._bind)
+            host = self._bind.rsplit(":", 1)[0] if self._bind.startswith("tcp://") else None
+            if host:
+                pub.bind(f"{host}:0")
+            else:
+                pub.bind(self._bind + ".events")
+        except zmq.ZMQError as exc:
+            router.close(0)
+            pub.close(0)
+            self._zap.close()
+            self._context.term()
+            raise OSError(f"manager cannot bind {self._bind}: {exc}") from exc
+        self._router, self._pub = router, pub
+        self.address = router.last_endpoint.decode()
+        self.events_address = pub.last_endpoint.decode()
+        self._loop.add_reader(router.FD, self._on_readable)
+        self._loop.call_soon(self._on_readable)
+        self._checker = self._loop.create_task(self._check_loop())
+        return self
+
+    async def close(self) -> None:
+        """Stop serving and release the sockets. Idempotent."""
+        if self._router is None:
+            return
+        if self._checker is not None:
+            self._checker.cancel()
+            try:
+                await self._checker
+            except asyncio.CancelledError:
+                pass
+        try:
+            self._loop.remove_reader(self._router.FD)
+        except (ValueError, OSError, RuntimeError):
+            pass
+        self._router.close(0)
+        self._pub.close(0)
+        self._zap.close()
+        self._context.term()
+        self._router = None
+
+    async def __aenter__(self) -> Manager:
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # -- state -------------------------------------------------------------------------
+    def roster(self) -> list[WorkerInfo]:
+        """A snapshot of the registered workers."""
+        return list(self._roster.values())
+
+    def snapshot(self) -> dict[str, Any]:
+        """Roster, latest stats per worker and recent events (for ``rlinf top``)."""
+        now = time.time()
+        return {
+            "manager": self.address,
+            "time": now,
+            "workers": [
+                {**info.to_wire(), "age": now - info.start_time, "stats": self._stats.get(info.address, {})}
+                for info in self._roster.values()
+            ],
+            "events": [{"kind": e.kind, "address": e.address} for e in self.events],
+        }
+
+    # -- socket handling ---------------------------------------------------------------
+    def _on_readable(self) -> None:
+        self._recheck = False
+        router = self._router
+        if router is None:
+            return
+        for _ in range(1024):
+            try:
+                identity, payload = router.recv_multipart(zmq.NOBLOCK)[:2]
+            except zmq.Again:
+                return
+            except ValueError:
+                log.warning("rlinf manager: dropped a request with no payload")
+                continue
+            try:
+                request = control.unpack(payload)
+                self._handle(identity, request)
+            except (ProtocolError, ValueError, TypeError, KeyError) as exc:
+                log.warning("rlinf manager: rejected a malformed request: %s", ProtocolError(str(exc)))
+        self._loop.call_soon(self._on_readable)
+
+    def _send(self, identity: bytes, message: dict[str, Any]) -> None:
+        try:
+            self._router.send_multipart([identity, control.pack(message)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone or too slow: it will re-sync by heartbeat
+            log.debug("rlinf manager: could not reach %r: %s", identity, exc)
+        # A send may consume the edge-triggered read notification: look again soon.
+        if not self._recheck:
+            self._recheck = True
+            self._loop.call_soon(self._on_readable)
+
+    def _reply(self, identity: bytes, request: dict, **fields: Any) -> None:
+        self._send(identity, {"op": "reply", "id": request.get("id"), **fields})
+
+    def _handle(self, identity: bytes, req: dict[str, Any]) -> None:
+        op = req["op"]
+        if op == "register":
+            info = WorkerInfo.from_wire(req["info"])
+            self._register(identity, info)
+            self._reply(identity, req, ok=True, version=self.version,
+                        roster=[w.to_wire() for w in self._roster.values()],
+                        events=self.events_address)
+        elif op == "heartbeat":
+            address = req["address"]
+            info = self._roster.get(address)
+            known = info is not None and info.incarnation == req.get("incarnation")
+            if known:
+                self._last_seen[address] = time.monotonic()
+                if "stats" in req:
+                    self._stats[address] = req["stats"]
+            self._send(identity, {"op": "heartbeat", "known": known, "version": self.version})
+        elif op == "deregister":
+            info = self._roster.get(req["address"])
+            if info is not None and info.incarnation == req.get("incarnation"):
+                self._remove(info, "left")
+            self._reply(identity, req, ok=True)
+        elif op == "lookup":
+            info = self._roster.get(req["address"])
+            if info is not None or not req.get("wait", False):
+                self._reply(identity, req, info=info.to_wire() if info else None)
+            else:
+                self._lookups[req["address"]].append((identity, req.get("id")))
+        elif op == "roster":
+            self._reply(identity, req, version=self.version, roster=[w.to_wire() for w in self._roster.values()])
+        elif op == "snapshot":
+            self._reply(identity, req, snapshot=self.snapshot())
+        else:
+            raise ValueError(f"unknown op {op!r}")
+
+    def _register(self, identity: bytes, info: WorkerInfo) -> None:
+        old = self._roster.get(info.address)
+        if old is not None and old.incarnation != info.incarnation:
+            self._remove(old, "lost")   # a restart under the same address replaces the old one
+        if info.start_time == 0.0:
+            info = WorkerInfo.from_wire({**info.to_wire(), "start_time": time.time()})
+        self._roster[info.address] = info
+        self._identity[info.address] = identity
+        self._last_seen[info.address] = time.monotonic()
+        if old is None or old.incarnation != info.incarnation:
+            self._announce(MembershipEvent("joined", info.address, info.incarnation, info))
+        for waiter_identity, request_id in self._lookups.pop(info.address, ()):
+            self._send(waiter_identity, {"op": "reply", "id": request_id, "info": info.to_wire()})
+
+    def _remove(self, info: WorkerInfo, kind: str) -> None:
+        self._roster.pop(info.address, None)
+        self._identity.pop(info.address, None)
+        self._last_seen.pop(info.address, None)
+        self._stats.pop(info.address, None)
+        self._announce(MembershipEvent(kind, info.address, info.incarnation, info))
+
+    def _announce(self, event: MembershipEvent) -> None:
+        self.version += 1
+        self.events.append(event)
+        message = {"op": "event", "kind": event.kind, "address": event.address,
+                   "incarnation": event.incarnation, "version": self.version,
+                   "info": event.info.to_wire() if event.info else None}
+        log.info("rlinf manager: %s %s", event.kind, event.address)
+        for identity in list(self._identity.values()):
+            self._send(identity, message)
+        try:
+            self._pub.send(control.pack(message), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    async def _check_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._check_interval)
+            now = time.monotonic()
+            for address, info in list(self._roster.items()):
+                local = info.meta.get("machine") == self._machine and info.pid
+                if now - self._last_seen.get(address, now) > self.peer_timeout or (local and _process_gone(info.pid)):
+                    self._remove(info, "lost")
+
+
+async def _serve(bind: str, token: str | None) -> None:
+    async with Manager(bind, token=token) as manager:
+        print(f"rlinf manager listening on {manager.address}", flush=True)
+        if token is None:
+            print(f"token: {manager.token}", flush=True)
+        print(f"workers join with: RLINF_MANAGER={manager.address} RLINF_TOKEN=<token>", flush=True)
+        await asyncio.Event().wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``python -m rlinf.manager`` / ``rlinf manager``."""
+    parser = argparse.ArgumentParser(prog="rlinf manager", description="Run a standalone rlinf manager.")
+    parser.add_argument("--bind", default="tcp://0.0.0.0:5555", help="ZeroMQ endpoint to bind (default %(default)s)")
+    parser.add_argument("--token", default=os.environ.get("RLINF_TOKEN"),
+                        help="cluster token (default $RLINF_TOKEN, else a new one is printed)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    control.run(_serve(args.bind, args.token))
+
+
+if __name__ == "__main__":
+    main()

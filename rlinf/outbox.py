@@ -1,0 +1,210 @@
+"""The sending side of one peer: ordering, coalescing, chunking and backpressure.
+
+Every message to a peer enters its :class:`Outbox` at call time, which fixes the order.
+A flush, scheduled once per loop iteration, packs consecutive small messages (< 1 MiB
+each, up to 1 MiB or 4096 of them) into one frame set — one ZeroMQ send instead of many
+— and sends each large message on its own, its buffers cut into frames of at most
+16 MiB and sent zero-copy.
+
+Buffer lifetimes: a small message's buffers are copied when it is queued, so its send
+completes at once; a large message's buffers are referenced until the transport
+releases them, and its send completes only then. When the link pushes back (high-water
+mark), flushing pauses until the socket is writable, and new sends wait (backpressure:
+nothing is dropped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from typing import Any, Callable
+
+import zmq
+
+from . import wire
+from .errors import ClosedError, PeerLostError
+from .info import WorkerInfo
+from .stats import Counters
+
+__all__ = ["OutMessage", "Outbox", "SMALL_MESSAGE", "split_frames"]
+
+#: Messages below this many payload bytes are copied and coalesced.
+SMALL_MESSAGE = 1 << 20
+_BATCH_BYTES = 1 << 20
+_BATCH_COUNT = 4096
+
+
+def split_frames(buffers: list[Any]) -> tuple[list[Any], list[int], int]:
+    """Cut buffers into frames of at most ``wire.MAX_FRAME`` bytes (views, no copy).
+
+    Returns:
+        ``(frames, frame_counts, total_bytes)``.
+    """
+    frames, counts, total = [], [], 0
+    for buf in buffers:
+        mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+        n = mv.nbytes
+        total += n
+        if n <= wire.MAX_FRAME:
+            frames.append(mv)
+            counts.append(1)
+        else:
+            if mv.format != "B" or mv.ndim != 1:
+                mv = mv.cast("B")
+            pieces = range(0, n, wire.MAX_FRAME)
+            frames.extend(mv[i:i + wire.MAX_FRAME] for i in pieces)
+            counts.append(len(pieces))
+    return frames, counts, total
+
+
+class OutMessage:
+    """One queued message. ``future`` is None for fire-and-forget small sends."""
+
+    __slots__ = ("entry", "frames", "nbytes", "future", "large", "started")
+
+    def __init__(self, entry: list, frames: list, nbytes: int, future: asyncio.Future | None, large: bool) -> None:
+        self.entry = entry
+        self.frames = frames
+        self.nbytes = nbytes
+        self.future = future
+        self.large = large
+        self.started = time.perf_counter()
+
+
+class Outbox:
+    """Queue and link of one destination (loop thread only).
+
+    Args:
+        address: the destination's address.
+        header_prefix: ``(src, incarnation)`` of the sender, packed into every header.
+        counters: the communicator's traffic counters.
+    """
+
+    def __init__(self, address: str, header_prefix: tuple[str, str], counters: Counters) -> None:
+        self.address = address
+        self.info: WorkerInfo | None = None
+        self.link = None
+        self.queue: collections.deque[OutMessage] = collections.deque()
+        self.error: BaseException | None = None
+        self.resolving: asyncio.Task | None = None
+        self._src, self._incarnation = header_prefix
+        self._counters = counters
+        self._scheduled = False
+        self._blocked = False
+        self._batched = 0
+
+    def __repr__(self) -> str:
+        state = "lost" if self.error else ("connected" if self.link else "resolving")
+        return f"<Outbox {self.address} {state} queued={len(self.queue)}>"
+
+    @property
+    def ready(self) -> bool:
+        """True when a small send can complete at once (connected, not pushed back)."""
+        return self.link is not None and not self._blocked and self.error is None
+
+    def put(self, msg: OutMessage, loop: asyncio.AbstractEventLoop) -> None:
+        """Queue ``msg``; flush now when the pending batch is full, else this iteration."""
+        if self.error is not None:
+            raise self.error
+        self.queue.append(msg)
+        if msg.large:
+            self._batched = _BATCH_BYTES
+        else:
+            self._batched += msg.nbytes + 64
+        if self._batched >= _BATCH_BYTES or len(self.queue) >= _BATCH_COUNT:
+            self.flush()
+        elif not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self.flush)
+
+    def attach(self, link, info: WorkerInfo) -> None:
+        """Use ``link`` from now on and send what waited for it."""
+        self.link, self.info, self.resolving = link, info, None
+        self.flush()
+
+    def flush(self) -> None:
+        """Send queued messages in order, as far as the link accepts them without blocking."""
+        self._scheduled = False
+        self._batched = 0
+        link, queue = self.link, self.queue
+        if link is None or self._blocked or self.error is not None:
+            return
+        while queue:
+            head = queue[0]
+            if head.future is not None and head.future.cancelled():   # timed out while queued
+                queue.popleft()
+                continue
+            if head.large:
+                batch = [head]
+            else:
+                batch, size = [], 0
+                for msg in queue:
+                    if msg.large or size >= _BATCH_BYTES or len(batch) >= _BATCH_COUNT:
+                        break
+                    if msg.future is None or not msg.future.cancelled():
+                        batch.append(msg)
+                        size += msg.nbytes
+            header = wire.pack_header(self._src, self._incarnation, [m.entry for m in batch])
+            frames = [header]
+            for msg in batch:
+                frames.extend(msg.frames)
+            try:
+                tracker = link.try_send(frames, track=head.large)
+            except zmq.Again:
+                self._blocked = True
+                asyncio.get_running_loop().create_task(self._wait_writable())
+                return
+            except PeerLostError as exc:
+                self.fail(exc)
+                return
+            sent = 0
+            while sent < len(batch):
+                msg = queue.popleft()
+                if msg is batch[sent]:
+                    sent += 1
+                    self._counters.sent(self.address, msg.nbytes)
+                    if not msg.large:
+                        self._complete(msg)
+            if head.large:
+                asyncio.get_running_loop().create_task(self._await_release(link, tracker, head))
+
+    def _complete(self, msg: OutMessage) -> None:
+        if msg.future is not None and not msg.future.done():
+            msg.future.set_result(None)
+        self._counters.latency(self.address, time.perf_counter() - msg.started)
+
+    async def _await_release(self, link, tracker, msg: OutMessage) -> None:
+        await link.released(tracker)
+        msg.frames = []
+        self._complete(msg)
+
+    async def _wait_writable(self) -> None:
+        try:
+            await self.link.wait_writable()
+        except (ClosedError, PeerLostError) as exc:
+            self.fail(exc)
+            return
+        self._blocked = False
+        self.flush()
+
+    def fail(self, exc: BaseException) -> None:
+        """Fail every queued send with ``exc`` and refuse new ones until :meth:`reset`."""
+        self.error = exc
+        while self.queue:
+            msg = self.queue.popleft()
+            if msg.future is not None and not msg.future.done():
+                msg.future.set_exception(exc)
+        if self.resolving is not None:
+            self.resolving.cancel()
+            self.resolving = None
+        if self.link is not None:
+            self.link.close(exc if isinstance(exc, PeerLostError) else None)
+            self.link = None
+
+    def close(self, linger_ms: int, exc: BaseException) -> None:
+        """Graceful close: flushed frames still go out for up to ``linger_ms``."""
+        if self.link is not None:
+            self.link.close_gracefully(linger_ms)
+            self.link = None
+        self.fail(exc)

@@ -1,0 +1,128 @@
+"""Traffic counters and their frozen snapshots (``comm.stats()``).
+
+Counting is a few integer additions on the hot path; percentiles are computed only when
+a snapshot is taken, from a bounded window of recent send latencies.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+__all__ = ["PeerStats", "TransportStats", "CommStats", "Counters"]
+
+_WINDOW = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class PeerStats:
+    """Traffic with one peer. Latencies are send-call-to-completion times, in seconds."""
+
+    msgs_out: int = 0
+    bytes_out: int = 0
+    msgs_in: int = 0
+    bytes_in: int = 0
+    latency_p50: float | None = None
+    latency_p99: float | None = None
+    connected: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TransportStats:
+    """Traffic per transport ("zmq", "shm", ...)."""
+
+    msgs: int = 0
+    bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CommStats:
+    """A snapshot of one communicator's traffic (see ``Communicator.stats``)."""
+
+    address: str
+    uptime: float
+    peers: dict[str, PeerStats] = field(default_factory=dict)
+    transports: dict[str, TransportStats] = field(default_factory=dict)
+    connections: int = 0
+    dropped_frames: int = 0
+
+    @property
+    def msgs_out(self) -> int:
+        return sum(p.msgs_out for p in self.peers.values())
+
+    @property
+    def msgs_in(self) -> int:
+        return sum(p.msgs_in for p in self.peers.values())
+
+    @property
+    def bytes_out(self) -> int:
+        return sum(p.bytes_out for p in self.peers.values())
+
+    @property
+    def bytes_in(self) -> int:
+        return sum(p.bytes_in for p in self.peers.values())
+
+    def to_dict(self) -> dict:
+        return {
+            "address": self.address, "uptime": self.uptime, "connections": self.connections,
+            "dropped_frames": self.dropped_frames,
+            "msgs_out": self.msgs_out, "msgs_in": self.msgs_in,
+            "bytes_out": self.bytes_out, "bytes_in": self.bytes_in,
+            "transports": {k: {"msgs": v.msgs, "bytes": v.bytes} for k, v in self.transports.items()},
+        }
+
+    def __str__(self) -> str:
+        lines = [f"CommStats {self.address}: {self.connections} connections, up {self.uptime:.1f} s"]
+        for peer, s in sorted(self.peers.items()):
+            lat = f" p50={s.latency_p50 * 1e6:.0f}us p99={s.latency_p99 * 1e6:.0f}us" if s.latency_p50 else ""
+            lines.append(f"  {peer:<20} out {s.msgs_out} msgs/{s.bytes_out} B  in {s.msgs_in} msgs/{s.bytes_in} B{lat}")
+        for name, t in sorted(self.transports.items()):
+            lines.append(f"  via {name:<8} {t.msgs} msgs/{t.bytes} B")
+        return "\n".join(lines)
+
+
+class _Peer:
+    __slots__ = ("msgs_out", "bytes_out", "msgs_in", "bytes_in", "latencies")
+
+    def __init__(self) -> None:
+        self.msgs_out = self.bytes_out = self.msgs_in = self.bytes_in = 0
+        self.latencies: collections.deque[float] = collections.deque(maxlen=_WINDOW)
+
+
+class Counters:
+    """Mutable counters owned by one communicator (loop thread only)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.started = time.monotonic()
+        self.peers: dict[str, _Peer] = collections.defaultdict(_Peer)
+        self.transports: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+        self.dropped_frames = 0
+
+    def sent(self, peer: str, nbytes: int, transport: str = "zmq") -> None:
+        p = self.peers[peer]
+        p.msgs_out += 1
+        p.bytes_out += nbytes
+        t = self.transports[transport]
+        t[0] += 1
+        t[1] += nbytes
+
+    def received(self, peer: str, nbytes: int) -> None:
+        p = self.peers[peer]
+        p.msgs_in += 1
+        p.bytes_in += nbytes
+
+    def latency(self, peer: str, seconds: float) -> None:
+        self.peers[peer].latencies.append(seconds)
+
+    def snapshot(self, connected: set[str]) -> CommStats:
+        peers = {}
+        for name, p in self.peers.items():
+            lat = sorted(p.latencies)
+            p50 = lat[len(lat) // 2] if lat else None
+            p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None
+            peers[name] = PeerStats(p.msgs_out, p.bytes_out, p.msgs_in, p.bytes_in, p50, p99, name in connected)
+        transports = {k: TransportStats(v[0], v[1]) for k, v in self.transports.items()}
+        return CommStats(self.address, time.monotonic() - self.started, peers, transports,
+                         len(connected), self.dropped_frames)

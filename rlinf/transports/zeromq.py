@@ -1,0 +1,324 @@
+"""ZeroMQ transport: ``ipc://`` on one node, ``tcp://`` across nodes.
+
+Sockets are plain (blocking-API) pyzmq sockets driven by the event loop through their
+file descriptor (``loop.add_reader``), not ``zmq.asyncio``: it saves a future and a
+callback per message on the hot path.
+
+Listener: one ROUTER per scheme (the ``ipc`` one authenticated by PLAIN in a ``0700``
+directory, the ``tcp`` one by CURVE, encrypted unless ``RLINF_TCP_ENCRYPTION=0``).
+Link: one DEALER per peer whose routing id is the sender's identity.
+
+Buffer lifetime: frames under ``zmq.COPY_THRESHOLD`` (64 KiB) are copied at once; larger
+frames are sent zero-copy and :meth:`ZmqLink.send` returns only once libzmq released
+them (ZeroMQ message tracking). Received frames are ``zmq.Frame`` buffers owned by the
+receiver (writable), valid while referenced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any, Callable, Sequence
+
+import zmq
+
+from ..errors import ClosedError, PeerLostError, TransportUnavailableError
+from ..security import ClusterKeys
+from .base import Link, Listener, Received, Transport
+
+__all__ = ["ZmqTransport", "ZmqLink", "ZmqListener", "make_ipc_dir"]
+
+log = logging.getLogger("rlinf.transports.zeromq")
+
+#: Frame sets read per loop callback before yielding to other tasks (fairness).
+_READ_BUDGET = 512
+_SNDHWM = 4096
+_RCVHWM = 4096
+_SOCKET_BUFFER = 4 << 20
+
+
+def make_ipc_dir() -> str:
+    """A short private directory for socket files (AF_UNIX paths max 107 bytes)."""
+    path = tempfile.mkdtemp(prefix="rlinf-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    os.chmod(path, 0o700)
+    return path
+
+
+def _nbytes(frame: Any) -> int:
+    if isinstance(frame, (bytes, bytearray)):
+        return len(frame)
+    return memoryview(frame).nbytes
+
+
+class ZmqListener(Listener):
+    """ROUTER sockets bound on ``ipc://`` and/or ``tcp://``; see the module docstring."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sockets: list[zmq.Socket],
+                 endpoints: dict[str, str], ipc_dir: str | None) -> None:
+        self.endpoints = endpoints
+        self._loop = loop
+        self._sockets = sockets
+        self._ipc_dir = ipc_dir
+        self._handler: Callable[[Received], None] | None = None
+        self._queue: collections.deque[Received] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self._closed = False
+        for sock in sockets:
+            loop.add_reader(sock.FD, self._on_readable, sock)
+
+    def set_handler(self, handler: Callable[[Received], None]) -> None:
+        self._handler = handler
+        for sock in self._sockets:
+            self._loop.call_soon(self._on_readable, sock)
+
+    async def recv(self) -> Received:
+        """Next frame set, for callers that did not set a handler (tests, tools)."""
+        while not self._queue:
+            if self._closed:
+                raise ClosedError("listener is closed")
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._queue.popleft()
+
+    def _deliver(self, received: Received) -> None:
+        if self._handler is not None:
+            self._handler(received)
+            return
+        self._queue.append(received)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _on_readable(self, sock: zmq.Socket) -> None:
+        if self._closed or sock.closed:
+            return
+        for _ in range(_READ_BUDGET):
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:
+                if self._closed:
+                    return
+                log.error("rlinf: data socket read failed: %s", exc)
+                return
+            if len(parts) < 2:
+                log.warning("rlinf: dropped a frame set without a header")
+                continue
+            self._deliver(Received(parts[0].bytes, parts[1].bytes, [p.buffer for p in parts[2:]]))
+        # Budget spent with more waiting: continue after other ready callbacks ran.
+        self._loop.call_soon(self._on_readable, sock)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for sock in self._sockets:
+            if not sock.closed:
+                try:
+                    self._loop.remove_reader(sock.FD)
+                except (ValueError, OSError, RuntimeError):
+                    pass
+                sock.close(0)
+        if self._ipc_dir:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(ClosedError("listener is closed"))
+
+
+class ZmqLink(Link):
+    """A DEALER connected to one peer; see the module docstring for buffer lifetimes.
+
+    The primitive is :meth:`try_send` (never blocks: raises ``zmq.Again`` at the
+    high-water mark); :meth:`wait_writable` and :meth:`released` let a caller queue and
+    track without threads. :meth:`send` composes them (the transport contract).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self._loop = loop
+        self._sock = sock
+        self._writable: asyncio.Future | None = None
+        self._closed: BaseException | None = None
+
+    def __repr__(self) -> str:
+        return f"<ZmqLink {self.endpoint}{' closed' if self._closed else ''}>"
+
+    def try_send(self, frames: list, *, track: bool = False) -> zmq.MessageTracker | None:
+        """Queue ``frames`` as one multipart message without blocking.
+
+        Frames of 64 KiB and more are sent zero-copy when ``track`` is true: keep them
+        unchanged until :meth:`released` returns for the returned tracker.
+
+        Raises:
+            zmq.Again: the high-water mark is reached; wait with :meth:`wait_writable`.
+            ClosedError / PeerLostError: the link is closed or broke.
+        """
+        if self._closed is not None:
+            raise self._closed
+        try:
+            return self._sock.send_multipart(frames, zmq.NOBLOCK, copy=not track, track=track)
+        except zmq.Again:
+            raise
+        except zmq.ZMQError as exc:
+            raise PeerLostError(f"send to {self.endpoint} failed: {exc}") from exc
+
+    async def wait_writable(self) -> None:
+        """Wait until the socket accepts another message (or the link closes)."""
+        if self._closed is not None:
+            raise self._closed
+        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+            return
+        if self._writable is None or self._writable.done():
+            self._writable = self._loop.create_future()
+            self._loop.add_reader(self._sock.FD, self._check_writable)
+            self._poll_writable()
+        try:
+            await asyncio.shield(self._writable)
+        finally:
+            if self._writable is not None and self._writable.done() and not self._sock.closed:
+                try:
+                    self._loop.remove_reader(self._sock.FD)
+                except (ValueError, OSError, RuntimeError):
+                    pass
+
+    def _poll_writable(self) -> None:
+        # Edge-triggered ZeroMQ FDs can miss a wake-up: re-check while waiting.
+        if self._writable is not None and not self._writable.done():
+            self._check_writable()
+            self._loop.call_later(0.02, self._poll_writable)
+
+    def _check_writable(self) -> None:
+        fut = self._writable
+        if fut is None or fut.done() or self._sock.closed:
+            return
+        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+            fut.set_result(None)
+
+    async def released(self, tracker: zmq.MessageTracker | None) -> None:
+        """Wait until libzmq released the zero-copy frames of ``tracker``.
+
+        libzmq signals release on its own thread; we poll with a short backoff so the
+        loop never blocks and the wait stays cancellable.
+        """
+        delay = 0.0
+        while tracker is not None and not tracker.done:
+            if self._closed is not None and self._sock.closed:
+                return  # closed with linger 0: libzmq dropped (and released) the frames
+            await asyncio.sleep(delay)
+            delay = min(max(delay * 2, 5e-5), 2e-3)
+
+    async def send(self, header: bytes, buffers: Sequence[Any]) -> None:
+        frames = [header, *buffers]
+        track = any(_nbytes(f) >= zmq.COPY_THRESHOLD for f in buffers)
+        while True:
+            try:
+                tracker = self.try_send(frames, track=track)
+                break
+            except zmq.Again:
+                await self.wait_writable()
+        await self.released(tracker)
+
+    def close(self, exc: BaseException | None = None) -> None:
+        """Close now (linger 0); waiters fail with ``exc`` (default ``ClosedError``)."""
+        self.close_gracefully(0, exc)
+
+    def close_gracefully(self, linger_ms: int, exc: BaseException | None = None) -> None:
+        """Close, letting already queued frames go out for up to ``linger_ms``."""
+        if self._closed is None:
+            self._closed = exc or ClosedError(f"link to {self.endpoint} is closed")
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_exception(self._closed)
+            self._writable.exception()
+        if not self._sock.closed:
+            try:
+                self._loop.remove_reader(self._sock.FD)
+            except (ValueError, OSError, RuntimeError):
+                pass
+            self._sock.close(linger_ms)
+
+
+class ZmqTransport(Transport):
+    """Factory for ZeroMQ listeners and links sharing one context and one key set.
+
+    Args:
+        context: the process's (communicator's) ZeroMQ context.
+        keys: the cluster's derived keys.
+        tcp_host: interface to bind the TCP listener on (``None``: no TCP listener).
+        advertise_host: address peers should dial for TCP (default ``tcp_host``).
+        ipc: bind an ``ipc://`` listener too.
+        encrypt_tcp: CURVE-encrypt TCP traffic (else PLAIN authentication only).
+    """
+
+    name = "zmq"
+
+    def __init__(self, context: zmq.Context, keys: ClusterKeys, *, tcp_host: str | None = "127.0.0.1",
+                 advertise_host: str | None = None, ipc: bool = True, encrypt_tcp: bool = True) -> None:
+        self._context = context
+        self._keys = keys
+        self._tcp_host = tcp_host
+        self._advertise = advertise_host or tcp_host
+        self._ipc = ipc
+        self._encrypt_tcp = encrypt_tcp
+
+    @classmethod
+    def available(cls) -> bool:
+        return True
+
+    def _router(self, encrypt: bool) -> zmq.Socket:
+        sock = self._context.socket(zmq.ROUTER)
+        sock.linger = 0
+        sock.rcvhwm = _RCVHWM
+        sock.rcvbuf = _SOCKET_BUFFER
+        self._keys.secure_server(sock, encrypt=encrypt)
+        return sock
+
+    async def listen(self) -> ZmqListener:
+        loop = asyncio.get_running_loop()
+        sockets, endpoints, ipc_dir = [], {}, None
+        try:
+            if self._ipc:
+                ipc_dir = make_ipc_dir()
+                sock = self._router(encrypt=False)
+                sockets.append(sock)
+                sock.bind(f"ipc://{ipc_dir}/d")
+                endpoints["ipc"] = f"ipc://{ipc_dir}/d"
+            if self._tcp_host:
+                sock = self._router(encrypt=self._encrypt_tcp)
+                sockets.append(sock)
+                sock.bind(f"tcp://{self._tcp_host}:0")
+                port = sock.last_endpoint.decode().rsplit(":", 1)[1]
+                endpoints["tcp"] = f"tcp://{self._advertise}:{port}"
+        except zmq.ZMQError as exc:
+            for sock in sockets:
+                sock.close(0)
+            if ipc_dir:
+                shutil.rmtree(ipc_dir, ignore_errors=True)
+            raise TransportUnavailableError(f"cannot bind data sockets: {exc}") from exc
+        return ZmqListener(loop, sockets, endpoints, ipc_dir)
+
+    async def connect(self, endpoint: str, *, identity: bytes) -> ZmqLink:
+        return self.connect_now(endpoint, identity=identity)
+
+    def connect_now(self, endpoint: str, *, identity: bytes) -> ZmqLink:
+        """Synchronous :meth:`connect` (ZeroMQ connects in the background anyway)."""
+        sock = self._context.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.sndhwm = _SNDHWM
+        sock.sndbuf = _SOCKET_BUFFER
+        sock.routing_id = identity
+        sock.immediate = False
+        encrypt = endpoint.startswith("tcp://") and self._encrypt_tcp
+        self._keys.secure_client(sock, encrypt=encrypt)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise PeerLostError(f"cannot connect to {endpoint}: {exc}") from exc
+        return ZmqLink(asyncio.get_running_loop(), sock, endpoint)

@@ -1,0 +1,216 @@
+"""Point-to-point messaging between real processes over real sockets (loopback only)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import rlinf
+
+from . import workers
+
+pytestmark = pytest.mark.multiproc
+
+
+@dataclasses.dataclass
+class Batch:
+    obs: torch.Tensor
+    meta: dict
+
+
+def _nested():
+    return {
+        "obs": torch.arange(12, dtype=torch.float32).reshape(3, 4).t(),      # non-contiguous
+        "bf": torch.ones(5, dtype=torch.bfloat16),
+        "arr": np.arange(10, dtype=">i4"),
+        "batch": Batch(torch.zeros(2, 2), {"ep": [1, 2, (3, "x")], 4: None}),
+        "big": np.random.default_rng(0).random(300_000),                       # ~2.3 MiB: large path
+        "s": "text", "b": b"\x00\x01", "f": 1.5, "i": 2**70,
+    }
+
+
+def _assert_same(a, b):
+    assert type(a) is type(b) or (isinstance(a, np.ndarray) and isinstance(b, np.ndarray))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same(x, y)
+    elif dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            _assert_same(getattr(a, f.name), getattr(b, f.name))
+    else:
+        assert a == b
+
+
+async def test_nested_round_trip(cluster, driver):
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers.echo, "echo", 1, args=("driver:0", 2))
+        obj = _nested()
+        for _ in range(2):
+            await driver.send(obj, "echo:0")
+            back = await driver.recv("echo:0")
+            _assert_same(obj, back)
+        back["obs"] += 1          # received arrays are writable
+        back["big"][0] = -1.0
+        assert await group.join() == [2]
+
+
+async def test_ordered_messages_per_source_and_tag(cluster, driver):
+    n = 10_000
+    async with asyncio.timeout(90):
+        group = await cluster.spawn(workers.send_range, "src", 1, args=("driver:0", n, 3))
+        got = [await driver.recv("src:0", tag=3) for _ in range(n)]
+        assert got == list(range(n))
+        await driver.send("ack", "src:0", tag=999)
+        assert await group.join() == ["ack"]
+
+
+async def test_many_senders_one_receiver_and_recv_any(cluster, driver):
+    n, senders = 300, 4
+    async with asyncio.timeout(90):
+        group = await cluster.spawn(workers.send_range, "s", senders, args=("driver:0", n, 5))
+        seen: dict[str, list[int]] = {a: [] for a in group.addresses}
+        for _ in range(n * senders):
+            value, src = await driver.recv_any(tag=5)
+            seen[src].append(value)
+        for src, values in seen.items():
+            assert values == list(range(n)), src
+        for address in group.addresses:
+            await driver.send("ack", address, tag=999)
+        assert await group.join() == ["ack"] * senders
+
+
+async def test_tags_are_separate_queues(driver):
+    async with asyncio.timeout(10):
+        await driver.send("a", "driver:0", tag=1)
+        await driver.send("b", "driver:0", tag=2)
+        assert await driver.recv("driver:0", tag=2) == "b"
+        assert await driver.recv("driver:0", tag=1) == "a"
+
+
+async def test_work_semantics(cluster, driver):
+    async with asyncio.timeout(30):
+        group = await cluster.spawn(workers.echo, "w", 1, args=("driver:0", 3))
+        recv_work = driver.async_recv("w:0")
+        assert not recv_work.done()
+        send_works = [driver.async_send(i, "w:0") for i in range(3)]
+        for w in send_works:
+            assert await w is None
+        assert await recv_work == 0
+        assert recv_work.done() and recv_work.result() == 0 and recv_work.exception() is None
+        assert [await driver.recv("w:0"), await driver.recv("w:0")] == [1, 2]
+        await group.join()
+        # wait()/result() from another thread while the loop runs
+        w = driver.async_recv("driver:0", tag=4)
+        fut = asyncio.get_running_loop().run_in_executor(None, w.result, 10.0)
+        await driver.send("threaded", "driver:0", tag=4)
+        assert await fut == "threaded"
+        with pytest.raises(RuntimeError):
+            w.wait()                   # on the loop thread: refuse to block it
+
+
+async def test_cancelled_recv_loses_nothing(driver):
+    async with asyncio.timeout(20):
+        for i in range(200):
+            work = driver.async_recv("driver:0", tag=11)
+            if i % 2:
+                await asyncio.sleep(0)
+            driver.async_send(i, "driver:0", tag=11)
+            work.cancel()
+            await asyncio.sleep(0)
+            if not work.done() or work._future.cancelled():
+                continue
+            assert work.result() == i
+            await driver.send(i, "driver:0", tag=12)   # mark consumed
+        # Every message either reached the cancelled recv (and was marked) or is still queued.
+        queued = []
+        while True:
+            try:
+                queued.append(await driver.recv("driver:0", tag=11, timeout=0.2))
+            except rlinf.CommTimeoutError:
+                break
+        consumed = []
+        while True:
+            try:
+                consumed.append(await driver.recv("driver:0", tag=12, timeout=0.2))
+            except rlinf.CommTimeoutError:
+                break
+        assert sorted(queued + consumed) == list(range(200))
+
+
+async def test_recv_timeout(driver):
+    async with asyncio.timeout(10):
+        t0 = time.monotonic()
+        with pytest.raises(rlinf.CommTimeoutError) as info:
+            await driver.recv("nobody:0", timeout=0.3)
+        assert isinstance(info.value, TimeoutError)
+        assert 0.25 < time.monotonic() - t0 < 3
+
+
+async def test_killed_peer_fails_pending_ops_fast(cluster, driver):
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers.idle, "victim", 2)
+        for _ in range(2):
+            await driver.recv_any(tag=7)
+        pending = driver.async_recv("victim:0")
+        t0 = time.monotonic()
+        os.kill(group.pids[0], 9)
+        with pytest.raises(rlinf.PeerLostError):
+            await pending
+        assert time.monotonic() - t0 < 3.0
+        with pytest.raises(rlinf.PeerLostError):
+            await driver.send("x", "victim:0")
+        # the survivor still works
+        await driver.send("still here", "victim:1")
+        assert "victim:1" in {p.address for p in await driver.peers()}
+
+
+async def test_late_joiner_is_reachable(cluster, driver):
+    async with asyncio.timeout(60):
+        send = driver.async_send({"hello": 1}, "late:0")     # not registered yet: waits
+        assert not send.done()
+        group = await cluster.spawn(workers.late_joiner, "late", 1)
+        await send
+        assert await driver.recv("late:0") == ("late", {"hello": 1})
+        assert await group.join() == ["ok"]
+
+
+async def test_wrong_token_is_rejected(cluster):
+    async with asyncio.timeout(30):
+        intruder = rlinf.connect("intruder:0", manager=cluster.manager_address, token="not-the-token",
+                                 connect_timeout=10)
+        with pytest.raises(rlinf.AuthenticationError):
+            await intruder.start()
+        assert "intruder:0" not in {w.address for w in cluster.manager.roster()}
+
+
+async def test_worker_failure_carries_traceback(cluster):
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers.raise_error, "bad", 1, args=("kaboom",))
+        with pytest.raises(rlinf.WorkerFailedError) as info:
+            await group.join()
+        assert "kaboom" in str(info.value) and info.value.address == "bad:0"
+
+
+async def test_worker_class_calls(cluster):
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers.Counter, "ctr", 3, kwargs={"start": 10})
+        assert await group.call("add", 1) == [11, 12, 13]
+        assert await group.call("where", ranks=[2]) == [("ctr:2", 2, 3)]
+        with pytest.raises(rlinf.WorkerFailedError, match="boom from a method"):
+            await group.call("fail")
+        assert await group.join() == [None, None, None]

@@ -1,0 +1,59 @@
+"""Module-level worker targets for the integration tests (the spawn context imports them)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import rlinf
+
+
+async def echo(comm, peer: str, n: int, tag: int = 0):
+    """Receive ``n`` messages from ``peer`` and send each back."""
+    for _ in range(n):
+        obj = await comm.recv(peer, tag=tag, timeout=60)
+        await comm.send(obj, peer, tag=tag, timeout=60)
+    return n
+
+
+async def send_range(comm, dst: str, n: int, tag: int = 0):
+    """Send 0..n-1 to ``dst`` with ``tag``, then wait for an ack (tag -1)."""
+    for i in range(n):
+        await comm.send(i, dst, tag=tag, timeout=60)
+    return await comm.recv(dst, tag=999, timeout=60)
+
+
+async def idle(comm):
+    """Wait until stopped or killed; tell the driver we are up first."""
+    await comm.send("up", "driver:0", tag=7, timeout=60)
+    await asyncio.Event().wait()
+
+
+async def raise_error(comm, message: str):
+    raise RuntimeError(message)
+
+
+async def late_joiner(comm):
+    obj = await comm.recv("driver:0", timeout=60)
+    await comm.send(("late", obj), "driver:0", timeout=60)
+    return "ok"
+
+
+class Counter(rlinf.Worker):
+    """A Worker with state, a sync and an async method."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.value = start
+
+    async def setup(self) -> None:
+        self.value += self.rank
+
+    def add(self, k: int) -> int:
+        self.value += k
+        return self.value
+
+    async def where(self) -> tuple[str, int, int]:
+        await asyncio.sleep(0)
+        return self.address, self.rank, self.world_size
+
+    def fail(self) -> None:
+        raise ValueError("boom from a method")
