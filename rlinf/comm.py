@@ -39,6 +39,8 @@ __all__ = ["Communicator", "connect"]
 log = logging.getLogger("rlinf.comm")
 
 _GRACEFUL_LINGER_MS = 2000
+#: How long a "left" peer that sent us data may take to deliver its in-order "bye".
+_BYE_GRACE = 2.0
 
 
 def _check_tag(tag: Any) -> None:
@@ -96,6 +98,7 @@ class Communicator:
         self._outboxes: dict[str, Outbox] = {}
         self._mailbox = Mailbox()
         self._dead: set[tuple[str, str]] = set()
+        self._inbound: set[tuple[str, str]] = set()   # incarnations that sent us data
         self._subscribers: list[asyncio.Queue] = []
         self._counters = Counters(address)
         self._identity = f"{address}|{self.incarnation}".encode()
@@ -170,6 +173,8 @@ class Communicator:
     async def _teardown(self, *, deregister: bool) -> None:
         error = self._closed or ClosedError(f"communicator {self.address} failed to start")
         self._closed = error
+        if deregister:
+            self._say_bye()
         try:
             control_client = getattr(self, "_control", None)
             if control_client is not None:
@@ -181,6 +186,9 @@ class Communicator:
             self._mailbox.close(error)
             for queue in self._subscribers:
                 queue.put_nowait(None)
+            transport = getattr(self, "_transport", None)
+            if transport is not None:
+                transport.close()
             listener = getattr(self, "_listener", None)
             if listener is not None:
                 listener.close()
@@ -191,6 +199,14 @@ class Communicator:
                 context, self._context = self._context, None
                 # term() waits for lingering frames; keep the loop free meanwhile.
                 await asyncio.get_running_loop().run_in_executor(None, context.term)
+
+    def _say_bye(self) -> None:
+        """Queue a SYSTEM "bye" behind the data on every open link: it tells each peer,
+        in order with our last messages, that we left (the manager's "left" event travels
+        another socket and may overtake them)."""
+        for outbox in self._outboxes.values():
+            if outbox.link is not None and outbox.error is None:
+                outbox.put(OutMessage([wire.SYSTEM, "bye", b"", []], [], 0, None, False), self._loop)
 
     def _check_open(self) -> None:
         if self._closed is not None:
@@ -372,6 +388,7 @@ class Communicator:
         if (src, incarnation) in self._dead:
             self._counters.dropped_frames += 1
             return
+        self._inbound.add((src, incarnation))
         i = 0
         for entry in entries:
             buffers, nbytes = [], 0
@@ -383,6 +400,8 @@ class Communicator:
             self._counters.received(src, nbytes)
             if entry.kind == wire.USER:
                 self._mailbox.deliver(Message(src, incarnation, entry.tag, entry.codec_header, buffers, 0, nbytes))
+            elif entry.tag == "bye":
+                self._peer_gone(src, incarnation, "left")
 
     # -- membership --------------------------------------------------------------------
     def _on_event(self, event: MembershipEvent) -> None:
@@ -402,15 +421,31 @@ class Communicator:
             if info is not None and event.incarnation and info.incarnation != event.incarnation:
                 return   # an older incarnation went away; the current one is fine
             self._roster.pop(event.address, None)
-            self._dead.add((event.address, event.incarnation))
-            error = PeerLostError(f"{event.address} {'left' if event.kind == 'left' else 'was lost'}",
-                                  peer=event.address)
-            self._mailbox.peer_lost(event.address, error)
-            outbox = self._outboxes.get(event.address)
-            if outbox is not None:
-                outbox.fail(error)
+            key = (event.address, event.incarnation)
+            if event.kind == "left" and key in self._inbound:
+                # Its last messages may still be in flight on the data socket; its "bye"
+                # follows them. Fall back to the event if the bye never comes.
+                self._loop.call_later(_BYE_GRACE, self._peer_gone, event.address, event.incarnation, "left")
+            else:
+                self._peer_gone(event.address, event.incarnation, event.kind)
         for queue in self._subscribers:
             queue.put_nowait(event)
+
+    def _peer_gone(self, address: str, incarnation: str, kind: str) -> None:
+        """``address``'s ``incarnation`` is gone: fail what waits on it (idempotent)."""
+        key = (address, incarnation)
+        if key in self._dead or self._closed is not None:
+            return
+        self._dead.add(key)
+        self._inbound.discard(key)
+        current = self._roster.get(address)
+        if current is not None and current.incarnation != incarnation:
+            return   # a newer incarnation already joined
+        error = PeerLostError(f"{address} {'left' if kind == 'left' else 'was lost'}", peer=address)
+        self._mailbox.peer_lost(address, error)
+        outbox = self._outboxes.get(address)
+        if outbox is not None and (outbox.info is None or outbox.info.incarnation == incarnation):
+            outbox.fail(error)
 
     async def peers(self) -> list[WorkerInfo]:
         """The workers this communicator knows (its cached roster, without itself)."""

@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import socket
+import threading
 import time
 from typing import Any, Callable, Coroutine
 
@@ -125,7 +126,13 @@ class ControlClient:
         self._loop.add_reader(self._sock.FD, self._on_readable)
         self._loop.add_reader(self._monitor.FD, self._on_monitor)
         self._loop.call_soon(self._on_monitor)   # edge-triggered: drain what came before
-        self._heartbeat: asyncio.Task | None = None
+        self._context = context
+        self._keys = keys
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self._stats_task: asyncio.Task | None = None
+        self._reregistering = False
+        self.latest_stats: dict | None = None
         self._closed = False
         self.manager_reachable = False
 
@@ -164,8 +171,17 @@ class ControlClient:
         roster = [WorkerInfo.from_wire(w) for w in reply["roster"]]
         self._resync(roster, reply["version"])
         if self._heartbeat is None:
-            self._heartbeat = self._loop.create_task(self._heartbeat_loop())
+            self._heartbeat = threading.Thread(target=self._heartbeat_thread, name="rlinf-heartbeat",
+                                               args=(self._context, self._keys, self._stop), daemon=True)
+            self._heartbeat.start()
+            if self._stats is not None:
+                self._stats_task = self._loop.create_task(self._stats_loop())
         return roster
+
+    async def _stats_loop(self) -> None:
+        while True:
+            self.latest_stats = self._stats()
+            await asyncio.sleep(1.0)
 
     async def lookup(self, address: str, *, wait: bool, timeout: float | None) -> WorkerInfo | None:
         reply = await self.request("lookup", timeout=timeout, address=address, wait=wait)
@@ -201,11 +217,7 @@ class ControlClient:
             self._version = max(self._version, message.get("version", 0))
             self._apply(event)
         elif op == "heartbeat":
-            self.manager_reachable = True
-            if not message["known"]:
-                self._loop.create_task(self._reregister())
-            elif message["version"] != self._version:
-                self._loop.create_task(self._refresh())
+            self._on_heartbeat_reply(message)
 
     def _apply(self, event: MembershipEvent) -> None:
         if event.kind == "joined" and event.info is not None:
@@ -246,6 +258,8 @@ class ControlClient:
             log.info("rlinf: %s re-registered with the manager", self.info.address)
         except (CommTimeoutError, ClosedError) as exc:
             log.debug("rlinf: re-registration failed: %s", exc)
+        finally:
+            self._reregistering = False
 
     async def _refresh(self) -> None:
         try:
@@ -254,32 +268,67 @@ class ControlClient:
             return
         self._resync([WorkerInfo.from_wire(w) for w in reply["roster"]], reply["version"])
 
-    async def _heartbeat_loop(self) -> None:
+    def _heartbeat_thread(self, context: zmq.Context, keys: ClusterKeys, stop: threading.Event) -> None:
+        """Heartbeats come from a thread with its own socket, so a busy event loop (a long
+        import, a training step) does not make a live worker look dead. Replies that need
+        action are handed to the loop."""
+        sock = context.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.sndhwm = 4
+        sock.routing_id = f"{self.info.address}|{self.info.incarnation}|hb".encode()
+        keys.secure_client(sock)
+        sock.connect(self.manager)
         interval = heartbeat_interval()
         ident = {"op": "heartbeat", "address": self.info.address, "incarnation": self.info.incarnation}
         last_stats = 0.0
-        while not self._closed:
-            message = ident
-            now = time.monotonic()
-            if self._stats is not None and now - last_stats >= 1.0:
-                message = {**ident, "stats": self._stats()}
-                last_stats = now
-            try:
-                self._send(pack(message))
-            except zmq.Again:
-                pass  # manager away; the queue is full of heartbeats already
-            await asyncio.sleep(interval)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not stop.is_set():
+                message = ident
+                now = time.monotonic()
+                if self.latest_stats is not None and now - last_stats >= 1.0:
+                    message = {**ident, "stats": self.latest_stats}
+                    last_stats = now
+                try:
+                    sock.send(pack(message), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass   # manager away; heartbeats are already queued
+                deadline = time.monotonic() + interval
+                while (left := deadline - time.monotonic()) > 0 and not stop.is_set():
+                    if dict(poller.poll(left * 1000)).get(sock):
+                        try:
+                            reply = unpack(sock.recv(zmq.NOBLOCK))
+                        except (zmq.Again, ProtocolError):
+                            continue
+                        self._loop.call_soon_threadsafe(self._on_heartbeat_reply, reply)
+        finally:
+            sock.close(0)
+
+    def _on_heartbeat_reply(self, reply: dict[str, Any]) -> None:
+        if self._closed:
+            return
+        self.manager_reachable = True
+        if not reply.get("known"):
+            if not self._reregistering:
+                self._reregistering = True
+                self._loop.create_task(self._reregister())
+        elif reply.get("version") != self._version:
+            self._loop.create_task(self._refresh())
 
     async def close(self, *, deregister: bool = True) -> None:
         """Deregister (best effort, bounded) and close. Idempotent."""
         if self._closed:
             return
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
+        self._stop.set()
+        if self._stats_task is not None:
+            self._stats_task.cancel()
             try:
-                await self._heartbeat
+                await self._stats_task
             except asyncio.CancelledError:
                 pass
+        if self._heartbeat is not None:
+            await self._loop.run_in_executor(None, self._heartbeat.join, 2.0)
         if deregister and self.manager_reachable:
             try:
                 await self.request("deregister", timeout=1.0, address=self.info.address,

@@ -52,6 +52,10 @@ class Work(Generic[T]):
         """True once the operation finished (successfully, with an error, or cancelled)."""
         return self._future.done()
 
+    def cancelled(self) -> bool:
+        """True if the operation was cancelled before it completed."""
+        return self._future.cancelled()
+
     def cancel(self) -> bool:
         """Cancel the operation. A cancelled receive never loses a message.
 

@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from typing import Any, Callable, Sequence
 
 import zmq
@@ -132,6 +133,61 @@ class ZmqListener(Listener):
             self._waiter.set_exception(ClosedError("listener is closed"))
 
 
+class ReleaseWatcher:
+    """Turns ZeroMQ message trackers into asyncio futures, with one helper thread.
+
+    libzmq releases zero-copy frames on its own I/O thread and pyzmq exposes that only
+    as a blocking wait; polling from the loop would cost a timer tick (1 ms on uvloop)
+    per message. The thread waits on trackers in turn (briefly, so one stuck message
+    does not hold back others) and completes the futures on the loop.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def watch(self, tracker: zmq.MessageTracker) -> asyncio.Future:
+        fut = self._loop.create_future()
+        self._items.append((tracker, fut))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rlinf-release", daemon=True)
+            self._thread.start()
+        self._wake.set()
+        return fut
+
+    def _run(self) -> None:
+        items = self._items
+        while not self._stopped:
+            if not items:
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            tracker, fut = items.popleft()
+            try:
+                done = tracker.wait(0.01) is None or tracker.done
+            except zmq.NotDone:
+                done = False
+            if done:
+                self._loop.call_soon_threadsafe(_resolve, fut)
+            else:
+                items.append((tracker, fut))
+
+    def close(self) -> None:
+        """Stop the thread; futures of frames still held by libzmq complete now."""
+        self._stopped = True
+        self._wake.set()
+        while self._items:
+            _resolve(self._items.popleft()[1])
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class ZmqLink(Link):
     """A DEALER connected to one peer; see the module docstring for buffer lifetimes.
 
@@ -140,10 +196,12 @@ class ZmqLink(Link):
     track without threads. :meth:`send` composes them (the transport contract).
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket, endpoint: str) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket, endpoint: str,
+                 watcher: ReleaseWatcher) -> None:
         self.endpoint = endpoint
         self._loop = loop
         self._sock = sock
+        self._watcher = watcher
         self._writable: asyncio.Future | None = None
         self._closed: BaseException | None = None
 
@@ -202,17 +260,10 @@ class ZmqLink(Link):
             fut.set_result(None)
 
     async def released(self, tracker: zmq.MessageTracker | None) -> None:
-        """Wait until libzmq released the zero-copy frames of ``tracker``.
-
-        libzmq signals release on its own thread; we poll with a short backoff so the
-        loop never blocks and the wait stays cancellable.
-        """
-        delay = 0.0
-        while tracker is not None and not tracker.done:
-            if self._closed is not None and self._sock.closed:
-                return  # closed with linger 0: libzmq dropped (and released) the frames
-            await asyncio.sleep(delay)
-            delay = min(max(delay * 2, 5e-5), 2e-3)
+        """Wait until libzmq released the zero-copy frames of ``tracker``."""
+        if tracker is None or tracker.done:
+            return
+        await self._watcher.watch(tracker)
 
     async def send(self, header: bytes, buffers: Sequence[Any]) -> None:
         frames = [header, *buffers]
@@ -266,6 +317,7 @@ class ZmqTransport(Transport):
         self._advertise = advertise_host or tcp_host
         self._ipc = ipc
         self._encrypt_tcp = encrypt_tcp
+        self._watcher: ReleaseWatcher | None = None
 
     @classmethod
     def available(cls) -> bool:
@@ -321,4 +373,11 @@ class ZmqTransport(Transport):
         except zmq.ZMQError as exc:
             sock.close(0)
             raise PeerLostError(f"cannot connect to {endpoint}: {exc}") from exc
-        return ZmqLink(asyncio.get_running_loop(), sock, endpoint)
+        if self._watcher is None:
+            self._watcher = ReleaseWatcher(asyncio.get_running_loop())
+        return ZmqLink(asyncio.get_running_loop(), sock, endpoint, self._watcher)
+
+    def close(self) -> None:
+        """Stop the release watcher (after every link is closed)."""
+        if self._watcher is not None:
+            self._watcher.close()

@@ -1,0 +1,207 @@
+"""Structure-aware serializer: ``encode(obj) -> (header, buffers)``, ``decode(header, buffers)``.
+
+A message is one small msgpack *header* (the structure: containers, scalars, strings and,
+per array, its dtype, shape and device) plus a list of raw *buffers* with the array and
+tensor data, which a transport sends out of band without copying. See ``docs/codec.md``
+for the format, the supported types and the rules; in short:
+
+* Any nesting of dict / list / tuple / namedtuple / dataclass / set / None / bool / int /
+  float / complex / str / bytes / bytearray / memoryview / numpy arrays and scalars /
+  torch tensors (any dtype, CPU or GPU) / cupy arrays / enum members / datetime values.
+* Shared references are encoded by value: two references to one array arrive as two
+  arrays. A reference cycle raises :class:`~rlinf.errors.EncodeError`.
+* Unknown types: the codec's :class:`TypeRegistry`, else pickle protocol 5 with
+  out-of-band buffers if ``allow_pickle``, else ``EncodeError`` naming the path inside
+  the object, e.g. ``$["batch"]["obs"][3]``.
+* :meth:`Codec.decode` checks every size, count and depth against :class:`Limits` before
+  building anything and raises only :class:`~rlinf.errors.DecodeError`; with
+  ``allow_pickle=False`` it never unpickles and never imports a module.
+
+torch and cupy are imported only once an object or a message holds one of their types.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import msgpack
+
+from rlinf.codec import _decode, _encode
+from rlinf.codec._wire import (
+    MAGIC,
+    NATIVE,
+    PREFIX,
+    VERSION,
+    Fail,
+    Limits,
+    TypeRegistry,
+    buffer_nbytes,
+    fmt_path,
+    is_device_buffer,
+)
+from rlinf.errors import DecodeError, EncodeError
+
+__all__ = [
+    "Codec",
+    "Limits",
+    "TypeRegistry",
+    "encode",
+    "decode",
+    "buffer_nbytes",
+    "is_device_buffer",
+    "VERSION",
+]
+
+_packb = msgpack.packb
+_unpackb = msgpack.unpackb
+_pack_default = _encode.pack_default
+
+
+class Codec:
+    """Encodes objects to ``(header, buffers)`` and back. Build once, reuse, share freely.
+
+    Args:
+        allow_pickle: encode unknown types with pickle (protocol 5, out-of-band buffers)
+            and decode pickled nodes. Only for peers you trust: unpickling runs code.
+            When False, decoding never unpickles and never imports a module (classes of
+            namedtuples, dataclasses and enums must already be imported).
+        registry: encoders for extra types; copied at construction.
+        limits: bounds checked on decode (and on encode, so a sender fails first).
+
+    The codec is immutable after construction and safe to use from several threads.
+    """
+
+    __slots__ = ("_allow_pickle", "_limits", "_dispatch", "_reg_types", "_reg_dec", "_classes")
+
+    def __init__(self, *, allow_pickle: bool = True, registry: TypeRegistry | None = None,
+                 limits: Limits | None = None) -> None:
+        if not isinstance(allow_pickle, bool):
+            raise TypeError(f"allow_pickle must be a bool, got {allow_pickle!r}")
+        if registry is not None and not isinstance(registry, TypeRegistry):
+            raise TypeError(f"registry must be a TypeRegistry, got {type(registry).__name__}")
+        if limits is not None and not isinstance(limits, Limits):
+            raise TypeError(f"limits must be a Limits, got {type(limits).__name__}")
+        init = object.__setattr__
+        init(self, "_allow_pickle", allow_pickle)
+        init(self, "_limits", limits or Limits())
+        reg_types = dict(registry._by_type) if registry is not None else {}
+        init(self, "_reg_types", reg_types)
+        init(self, "_reg_dec", dict(registry._by_name) if registry is not None else {})
+        dispatch = {t: h for t, h in _encode.BUILTIN.items() if t not in reg_types}
+        init(self, "_dispatch", dispatch)  # type -> handler; a cache filled on first sight
+        init(self, "_classes", {})  # decode side: class path -> class / tag (a cache)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Codec is immutable")
+
+    @property
+    def allow_pickle(self) -> bool:
+        return self._allow_pickle
+
+    @property
+    def limits(self) -> Limits:
+        return self._limits
+
+    def __repr__(self) -> str:
+        return f"<Codec allow_pickle={self._allow_pickle} registered={len(self._reg_types)}>"
+
+    def encode(self, obj: Any) -> tuple[bytes, list]:
+        """Encode ``obj`` into a header and a list of buffers.
+
+        Returns:
+            ``(header, buffers)``. ``header`` is bytes. Each host entry of ``buffers`` is a
+            1-D C-contiguous ``memoryview`` of format ``"B"`` that points at the object's
+            own memory (nothing is copied except non-contiguous arrays, made contiguous
+            once) and keeps that memory alive. GPU tensors and cupy arrays appear as
+            themselves, flattened to uint8 on their device. Buffer lifetime: the buffers
+            alias the object, so do not modify its arrays until the buffers are sent.
+
+        Raises:
+            EncodeError: an unsupported type (with allow_pickle=False), a reference cycle,
+                nesting deeper than ``limits.max_depth``, or a size over the limits. Its
+                ``path`` names the place inside ``obj``, e.g. ``$["batch"]["obs"][3]``.
+        """
+        st = _encode.Enc(self)
+        try:
+            tree = obj if type(obj) in NATIVE else st.enc(obj, 0)
+            body = _packb(tree, use_bin_type=True, default=_pack_default)
+        except Fail as e:
+            raise EncodeError(e.msg, path=fmt_path(e.segs)) from e.cause
+        except RecursionError as exc:
+            raise EncodeError("nesting too deep for Python's recursion limit") from exc
+        lim = self._limits
+        if len(body) + 4 > lim.max_header_bytes:
+            raise EncodeError(f"a {len(body) + 4}-byte header exceeds Limits.max_header_bytes="
+                              f"{lim.max_header_bytes}")
+        if len(st.bufs) > lim.max_buffers:
+            raise EncodeError(f"{len(st.bufs)} buffers exceed Limits.max_buffers={lim.max_buffers}")
+        return PREFIX + body, st.bufs
+
+    def decode(self, header: Any, buffers: Sequence[Any]) -> Any:
+        """Rebuild the object from a header and its buffers.
+
+        Args:
+            header: bytes-like (bytes, memoryview, ``zmq.Frame.buffer``).
+            buffers: the buffers in order: buffer-protocol objects (bytes, memoryview,
+                ``zmq.Frame.buffer``, mmap slices) or, for GPU entries, CUDA uint8 tensors.
+
+        Returns:
+            The object. Arrays and tensors are views over ``buffers``, never copies, and
+            are writable. Buffer lifetime: they keep their buffers (and the objects owning
+            them, e.g. a ``zmq.Frame`` or an mmap) alive. The receiver owns the buffers: a
+            read-only buffer of 64 KiB or more is aliased writably (writes through a
+            decoded array land in that buffer); smaller read-only ones are copied. Do not
+            reuse a buffer while objects decoded from it are alive.
+
+        Raises:
+            DecodeError: the message is truncated, corrupted, of another version, refers
+                to more or fewer buffers than given, declares sizes that do not match its
+                buffers or exceed ``limits``, or holds a pickled object while
+                ``allow_pickle`` is False. Never any other exception.
+        """
+        lim = self._limits
+        try:
+            mv = header if type(header) is memoryview else memoryview(header)
+            if mv.ndim != 1 or mv.itemsize != 1:
+                mv = mv.cast("B")
+            nbufs = len(buffers)
+        except (TypeError, ValueError) as exc:
+            raise DecodeError(f"header must be bytes-like and buffers a sequence: {exc}") from exc
+        size = mv.nbytes
+        if size > lim.max_header_bytes:
+            raise DecodeError(f"a {size}-byte header exceeds Limits.max_header_bytes")
+        if mv[:4] != PREFIX:
+            if mv[:3] == MAGIC and size >= 4:
+                raise DecodeError(f"codec version {mv[3]} is not supported (this is {VERSION})")
+            raise DecodeError("not an rlinf codec header")
+        if nbufs > lim.max_buffers:
+            raise DecodeError(f"{nbufs} buffers exceed Limits.max_buffers={lim.max_buffers}")
+        st = _decode.Dec(self, buffers, nbufs)
+        limit = lim.max_header_bytes
+        try:
+            obj = _unpackb(mv[4:], ext_hook=st.ext, list_hook=st.lst, raw=False,
+                           strict_map_key=False, max_str_len=limit, max_bin_len=limit,
+                           max_ext_len=limit, max_array_len=lim.max_items,
+                           max_map_len=lim.max_items)
+        except DecodeError:
+            raise
+        except Exception as exc:
+            raise DecodeError(f"malformed message: {exc!r}") from exc
+        if st.next != nbufs:
+            raise DecodeError(f"the header uses {st.next} buffers but {nbufs} were given")
+        if st.tags:
+            raise DecodeError("malformed message: a container tag outside its container")
+        return obj
+
+
+_DEFAULT = Codec()
+
+
+def encode(obj: Any) -> tuple[bytes, list]:
+    """``Codec().encode(obj)`` with the default codec (pickle allowed, default limits)."""
+    return _DEFAULT.encode(obj)
+
+
+def decode(header: Any, buffers: Sequence[Any]) -> Any:
+    """``Codec().decode(header, buffers)`` with the default codec."""
+    return _DEFAULT.decode(header, buffers)
