@@ -98,7 +98,6 @@ class Communicator:
         self._outboxes: dict[str, Outbox] = {}
         self._mailbox = Mailbox()
         self._dead: set[tuple[str, str]] = set()
-        self._inbound: set[tuple[str, str]] = set()   # incarnations that sent us data
         self._subscribers: list[asyncio.Queue] = []
         self._counters = Counters(address)
         self._identity = f"{address}|{self.incarnation}".encode()
@@ -173,12 +172,11 @@ class Communicator:
     async def _teardown(self, *, deregister: bool) -> None:
         error = self._closed or ClosedError(f"communicator {self.address} failed to start")
         self._closed = error
-        if deregister:
-            self._say_bye()
+        bye_to = self._say_bye() if deregister else []
         try:
             control_client = getattr(self, "_control", None)
             if control_client is not None:
-                await control_client.close(deregister=deregister)
+                await control_client.close(deregister=deregister, bye_to=bye_to)
         finally:
             for outbox in self._outboxes.values():
                 outbox.flush()
@@ -200,13 +198,16 @@ class Communicator:
                 # term() waits for lingering frames; keep the loop free meanwhile.
                 await asyncio.get_running_loop().run_in_executor(None, context.term)
 
-    def _say_bye(self) -> None:
+    def _say_bye(self) -> list[str]:
         """Queue a SYSTEM "bye" behind the data on every open link: it tells each peer,
         in order with our last messages, that we left (the manager's "left" event travels
-        another socket and may overtake them)."""
+        another socket and may overtake them). Returns the peers told."""
+        told = []
         for outbox in self._outboxes.values():
             if outbox.link is not None and outbox.error is None:
                 outbox.put(OutMessage([wire.SYSTEM, "bye", b"", []], [], 0, None, False), self._loop)
+                told.append(outbox.address)
+        return told
 
     def _check_open(self) -> None:
         if self._closed is not None:
@@ -257,6 +258,7 @@ class Communicator:
         if not large:
             frames = [bytes(f) for f in frames]   # copy now: the caller may reuse its buffers
         entry = [kind, tag, codec_header, counts]
+        nbytes += len(codec_header)
         if not large and outbox.ready and not need_future:
             outbox.put(OutMessage(entry, frames, nbytes, None, False), self._loop)
             return None
@@ -388,7 +390,6 @@ class Communicator:
         if (src, incarnation) in self._dead:
             self._counters.dropped_frames += 1
             return
-        self._inbound.add((src, incarnation))
         i = 0
         for entry in entries:
             buffers, nbytes = [], 0
@@ -397,19 +398,20 @@ class Communicator:
                 i += count
                 buffers.append(buf)
                 nbytes += buf.nbytes
-            self._counters.received(src, nbytes)
             if entry.kind == wire.USER:
+                self._counters.received(src, nbytes + len(entry.codec_header))
                 self._mailbox.deliver(Message(src, incarnation, entry.tag, entry.codec_header, buffers, 0, nbytes))
             elif entry.tag == "bye":
                 self._peer_gone(src, incarnation, "left")
 
     # -- membership --------------------------------------------------------------------
-    def _on_event(self, event: MembershipEvent) -> None:
+    def _on_event(self, event: MembershipEvent, bye_sent: bool = False) -> None:
         if event.address == self.address:
             return
         if event.kind == "joined" and event.info is not None:
             old = self._roster.get(event.address)
             self._roster[event.address] = event.info
+            self._dead.discard((event.address, event.incarnation))
             self._mailbox.peer_joined(event.address, event.incarnation)
             outbox = self._outboxes.get(event.address)
             if outbox is not None and (outbox.error is not None or (old and old.incarnation != event.incarnation)):
@@ -422,7 +424,7 @@ class Communicator:
                 return   # an older incarnation went away; the current one is fine
             self._roster.pop(event.address, None)
             key = (event.address, event.incarnation)
-            if event.kind == "left" and key in self._inbound:
+            if event.kind == "left" and bye_sent:
                 # Its last messages may still be in flight on the data socket; its "bye"
                 # follows them. Fall back to the event if the bye never comes.
                 self._loop.call_later(_BYE_GRACE, self._peer_gone, event.address, event.incarnation, "left")
@@ -437,7 +439,6 @@ class Communicator:
         if key in self._dead or self._closed is not None:
             return
         self._dead.add(key)
-        self._inbound.discard(key)
         current = self._roster.get(address)
         if current is not None and current.incarnation != incarnation:
             return   # a newer incarnation already joined

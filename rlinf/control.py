@@ -97,9 +97,10 @@ class ControlClient:
         keys: the cluster's derived keys.
         manager: the manager's request endpoint.
         info: this worker's registration.
-        on_event: called on the loop thread with each :class:`MembershipEvent`, including
-            ones synthesised after a resync (a worker that vanished while we missed the
-            manager's events is reported ``lost``).
+        on_event: called on the loop thread as ``on_event(event, bye_sent)`` with each
+            :class:`MembershipEvent`, including ones synthesised after a resync (a worker
+            that vanished while we missed the manager's events is reported ``lost``);
+            ``bye_sent`` is True when the leaving worker sent us an in-order "bye".
         stats: returns the stats dict sent with heartbeats.
     """
 
@@ -164,12 +165,20 @@ class ControlClient:
         fut.cancel()
         raise CommTimeoutError(f"no reply from the manager at {self.manager} to {op!r} within {timeout} s")
 
-    async def register(self, timeout: float | None) -> list[WorkerInfo]:
-        """Register (or re-register) and return the roster."""
+    async def register(self, timeout: float | None, *, rebuilding: bool = False) -> list[WorkerInfo]:
+        """Register (or re-register) and return the roster.
+
+        When ``rebuilding`` (a restarted manager forgot us), its roster is still filling
+        up as the other workers re-register: report only joins now, and reconcile losses
+        once every live worker has had time to come back.
+        """
         reply = await self.request("register", timeout=timeout, info=self.info.to_wire())
         self.manager_reachable = True
         roster = [WorkerInfo.from_wire(w) for w in reply["roster"]]
-        self._resync(roster, reply["version"])
+        self._resync(roster, reply["version"], report_lost=not rebuilding)
+        if rebuilding:
+            grace = 2 * default_peer_timeout() + heartbeat_interval()
+            self._loop.call_later(grace, lambda: self._closed or self._loop.create_task(self._refresh()))
         if self._heartbeat is None:
             self._heartbeat = threading.Thread(target=self._heartbeat_thread, name="rlinf-heartbeat",
                                                args=(self._context, self._keys, self._stop), daemon=True)
@@ -215,24 +224,24 @@ class ControlClient:
             info = WorkerInfo.from_wire(message["info"]) if message.get("info") else None
             event = MembershipEvent(message["kind"], message["address"], message.get("incarnation", ""), info)
             self._version = max(self._version, message.get("version", 0))
-            self._apply(event)
+            self._apply(event, self.info.address in message.get("bye_to", ()))
         elif op == "heartbeat":
             self._on_heartbeat_reply(message)
 
-    def _apply(self, event: MembershipEvent) -> None:
+    def _apply(self, event: MembershipEvent, bye_sent: bool = False) -> None:
         if event.kind == "joined" and event.info is not None:
             self._known[event.address] = event.info
         elif self._known.get(event.address, None) is not None:
             if self._known[event.address].incarnation == event.incarnation or not event.incarnation:
                 del self._known[event.address]
-        self._on_event(event)
+        self._on_event(event, bye_sent)
 
-    def _resync(self, roster: list[WorkerInfo], version: int) -> None:
+    def _resync(self, roster: list[WorkerInfo], version: int, *, report_lost: bool = True) -> None:
         """Reconcile our view with a full roster: synthesise the events we missed."""
         new = {w.address: w for w in roster}
         for address, old in list(self._known.items()):
             cur = new.get(address)
-            if cur is None or cur.incarnation != old.incarnation:
+            if (cur is None and report_lost) or (cur is not None and cur.incarnation != old.incarnation):
                 self._apply(MembershipEvent("lost", address, old.incarnation, old))
         for address, cur in new.items():
             old = self._known.get(address)
@@ -254,7 +263,7 @@ class ControlClient:
     # -- background --------------------------------------------------------------------
     async def _reregister(self) -> None:
         try:
-            await self.register(timeout=5.0)
+            await self.register(timeout=5.0, rebuilding=True)
             log.info("rlinf: %s re-registered with the manager", self.info.address)
         except (CommTimeoutError, ClosedError) as exc:
             log.debug("rlinf: re-registration failed: %s", exc)
@@ -316,8 +325,11 @@ class ControlClient:
         elif reply.get("version") != self._version:
             self._loop.create_task(self._refresh())
 
-    async def close(self, *, deregister: bool = True) -> None:
-        """Deregister (best effort, bounded) and close. Idempotent."""
+    async def close(self, *, deregister: bool = True, bye_to: list[str] = ()) -> None:
+        """Deregister (best effort, bounded) and close. Idempotent.
+
+        ``bye_to`` lists the peers that were sent an in-order "bye" on their data link.
+        """
         if self._closed:
             return
         self._stop.set()
@@ -332,7 +344,7 @@ class ControlClient:
         if deregister and self.manager_reachable:
             try:
                 await self.request("deregister", timeout=1.0, address=self.info.address,
-                                   incarnation=self.info.incarnation)
+                                   incarnation=self.info.incarnation, bye_to=list(bye_to))
             except (CommTimeoutError, AuthenticationError):
                 pass
         self._closed = True

@@ -224,7 +224,7 @@ class Manager:
         elif op == "deregister":
             info = self._roster.get(req["address"])
             if info is not None and info.incarnation == req.get("incarnation"):
-                self._remove(info, "left")
+                self._remove(info, "left", bye_to=req.get("bye_to", []))
             self._reply(identity, req, ok=True)
         elif op == "lookup":
             info = self._roster.get(req["address"])
@@ -253,19 +253,19 @@ class Manager:
         for waiter_identity, request_id in self._lookups.pop(info.address, ()):
             self._send(waiter_identity, {"op": "reply", "id": request_id, "info": info.to_wire()})
 
-    def _remove(self, info: WorkerInfo, kind: str) -> None:
+    def _remove(self, info: WorkerInfo, kind: str, bye_to: list[str] = ()) -> None:
         self._roster.pop(info.address, None)
         self._identity.pop(info.address, None)
         self._last_seen.pop(info.address, None)
         self._stats.pop(info.address, None)
-        self._announce(MembershipEvent(kind, info.address, info.incarnation, info))
+        self._announce(MembershipEvent(kind, info.address, info.incarnation, info), bye_to)
 
-    def _announce(self, event: MembershipEvent) -> None:
+    def _announce(self, event: MembershipEvent, bye_to: list[str] = ()) -> None:
         self.version += 1
         self.events.append(event)
         message = {"op": "event", "kind": event.kind, "address": event.address,
                    "incarnation": event.incarnation, "version": self.version,
-                   "info": event.info.to_wire() if event.info else None}
+                   "info": event.info.to_wire() if event.info else None, "bye_to": list(bye_to)}
         log.info("rlinf manager: %s %s", event.kind, event.address)
         for identity in list(self._identity.values()):
             self._send(identity, message)

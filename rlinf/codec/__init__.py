@@ -22,6 +22,7 @@ torch and cupy are imported only once an object or a message holds one of their 
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Sequence
 
 import msgpack
@@ -52,9 +53,13 @@ __all__ = [
     "VERSION",
 ]
 
-_packb = msgpack.packb
 _unpackb = msgpack.unpackb
-_pack_default = _encode.pack_default
+_local = threading.local()  # one msgpack Packer per thread: building one costs ~1 us
+
+
+def _new_packer() -> msgpack.Packer:
+    _local.packer = msgpack.Packer(use_bin_type=True, default=_encode.pack_default)
+    return _local.packer
 
 
 class Codec:
@@ -71,7 +76,8 @@ class Codec:
     The codec is immutable after construction and safe to use from several threads.
     """
 
-    __slots__ = ("_allow_pickle", "_limits", "_dispatch", "_reg_types", "_reg_dec", "_classes")
+    __slots__ = ("_allow_pickle", "_limits", "_dispatch", "_reg_types", "_reg_dec", "_classes",
+                 "_tcache")
 
     def __init__(self, *, allow_pickle: bool = True, registry: TypeRegistry | None = None,
                  limits: Limits | None = None) -> None:
@@ -90,6 +96,7 @@ class Codec:
         dispatch = {t: h for t, h in _encode.BUILTIN.items() if t not in reg_types}
         init(self, "_dispatch", dispatch)  # type -> handler; a cache filled on first sight
         init(self, "_classes", {})  # decode side: class path -> class / tag (a cache)
+        init(self, "_tcache", {})  # decode side: torch descriptor -> validated (shape, ...)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Codec is immutable")
@@ -124,7 +131,11 @@ class Codec:
         st = _encode.Enc(self)
         try:
             tree = obj if type(obj) in NATIVE else st.enc(obj, 0)
-            body = _packb(tree, use_bin_type=True, default=_pack_default)
+            try:
+                packer = _local.packer
+            except AttributeError:
+                packer = _new_packer()
+            body = packer.pack(tree)
         except Fail as e:
             raise EncodeError(e.msg, path=fmt_path(e.segs)) from e.cause
         except RecursionError as exc:
@@ -149,9 +160,10 @@ class Codec:
             The object. Arrays and tensors are views over ``buffers``, never copies, and
             are writable. Buffer lifetime: they keep their buffers (and the objects owning
             them, e.g. a ``zmq.Frame`` or an mmap) alive. The receiver owns the buffers: a
-            read-only buffer of 64 KiB or more is aliased writably (writes through a
-            decoded array land in that buffer); smaller read-only ones are copied. Do not
-            reuse a buffer while objects decoded from it are alive.
+            read-only buffer over 4 KiB is aliased writably (writes through a decoded
+            array land in that buffer, so never pass a read-only *mapping*, whose pages
+            cannot be written); smaller read-only ones are copied. Decode each buffer once
+            and do not reuse it while objects decoded from it are alive.
 
         Raises:
             DecodeError: the message is truncated, corrupted, of another version, refers
@@ -161,36 +173,45 @@ class Codec:
         """
         lim = self._limits
         try:
-            mv = header if type(header) is memoryview else memoryview(header)
-            if mv.ndim != 1 or mv.itemsize != 1:
-                mv = mv.cast("B")
             nbufs = len(buffers)
+            if type(header) is bytes and len(header) < 65536:
+                body: Any = header[4:]  # copying a small header is cheaper than a memoryview
+                head = header[:4]
+            else:
+                body = header if type(header) is memoryview else memoryview(header)
+                if body.ndim != 1 or body.itemsize != 1:
+                    body = body.cast("B")
+                head = bytes(body[:4])
+                body = body[4:]
         except (TypeError, ValueError) as exc:
             raise DecodeError(f"header must be bytes-like and buffers a sequence: {exc}") from exc
-        size = mv.nbytes
-        if size > lim.max_header_bytes:
-            raise DecodeError(f"a {size}-byte header exceeds Limits.max_header_bytes")
-        if mv[:4] != PREFIX:
-            if mv[:3] == MAGIC and size >= 4:
-                raise DecodeError(f"codec version {mv[3]} is not supported (this is {VERSION})")
+        if len(body) + 4 > lim.max_header_bytes:
+            raise DecodeError(f"a {len(body) + 4}-byte header exceeds Limits.max_header_bytes")
+        if head != PREFIX:
+            if head[:3] == MAGIC and len(head) == 4:
+                raise DecodeError(f"codec version {head[3]} is not supported (this is {VERSION})")
             raise DecodeError("not an rlinf codec header")
         if nbufs > lim.max_buffers:
             raise DecodeError(f"{nbufs} buffers exceed Limits.max_buffers={lim.max_buffers}")
         st = _decode.Dec(self, buffers, nbufs)
-        limit = lim.max_header_bytes
         try:
-            obj = _unpackb(mv[4:], ext_hook=st.ext, list_hook=st.lst, raw=False,
-                           strict_map_key=False, max_str_len=limit, max_bin_len=limit,
-                           max_ext_len=limit, max_array_len=lim.max_items,
-                           max_map_len=lim.max_items)
+            if len(body) <= lim.max_items:
+                # msgpack bounds every declared length by the data's size by default, and
+                # no container can hold more items than the header has bytes
+                obj = _unpackb(body, ext_hook=st.ext, list_hook=st.lst, raw=False,
+                               strict_map_key=False)
+            else:
+                obj = _unpackb(body, ext_hook=st.ext, list_hook=st.lst, raw=False,
+                               strict_map_key=False, max_array_len=lim.max_items,
+                               max_map_len=lim.max_items)
         except DecodeError:
             raise
         except Exception as exc:
             raise DecodeError(f"malformed message: {exc!r}") from exc
-        if st.next != nbufs:
-            raise DecodeError(f"the header uses {st.next} buffers but {nbufs} were given")
         if st.tags:
             raise DecodeError("malformed message: a container tag outside its container")
+        if st.next != nbufs:
+            raise DecodeError(f"the header uses {st.next} buffers but {nbufs} were given")
         return obj
 
 

@@ -42,11 +42,12 @@ class Tag:
 class Dec:
     """Per-call decoder state: the buffers, the next one to take, the unconsumed tags."""
 
-    __slots__ = ("bufs", "nbufs", "next", "tags", "codec", "max_bytes", "max_ndim")
+    __slots__ = ("bufs", "nbufs", "next", "tags", "codec", "max_bytes", "max_ndim", "tcache")
 
     def __init__(self, codec: Codec, bufs: Any, nbufs: int) -> None:
         self.bufs, self.nbufs, self.next, self.tags, self.codec = bufs, nbufs, 0, 0, codec
         self.max_bytes, self.max_ndim = codec._limits.max_buffer_bytes, codec._limits.max_ndim
+        self.tcache = codec._tcache
 
     def take(self) -> Any:
         i = self.next
@@ -56,6 +57,19 @@ class Dec:
         return self.bufs[i]
 
     def ext(self, code: int, data: bytes) -> Any:
+        if code == 5:  # W.X_TORCH: the hot path, inlined; _d_torch fills the cache
+            d = self.tcache.get(data)
+            if d is not None:
+                i = self.next
+                buf = self.bufs[i] if i < self.nbufs else None
+                if type(buf) is memoryview and buf.nbytes == d[2] and not buf.readonly:
+                    self.next = i + 1
+                    t = _from_numpy(_ndarray(d[0], d[1], buf))
+                    if d[3] is not None:
+                        t = t.view(d[3])
+                    if d[4]:
+                        t.requires_grad_()
+                    return t
         return _EXT_TABLE[code & 0xFF](self, data)
 
     def lst(self, items: list) -> Any:
@@ -147,6 +161,8 @@ def _d_torch(st: Dec, data: bytes) -> Any:
         t = _from_numpy(_ndarray(shape, npdt, buf))
         if view:
             t = t.view(dt)
+        if dev < 0 and len(st.tcache) < W.MAX_CACHE:  # a validated descriptor: cache it
+            st.tcache[data] = (shape, npdt, n, dt if view else None, flags & W.F_GRAD)
     else:
         st.next = i  # the general path takes the buffer again
         t = _torch_general(st, shape, n, desc, dev)
@@ -164,9 +180,13 @@ def _torch_general(st: Dec, shape: tuple, n: int, desc: tuple, dev: int) -> Any:
     if W.is_device_buffer(buf):
         st.next += 1
         return _device_view(buf, n).view(dt).view(shape)
-    t = torch.from_numpy(_host_array(st, shape, n, npdt, 0))
-    if view:
-        t = t.view(dt)
+    if n == 0:  # nothing to alias: a fresh empty tensor has torch's own strides
+        _host_array(st, shape, n, npdt, 0)
+        t = torch.empty(shape, dtype=dt)
+    else:
+        t = torch.from_numpy(_host_array(st, shape, n, npdt, 0))
+        if view:
+            t = t.view(dt)
     if dev >= 0 and torch.cuda.is_available():
         t = t.to("cuda")  # host bytes of a CUDA tensor: onto this process's current device
     return t

@@ -29,7 +29,7 @@ VERSION = 1
 MAGIC = b"\xc1RL"
 PREFIX = MAGIC + bytes([VERSION])
 INLINE_MAX = 1023  # bytes-like values up to this size travel inside the header
-COPY_READONLY_BELOW = 64 << 10  # read-only buffers below this are copied, not aliased
+COPY_READONLY_BELOW = 4097  # read-only buffers up to 4 KiB are copied, not aliased
 MAX_CACHE = 4096  # bound of every per-type / per-class cache
 
 # Leaf extension codes.
@@ -202,8 +202,9 @@ def host_view(buf: Any) -> memoryview:
     """The received host buffer as a writable 1-D "B" memoryview, without copying.
 
     Read-only buffers (bytes, ``zmq.Frame.buffer``) are aliased writably: the receiver owns
-    them. Ones under 64 KiB are copied instead, since small ``bytes`` may be shared
-    (interned constants) and a copy that small costs no more than the aliasing.
+    them. Ones of at most 4 KiB are copied instead: such small ``bytes`` may be shared
+    (CPython interns short bytes and folds constants up to 4096 bytes) and copying them
+    costs less than the aliasing.
     """
     mv = buf if type(buf) is memoryview else memoryview(host_object(buf))
     if not mv.c_contiguous:

@@ -1,0 +1,152 @@
+"""Manager restarts, hostile frames, and the TCP path between "nodes"."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import numpy as np
+import pytest
+import zmq
+
+import rlinf
+
+from . import workers
+
+pytestmark = pytest.mark.multiproc
+
+
+async def _recv_until(comm, src, expected, timeout=10):
+    async with asyncio.timeout(timeout):
+        while True:
+            obj = await comm.recv(src)
+            if obj == expected:
+                return
+
+
+async def test_manager_restart_keeps_peers_talking_and_rebuilds_roster():
+    async with asyncio.timeout(60):
+        manager = await rlinf.Manager("tcp://127.0.0.1:0").start()
+        address, token = manager.address, manager.token
+        async with rlinf.connect("a:0", manager=address, token=token) as a, \
+                rlinf.connect("b:0", manager=address, token=token) as b:
+            await a.send("before", "b:0")
+            assert await b.recv("a:0") == "before"
+            await manager.close()
+            # Known peers keep talking while the manager is down.
+            await a.send("during", "b:0")
+            assert await b.recv("a:0", timeout=5) == "during"
+            # A new manager at the same address: workers re-register by themselves.
+            manager = await rlinf.Manager(address, token=token).start()
+            try:
+                while {w.address for w in manager.roster()} != {"a:0", "b:0"}:
+                    await asyncio.sleep(0.05)
+                await b.send("after", "a:0")
+                assert await a.recv("b:0", timeout=5) == "after"
+            finally:
+                await manager.close()
+
+
+async def test_garbage_on_data_and_control_endpoints_is_survived(cluster, driver):
+    """Random and truncated frames, from an authenticated and an unauthenticated socket."""
+    async with asyncio.timeout(60):
+        rng = np.random.default_rng(1234)
+        print("seed 1234")
+        ctx = zmq.Context()
+        socks = []
+        try:
+            endpoints = [driver.info.endpoints["tcp"], driver.info.endpoints["ipc"], cluster.manager_address]
+            for endpoint in endpoints:
+                # An outsider without the token (its handshake is refused) ...
+                s = ctx.socket(zmq.DEALER)
+                s.linger = 0
+                s.connect(endpoint)
+                socks.append(s)
+                # ... and an insider that knows the token but speaks garbage.
+                t = ctx.socket(zmq.DEALER)
+                t.linger = 0
+                t.routing_id = b"x:0|fake"
+                encrypt = endpoint.startswith("tcp://")
+                rlinf.security.ClusterKeys(cluster.token).secure_client(t, encrypt=encrypt)
+                t.connect(endpoint)
+                socks.append(t)
+            def throw(s, frames):
+                try:   # an outsider's DEALER never completes its handshake: don't block on it
+                    s.send_multipart(frames, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+
+            for s in socks:
+                for _ in range(30):
+                    n = int(rng.integers(1, 4))
+                    throw(s, [rng.bytes(int(rng.integers(0, 300))) for _ in range(n)])
+                throw(s, [rlinf.wire.pack_header("x:0", "fake", [[0, 0, b"", [5]]])])           # count mismatch
+                throw(s, [rlinf.wire.pack_header("x:0", "fake", [[0, 0, b"\x93", []]])[:-3]])   # truncated
+            # The worker and the manager still serve real peers.
+            group = await cluster.spawn(workers.echo, "echo", 1, args=("driver:0", 1))
+            await driver.send({"still": "alive"}, "echo:0")
+            assert await driver.recv("echo:0") == {"still": "alive"}
+            assert await group.join() == [1]
+            assert driver.stats().dropped_frames > 0      # the insider's garbage did arrive
+        finally:
+            for s in socks:
+                s.close(0)
+            ctx.term()
+
+
+async def test_insider_garbage_codec_payload_raises_decode_error(driver, cluster):
+    """A well-framed message whose codec header is garbage fails the recv, not the worker."""
+    async with asyncio.timeout(30):
+        ctx = zmq.Context()
+        try:
+            s = ctx.socket(zmq.DEALER)
+            s.linger = 0
+            s.routing_id = b"evil:0|i1"
+            rlinf.security.ClusterKeys(cluster.token).secure_client(s, encrypt=False)
+            s.connect(driver.info.endpoints["ipc"])
+            s.send_multipart([rlinf.wire.pack_header("evil:0", "i1", [[0, 0, b"\xc1garbage", []]])])
+            with pytest.raises(rlinf.DecodeError):
+                await driver.recv("evil:0", timeout=10)
+            await driver.send("ok", "driver:0")
+            assert await driver.recv("driver:0") == "ok"
+        finally:
+            s.close(0)
+            ctx.term()
+
+
+async def test_two_nodes_use_tcp(cluster, driver):
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers.echo, "far", 1, args=("driver:0", 1),
+                                    env={"RLINF_NODE_ID": "another-node"})
+        far = next(p for p in await driver.peers() if p.address == "far:0")
+        assert far.node_id == "another-node" != driver.info.node_id
+        payload = {"x": np.arange(1 << 20, dtype=np.float32)}      # 4 MiB: large, chunk-free
+        await driver.send(payload, "far:0")
+        assert driver._outboxes["far:0"].link.endpoint.startswith("tcp://")
+        back = await driver.recv("far:0")
+        assert np.array_equal(back["x"], payload["x"])
+        assert await group.join() == [1]
+
+
+async def test_stats_and_repr(cluster, driver):
+    async with asyncio.timeout(30):
+        group = await cluster.spawn(workers.echo, "e", 1, args=("driver:0", 3))
+        for i in range(3):
+            await driver.send(b"x" * 100, "e:0")
+            await driver.recv("e:0")
+        stats = driver.stats()
+        assert stats.peers["e:0"].msgs_out == 3 and stats.peers["e:0"].msgs_in == 3
+        assert stats.peers["e:0"].bytes_out >= 300
+        assert stats.transports["zmq"].msgs >= 3
+        assert "driver:0" in repr(driver) and "peers=" in repr(driver)
+        assert "e:0" in str(stats)
+        await group.join()
+
+
+async def test_large_message_is_chunked_and_reassembled(driver):
+    async with asyncio.timeout(30):
+        big = np.arange((40 << 20) // 8, dtype=np.int64)      # 40 MiB: 3 frames of <= 16 MiB
+        await driver.send(big, "driver:0")
+        back = await driver.recv("driver:0")
+        assert np.array_equal(back, big)
