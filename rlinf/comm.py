@@ -91,6 +91,7 @@ class Communicator:
         self.incarnation = secrets.token_hex(8)
         self.info: WorkerInfo | None = None
         self._keys = ClusterKeys(token)
+        self._token = token            # subsystems that start processes (channels) pass it on
         self._codec = codec or Codec()
         self._connect_timeout = connect_timeout
         self._meta = dict(meta or {})
@@ -98,6 +99,10 @@ class Communicator:
         self._outboxes: dict[str, Outbox] = {}
         self._mailbox = Mailbox()
         self._dead: set[tuple[str, str]] = set()
+        self._valid: set[str] = set()      # addresses already checked (hot-path memo)
+        self._system_handlers: dict[str, Callable[[str, Any], None]] = {}
+        self._gone_hooks: list[Callable[[str, str], None]] = []
+        self._closers: list[Callable[[], Any]] = []
         self._subscribers: list[asyncio.Queue] = []
         self._counters = Counters(address)
         self._identity = f"{address}|{self.incarnation}".encode()
@@ -173,6 +178,13 @@ class Communicator:
         error = self._closed or ClosedError(f"communicator {self.address} failed to start")
         self._closed = error
         bye_to = self._say_bye() if deregister else []
+        for closer in reversed(self._closers):
+            try:
+                result = closer()
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception:
+                log.exception("rlinf %s: error while closing a subsystem", self.address)
         try:
             control_client = getattr(self, "_control", None)
             if control_client is not None:
@@ -226,7 +238,8 @@ class Communicator:
             PeerLostError: ``dst`` died or left. CommTimeoutError: not sent in ``timeout``.
             EncodeError: ``obj`` cannot be encoded. ClosedError: we are closed.
         """
-        _check_tag(tag)
+        if type(tag) is not int:
+            _check_tag(tag)
         future = self._enqueue(obj, dst, tag, wire.USER, need_future=False)
         if future is not None:
             await self._wait(future, timeout, f"send to {dst}")
@@ -241,10 +254,20 @@ class Communicator:
         """:meth:`send` from a thread other than the loop's."""
         self._run_threadsafe(self.send(obj, dst, tag=tag, timeout=timeout), timeout)
 
+    def _check_address(self, address: Any) -> None:
+        parse_address(address)
+        if len(self._valid) < 100_000:
+            self._valid.add(address)
+
     def _enqueue(self, obj: Any, dst: str, tag: Any, kind: int, *, need_future: bool) -> asyncio.Future | None:
-        """Encode and queue one message; returns a future unless it completed at once."""
-        self._check_open()
-        parse_address(dst)
+        """Encode and queue one message; returns a future unless it completed at once.
+
+        This is the hot path of every send: keep it flat.
+        """
+        if self._closed is not None or not self._started:
+            self._check_open()
+        if dst not in self._valid:
+            self._check_address(dst)
         codec_header, buffers = self._codec.encode(obj)
         if dst == self.address:
             return self._send_to_self(tag, kind, codec_header, buffers, need_future)
@@ -253,13 +276,18 @@ class Communicator:
             outbox = self._outbox(dst)
         elif outbox.error is not None:
             raise outbox.error
-        frames, counts, nbytes = split_frames(buffers)
-        large = nbytes >= SMALL_MESSAGE
-        if not large:
-            frames = [bytes(f) for f in frames]   # copy now: the caller may reuse its buffers
+        nbytes = 0
+        for b in buffers:
+            nbytes += b.nbytes if type(b) is memoryview else memoryview(b).nbytes
+        if nbytes < SMALL_MESSAGE:
+            # copy now (the caller may reuse its buffers); coalesced into one frame later
+            frames, counts, large = [bytes(b) for b in buffers], None, False
+        else:
+            frames, counts, nbytes = split_frames(buffers)
+            large = True
         entry = [kind, tag, codec_header, counts]
         nbytes += len(codec_header)
-        if not large and outbox.ready and not need_future:
+        if not large and not need_future and outbox.ready:
             outbox.put(OutMessage(entry, frames, nbytes, None, False), self._loop)
             return None
         future = self._loop.create_future()
@@ -321,8 +349,10 @@ class Communicator:
             PeerLostError: ``src`` died or left and nothing from it is queued.
             CommTimeoutError, DecodeError, ClosedError.
         """
-        _check_tag(tag)
-        parse_address(src)
+        if type(tag) is not int:
+            _check_tag(tag)
+        if src not in self._valid:
+            self._check_address(src)
         return self._decode(await self._get(src, tag, timeout))
 
     async def recv_any(self, *, tag: int = 0, timeout: float | None = None) -> tuple[Any, str]:
@@ -380,7 +410,7 @@ class Communicator:
     def _on_frames(self, received: Received) -> None:
         frames = received.frames
         try:
-            src, incarnation, entries = wire.unpack_header(received.header, len(frames))
+            src, incarnation, entries, packed = wire.unpack_header(received.header, frames)
             if received.peer != f"{src}|{incarnation}".encode():
                 raise ProtocolError("frame set claims a source other than its connection's")
         except ProtocolError as exc:
@@ -391,10 +421,16 @@ class Communicator:
             self._counters.dropped_frames += 1
             return
         i = 0
+        blob = frames[0] if packed and frames else None
         for entry in entries:
             buffers, nbytes = [], 0
             for count in entry.frame_counts:
-                buf = frames[i] if count == 1 else _join(frames[i:i + count])
+                if packed:       # count is a size in bytes within the blob
+                    buf = blob[i:i + count]
+                elif count == 1:
+                    buf = frames[i]
+                else:
+                    buf = _join(frames[i:i + count])
                 i += count
                 buffers.append(buf)
                 nbytes += buf.nbytes
@@ -403,6 +439,15 @@ class Communicator:
                 self._mailbox.deliver(Message(src, incarnation, entry.tag, entry.codec_header, buffers, 0, nbytes))
             elif entry.tag == "bye":
                 self._peer_gone(src, incarnation, "left")
+            else:
+                handler = self._system_handlers.get(entry.tag)
+                if handler is None:
+                    log.warning("rlinf %s: no handler for system message %r", self.address, entry.tag)
+                    continue
+                try:
+                    handler(src, self._codec.decode(entry.codec_header, buffers))
+                except Exception:   # a subsystem bug must not kill the reader
+                    log.exception("rlinf %s: system handler %r failed", self.address, entry.tag)
 
     # -- membership --------------------------------------------------------------------
     def _on_event(self, event: MembershipEvent, bye_sent: bool = False) -> None:
@@ -444,9 +489,39 @@ class Communicator:
             return   # a newer incarnation already joined
         error = PeerLostError(f"{address} {'left' if kind == 'left' else 'was lost'}", peer=address)
         self._mailbox.peer_lost(address, error)
+        for hook in self._gone_hooks:
+            hook(address, incarnation)
         outbox = self._outboxes.get(address)
         if outbox is not None and (outbox.info is None or outbox.info.incarnation == incarnation):
             outbox.fail(error)
+
+    # -- subsystems (each lives in its own module) ---------------------------------------
+    def group(self, addresses: list[str]):
+        """A collective group over ``addresses`` (same list, any order, on every member).
+
+        See :class:`rlinf.group.Group`. No setup call is needed on the other members.
+        """
+        from .group import Group
+
+        return Group(self, addresses)
+
+    async def reshard(self, shard: Any, *, src: list[str], dst: list[str], dim: int = 0) -> Any:
+        """M->N batch resharding; see :func:`rlinf.reshard.reshard`."""
+        from .reshard import reshard
+
+        return await reshard(self, shard, src=src, dst=dst, dim=dim)
+
+    async def create_channel(self, name: str, *, maxsize: int = 0, policy: Any = "fifo", **options: Any):
+        """Start a channel server process named ``name`` and return a handle to it."""
+        from .channel.client import create_channel
+
+        return await create_channel(self, name, maxsize=maxsize, policy=policy, **options)
+
+    async def channel(self, name: str, **options: Any):
+        """A handle to the existing channel ``name`` (waits for it to appear)."""
+        from .channel.client import open_channel
+
+        return await open_channel(self, name, **options)
 
     async def peers(self) -> list[WorkerInfo]:
         """The workers this communicator knows (its cached roster, without itself)."""
@@ -471,6 +546,39 @@ class Communicator:
         """A frozen snapshot of traffic per peer and per transport."""
         connected = {a for a, o in self._outboxes.items() if o.link is not None}
         return self._counters.snapshot(connected)
+
+    # -- internal API for rlinf's own subsystems (collectives, channels, transports) ---
+    # Internal traffic uses str tags, so it can never match a user's int tag.
+    async def _send_internal(self, obj: Any, dst: str, tag: str, timeout: float | None = None) -> None:
+        future = self._enqueue(obj, dst, tag, wire.USER, need_future=False)
+        if future is not None:
+            await self._wait(future, timeout, f"send to {dst}")
+
+    def _async_send_internal(self, obj: Any, dst: str, tag: str) -> asyncio.Future:
+        return self._enqueue(obj, dst, tag, wire.USER, need_future=True)
+
+    async def _recv_internal(self, src: str, tag: str, timeout: float | None = None) -> Any:
+        return self._decode(await self._get(src, tag, timeout))
+
+    async def _recv_any_internal(self, tag: str, timeout: float | None = None) -> tuple[Any, str]:
+        msg = await self._get(None, tag, timeout)
+        return self._decode(msg), msg.src
+
+    def _send_system(self, obj: Any, dst: str, tag: str) -> None:
+        """Fire-and-forget rlinf-internal message, handled by ``on_system(tag, ...)``."""
+        self._enqueue(obj, dst, tag, wire.SYSTEM, need_future=False)
+
+    def on_system(self, tag: str, handler: Callable[[str, Any], None]) -> None:
+        """Register ``handler(src, obj)`` for SYSTEM messages with ``tag`` (loop thread)."""
+        self._system_handlers[tag] = handler
+
+    def on_peer_gone(self, hook: Callable[[str, str], None]) -> None:
+        """Call ``hook(address, incarnation)`` whenever a peer leaves or is lost."""
+        self._gone_hooks.append(hook)
+
+    def add_closer(self, closer: Callable[[], Any]) -> None:
+        """Run ``closer()`` (sync or async) when the communicator closes, newest first."""
+        self._closers.append(closer)
 
     # -- helpers -----------------------------------------------------------------------
     async def _wait(self, future: asyncio.Future, timeout: float | None, what: str) -> Any:

@@ -305,12 +305,17 @@ class ControlClient:
                     pass   # manager away; heartbeats are already queued
                 deadline = time.monotonic() + interval
                 while (left := deadline - time.monotonic()) > 0 and not stop.is_set():
-                    if dict(poller.poll(left * 1000)).get(sock):
+                    # short slices so close() never waits long for this thread
+                    if dict(poller.poll(min(left, 0.1) * 1000)).get(sock):
                         try:
                             reply = unpack(sock.recv(zmq.NOBLOCK))
                         except (zmq.Again, ProtocolError):
                             continue
                         self._loop.call_soon_threadsafe(self._on_heartbeat_reply, reply)
+        except zmq.ContextTerminated:
+            pass
+        except RuntimeError:   # the loop closed under us: the communicator is going away
+            pass
         finally:
             sock.close(0)
 

@@ -69,7 +69,8 @@ class OutMessage:
         self.nbytes = nbytes
         self.future = future
         self.large = large
-        self.started = time.perf_counter()
+        # fire-and-forget small sends complete at once: no latency to measure
+        self.started = time.perf_counter() if future is not None else 0.0
 
 
 class Outbox:
@@ -145,10 +146,17 @@ class Outbox:
                     if msg.future is None or not msg.future.cancelled():
                         batch.append(msg)
                         size += msg.nbytes
-            header = wire.pack_header(self._src, self._incarnation, [m.entry for m in batch])
-            frames = [header]
-            for msg in batch:
-                frames.extend(msg.frames)
+            if head.large:
+                frames = [wire.pack_header(self._src, self._incarnation, [head.entry]), *head.frames]
+            else:   # coalesced: one packed frame for every buffer of the batch
+                entries, pieces = [], []
+                for msg in batch:
+                    kind, tag, codec_header, _ = msg.entry
+                    entries.append([kind, tag, codec_header, [len(f) for f in msg.frames]])
+                    pieces.extend(msg.frames)
+                frames = [wire.pack_header(self._src, self._incarnation, entries, True)]
+                if pieces:
+                    frames.append(b"".join(pieces))
             try:
                 tracker = link.try_send(frames, track=head.large)
             except zmq.Again:
@@ -164,15 +172,16 @@ class Outbox:
                 if msg is batch[sent]:
                     sent += 1
                     self._counters.sent(self.address, msg.nbytes)
-                    if not msg.large:
+                    if not msg.large and msg.future is not None:
                         self._complete(msg)
             if head.large:
                 asyncio.get_running_loop().create_task(self._await_release(link, tracker, head))
 
     def _complete(self, msg: OutMessage) -> None:
-        if msg.future is not None and not msg.future.done():
-            msg.future.set_result(None)
-        self._counters.latency(self.address, time.perf_counter() - msg.started)
+        if msg.future is not None:
+            if not msg.future.done():
+                msg.future.set_result(None)
+            self._counters.latency(self.address, time.perf_counter() - msg.started)
 
     async def _await_release(self, link, tracker, msg: OutMessage) -> None:
         await link.released(tracker)

@@ -119,7 +119,8 @@ class Codec:
             ``(header, buffers)``. ``header`` is bytes. Each host entry of ``buffers`` is a
             1-D C-contiguous ``memoryview`` of format ``"B"`` that points at the object's
             own memory (nothing is copied except non-contiguous arrays, made contiguous
-            once) and keeps that memory alive. GPU tensors and cupy arrays appear as
+            once) and keeps that memory alive (a CPU tensor's buffer keeps all the
+            message's CPU tensors alive). GPU tensors and cupy arrays appear as
             themselves, flattened to uint8 on their device. Buffer lifetime: the buffers
             alias the object, so do not modify its arrays until the buffers are sent.
 

@@ -10,6 +10,7 @@ the header will list them (keys before values, items in order).
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import datetime as _dt
 import enum
@@ -37,12 +38,14 @@ class Enc:
     """Per-call encoder state: the buffers collected so far and the containers on the path."""
 
     __slots__ = ("bufs", "active", "codec", "dispatch", "allow_pickle", "max_depth",
-                 "max_items", "max_bytes")
+                 "max_items", "max_bytes", "whole", "owners")
 
     def __init__(self, codec: Codec) -> None:
         lim = codec._limits
         self.bufs: list = []
         self.active: set = set()
+        self.whole: memoryview | None = None  # see arena()
+        self.owners: list = []
         self.codec, self.dispatch, self.allow_pickle = codec, codec._dispatch, codec._allow_pickle
         self.max_depth, self.max_items, self.max_bytes = (
             lim.max_depth, lim.max_items, lim.max_buffer_bytes)
@@ -58,7 +61,19 @@ class Enc:
         self.active.add(oid)
         return oid
 
+    def arena(self) -> memoryview:
+        """A "B" memoryview of the whole address space, made once per message and sliced
+        for each CPU tensor's bytes: one ctypes object per message instead of one per
+        tensor (``t.numpy()`` costs ~2 us, a ctypes object ~0.6 us, a slice ~0.1 us). The
+        message's tensors hang on it, so every buffer keeps its tensor (and the message's
+        other tensors) alive. No byte outside the tensors is ever read."""
+        c = _ADDRESS_SPACE.from_address(0)
+        c._rlinf_owners = self.owners
+        self.whole = memoryview(c).cast("B")
+        return self.whole
+
     def enc(self, obj: Any, depth: int) -> Any:
+        """The msgpack value for ``obj``; its buffers are appended to ``self.bufs``."""
         t = type(obj)
         if t in NATIVE:
             return obj
@@ -230,7 +245,7 @@ def _shape_packer(ndim: int) -> Callable:
 
 _PACK_T = [_shape_packer(n) for n in range(65)]
 _TORCH_ENC = W.TORCH_ENC
-_CARRAYS = W.CARRAYS
+_ADDRESS_SPACE = ctypes.c_char * (1 << 62)  # a type only: nothing is allocated or read
 _STRIDED: Any = None  # torch.strided, once torch is loaded
 
 
@@ -244,11 +259,12 @@ def _enc_torch(st: Enc, t: Any, depth: int) -> Any:
     if n:
         if n > st.max_bytes:
             _check_size(st, n)
-        # t.numpy() alone costs ~2 us; a ctypes view of the data pointer gives the same
-        # zero-copy memoryview in ~0.7 us (W.ptr_view, inlined)
-        c = _CARRAYS[(n - 1).bit_length()].from_address(t.data_ptr())
-        c._rlinf_owner = t
-        st.bufs.append(memoryview(c).cast("B")[:n])
+        whole = st.whole
+        if whole is None:
+            whole = st.arena()
+        p = t.data_ptr()
+        st.owners.append(t)
+        st.bufs.append(whole[p:p + n])
     else:
         st.bufs.append(W.EMPTY)
     shape = t.shape
@@ -262,11 +278,13 @@ def _enc_torch_other(st: Enc, t: Any, depth: int, desc: tuple | None) -> Any:
 
 
 def _enc_torch_device(st: Enc, t: Any, desc: tuple) -> Any:
-    flat = t.detach().contiguous()
-    if flat.is_conj() or flat.is_neg():
-        flat = flat.resolve_conj().resolve_neg()
-    _check_size(st, flat.nbytes)
-    st.bufs.append(flat.reshape(-1).view(W.TORCH.uint8))
+    flat = t.detach() if t.requires_grad else t
+    if not flat.is_contiguous() or flat.is_neg() or (desc[2] and flat.is_conj()):
+        flat = flat.contiguous().resolve_conj().resolve_neg()
+    n = flat.nbytes
+    if n > st.max_bytes:
+        _check_size(st, n)
+    st.bufs.append(flat.view(-1).view(W.TORCH.uint8))  # stays on its device: no copy
     return ext(W.X_TORCH, _PACK_T[t.dim()](desc[0], t.requires_grad, t.device.index or 0, t.shape))
 
 
