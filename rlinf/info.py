@@ -41,6 +41,7 @@ class DeviceInfo:
 
     @property
     def name(self) -> str:
+        """``"cuda:0"``-style name."""
         return f"{self.kind}:{self.index}"
 
 

@@ -49,18 +49,22 @@ class CommStats:
 
     @property
     def msgs_out(self) -> int:
+        """Messages sent to all peers."""
         return sum(p.msgs_out for p in self.peers.values())
 
     @property
     def msgs_in(self) -> int:
+        """Messages received from all peers."""
         return sum(p.msgs_in for p in self.peers.values())
 
     @property
     def bytes_out(self) -> int:
+        """Bytes sent to all peers (headers and payload)."""
         return sum(p.bytes_out for p in self.peers.values())
 
     @property
     def bytes_in(self) -> int:
+        """Bytes received from all peers (headers and payload)."""
         return sum(p.bytes_in for p in self.peers.values())
 
     def to_dict(self) -> dict:
