@@ -13,8 +13,10 @@ scalars and strings, at ~400 KiB and ~40 MiB. Each method serializes and rebuild
   ``memoryview(t.numpy())`` buffers, ``torch.from_numpy`` back): the floor a general
   codec competes with, measured in the same run (BENCHMARKS.md quotes ~45 us for it)
 
-Times are medians over repeats; the methods are interleaved round by round so machine
-noise hits all of them alike. ``ratio`` = baseline time / rlinf time.
+Times are medians over all repeats; the methods are interleaved round by round so machine
+noise hits all of them alike. ``ratio`` = baseline time / rlinf time. "best round" is the
+lowest per-round median: on a shared VM whose vCPUs are throttled for seconds at a time,
+it shows the unthrottled cost (the C1 check uses the overall median).
 Target C1: rlinf <= 60 us at both sizes (and within 1.5x of each other), >= 100x faster
 than pickle at 40 MiB.
 """
@@ -144,7 +146,9 @@ def _time_batch(fn: Callable[[Any], Any], obj: Any, n: int) -> list[float]:
 
 def run(quick: bool = False) -> list[dict]:
     """Measure C1. Returns one row per (size, baseline): metric, rlinf (us), baseline,
-    baseline_value (us), ratio (baseline / rlinf), plus sizes and the target check."""
+    baseline_value (us), ratio (baseline / rlinf), unit, target (the C1 target that row
+    checks: ``<= 60 us`` on rlinf in the msgpack+raw rows, ``>= 100x`` in the 40 MiB pickle
+    row), note, and sizes / best-round medians."""
     codec = Codec()
     methods = _methods(codec)
     rounds = 5 if quick else 15
@@ -158,11 +162,15 @@ def run(quick: bool = False) -> list[dict]:
             fn(obj)  # warm up (imports, caches)
             per_round.setdefault(name, slow_n)
         times: dict[str, list[float]] = {name: [] for name in methods}
+        round_meds: dict[str, list[float]] = {name: [] for name in methods}
         for _ in range(rounds):
             for name, (fn, _) in methods.items():
                 gc.collect()
-                times[name] += _time_batch(fn, obj, per_round[name])
+                batch = _time_batch(fn, obj, per_round[name])
+                times[name] += batch
+                round_meds[name].append(statistics.median(batch) * 1e6)
         med = {name: statistics.median(ts) * 1e6 for name, ts in times.items()}
+        best = {name: min(ms) for name, ms in round_meds.items()}
         sizes = {name: sz(obj) for name, (_, sz) in methods.items()}
         for name in methods:
             if name == "rlinf":
@@ -175,6 +183,11 @@ def run(quick: bool = False) -> list[dict]:
                 "baseline_value": med[name],
                 "ratio": med[name] / med["rlinf"],
                 "unit": "us",
+                "target": (f">= {TARGET_PICKLE_RATIO:.0f}x" if name == "pickle" and total > (1 << 20)
+                           else f"<= {TARGET_US:.0f} us" if name == "msgpack+raw" else ""),
+                "note": f"rlinf best round {best['rlinf']:.1f} us",
+                "rlinf_best_round": best["rlinf"],
+                "baseline_best_round": best[name],
                 "rlinf_header_bytes": sizes["rlinf"][0],
                 "rlinf_payload_bytes": sizes["rlinf"][1],
                 "baseline_header_bytes": sizes[name][0],
@@ -185,19 +198,19 @@ def run(quick: bool = False) -> list[dict]:
 
 
 def _print(rows: list[dict]) -> None:
-    print(f"{'size':>7}  {'method':<12} {'median us':>11} {'header B':>10} {'out-of-band B':>14} "
-          f"{'x rlinf':>9}")
+    print(f"{'size':>7}  {'method':<12} {'median us':>11} {'best round':>11} {'header B':>10} "
+          f"{'out-of-band B':>14} {'x rlinf':>9}")
     for label, _ in SIZES:
         sel = [r for r in rows if r["size"] == label]
         if not sel:
             continue
         r0 = sel[0]
-        print(f"{label:>7}  {'rlinf':<12} {r0['rlinf']:>11.1f} {r0['rlinf_header_bytes']:>10} "
-              f"{r0['rlinf_payload_bytes']:>14} {1.0:>9.2f}")
+        print(f"{label:>7}  {'rlinf':<12} {r0['rlinf']:>11.1f} {r0['rlinf_best_round']:>11.1f} "
+              f"{r0['rlinf_header_bytes']:>10} {r0['rlinf_payload_bytes']:>14} {1.0:>9.2f}")
         for r in sel:
             print(f"{label:>7}  {r['baseline']:<12} {r['baseline_value']:>11.1f} "
-                  f"{r['baseline_header_bytes']:>10} {r['baseline_payload_bytes']:>14} "
-                  f"{r['ratio']:>9.1f}")
+                  f"{r['baseline_best_round']:>11.1f} {r['baseline_header_bytes']:>10} "
+                  f"{r['baseline_payload_bytes']:>14} {r['ratio']:>9.1f}")
     small = next(r["rlinf"] for r in rows if r["size"] == SIZES[0][0])
     big = next(r["rlinf"] for r in rows if r["size"] == SIZES[1][0])
     vs_pickle = next(r["ratio"] for r in rows if r["size"] == SIZES[1][0] and r["baseline"] == "pickle")

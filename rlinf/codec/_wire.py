@@ -184,7 +184,7 @@ def lookup(module: Any, qualname: str) -> Any:
 
 
 # ctypes keeps every array type it ever made (one per length), so views use lengths rounded
-# up to a power of two (64 types at most) and are cut back to the real size.
+# up to a power of two (48 types, up to 128 TiB) and are cut back to the real size.
 CARRAYS: list = [ctypes.c_char * (1 << k) for k in range(48)]
 
 
