@@ -10,6 +10,7 @@ from .channel import policies
 from .channel.policies import ConsumerInfo, ItemInfo, LoadBalancePolicy
 from .cluster import Cluster, WorkerGroup
 from .comm import Communicator, connect
+from .facade import SyncCommunicator, init, shutdown
 from .errors import (
     AuthenticationError,
     ClosedError,
@@ -60,6 +61,9 @@ __all__ = [
     "WorkerGroup",
     "WorkerInfo",
     "WouldBlock",
+    "SyncCommunicator",
     "connect",
+    "init",
     "policies",
+    "shutdown",
 ]

@@ -204,10 +204,13 @@ class ControlClient:
     # -- incoming ----------------------------------------------------------------------
     def _on_readable(self) -> None:
         sock = self._sock
-        while not sock.closed:
+        while not self._closed and not sock.closed:
             try:
                 data = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
+                return
+            except zmq.ZMQError as exc:   # context going away under us: stop reading for good
+                self._stop_reading(exc)
                 return
             try:
                 self._dispatch(unpack(data))
@@ -249,11 +252,22 @@ class ControlClient:
                 self._apply(MembershipEvent("joined", address, cur.incarnation, cur))
         self._version = version
 
+    def _stop_reading(self, exc: BaseException) -> None:
+        log.debug("rlinf: control socket of %s stopped: %s", self.info.address, exc)
+        for sock in (self._sock, self._monitor):
+            try:
+                self._loop.remove_reader(sock.FD)
+            except (ValueError, OSError, RuntimeError, zmq.ZMQError):
+                pass
+
     def _on_monitor(self) -> None:
-        while not self._monitor.closed:
+        while not self._closed and not self._monitor.closed:
             try:
                 event = zmq.utils.monitor.recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
+                return
+            except zmq.ZMQError as exc:
+                self._stop_reading(exc)
                 return
             if event["event"] in _HANDSHAKE_FAILED and not self.manager_reachable and not self._auth_failed.done():
                 self._auth_failed.set_exception(AuthenticationError(
@@ -344,23 +358,25 @@ class ControlClient:
                 await self._stats_task
             except asyncio.CancelledError:
                 pass
-        if self._heartbeat is not None:
-            await self._loop.run_in_executor(None, self._heartbeat.join, 2.0)
-        if deregister and self.manager_reachable:
+        try:
+            if self._heartbeat is not None:
+                await self._loop.run_in_executor(None, self._heartbeat.join, 2.0)
+            if deregister and self.manager_reachable:
+                try:
+                    await self.request("deregister", timeout=1.0, address=self.info.address,
+                                       incarnation=self.info.incarnation, bye_to=list(bye_to))
+                except (CommTimeoutError, AuthenticationError, zmq.ZMQError):
+                    pass   # best effort: the manager will notice us gone anyway
+        finally:
+            self._closed = True
+            for fut in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(ClosedError("control connection closed"))
+                    fut.exception()   # the requester (if any) still sees it; nobody else must
+            self._stop_reading(ClosedError("closed"))
             try:
-                await self.request("deregister", timeout=1.0, address=self.info.address,
-                                   incarnation=self.info.incarnation, bye_to=list(bye_to))
-            except (CommTimeoutError, AuthenticationError):
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
                 pass
-        self._closed = True
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(ClosedError("control connection closed"))
-        for sock in (self._sock, self._monitor):
-            try:
-                self._loop.remove_reader(sock.FD)
-            except (ValueError, OSError, RuntimeError):
-                pass
-        self._sock.disable_monitor()
-        self._monitor.close(0)
-        self._sock.close(0)
+            self._monitor.close(0)
+            self._sock.close(0)

@@ -1,8 +1,20 @@
 """Copying a received object into existing arrays/tensors (``comm.recv_into``).
 
-The received object's arrays are views over the receive buffers; this walks it beside
-the caller's target and copies each array into the target's, in place, checking that
-the structure, shapes and dtypes match. No new array is allocated.
+The received object's arrays are views over the receive buffers; :func:`copy_into`
+walks it beside the caller's target and copies each array into the target's, in place.
+It checks the whole structure first, so a mismatch raises before anything is written
+and leaves the target untouched. No new array is allocated.
+
+Rules, by the kind of each node of the target:
+
+* numpy array / torch tensor: the message must hold the same kind with the same shape
+  and dtype (byte order included). torch targets may live on any device and may be
+  leaf tensors that require grad (model parameters): the copy runs under ``no_grad``.
+* dict: the same keys; list / tuple (namedtuples included): the same length;
+  dataclass: the same class. Then each item by these rules.
+* anything else (numbers, strings, None): a placeholder. It is not written (it cannot
+  be updated in place) and the message may hold any plain value there, but not an
+  array, which would be silently dropped.
 """
 
 from __future__ import annotations
@@ -14,55 +26,115 @@ __all__ = ["copy_into"]
 
 
 def _is_torch(x: Any) -> bool:
-    return type(x).__module__.startswith("torch") and hasattr(x, "copy_")
+    return type(x).__module__.startswith("torch") and hasattr(x, "copy_") and hasattr(x, "dtype")
 
 
-def _is_array(x: Any) -> bool:
-    return type(x).__module__ == "numpy" and hasattr(x, "shape") and hasattr(x, "dtype") and x.ndim >= 0
+def _is_numpy(x: Any) -> bool:
+    return type(x).__module__.startswith("numpy") and hasattr(x, "dtype") and hasattr(x, "shape")
+
+
+def _describe(x: Any) -> str:
+    """``a tensor torch.float32[3, 4]``, ``an array int64[5]``, ``a dict``: for messages."""
+    if _is_torch(x):
+        return f"a tensor {x.dtype}{list(x.shape)}"
+    if _is_numpy(x):
+        return f"an array {x.dtype}{list(x.shape)}"
+    name = type(x).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
+def _contains_array(x: Any, depth: int = 0) -> bool:
+    if depth > 100:
+        return False
+    if _is_torch(x) or _is_numpy(x):
+        return True
+    if isinstance(x, dict):
+        return any(_contains_array(v, depth + 1) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(_contains_array(v, depth + 1) for v in x)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return any(_contains_array(getattr(x, f.name), depth + 1) for f in dataclasses.fields(x))
+    return False
+
+
+def _check(target: Any, source: Any, path: str, pairs: list) -> None:
+    """Validate ``source`` against ``target``; collect the (target, source) leaves."""
+    if _is_torch(target):
+        if not _is_torch(source):
+            raise TypeError(f"{path}: target is {_describe(target)}, the message has {_describe(source)}")
+        if tuple(target.shape) != tuple(source.shape) or target.dtype != source.dtype:
+            raise ValueError(f"{path}: target is {_describe(target)}, the message has {_describe(source)}")
+        pairs.append((target, source))
+    elif _is_numpy(target):
+        import numpy as np   # numpy is a core dependency; imported here to keep import light
+
+        if not isinstance(target, np.ndarray):
+            raise TypeError(f"{path}: a numpy scalar cannot be written in place; use a 0-d array as target")
+        if not _is_numpy(source):
+            raise TypeError(f"{path}: target is {_describe(target)}, the message has {_describe(source)}")
+        if target.shape != source.shape or target.dtype != source.dtype:
+            raise ValueError(f"{path}: target is {_describe(target)}, the message has {_describe(source)}")
+        if not target.flags.writeable:
+            raise ValueError(f"{path}: the target array is read-only")
+        pairs.append((target, source))
+    elif isinstance(target, dict):
+        if not isinstance(source, dict):
+            raise TypeError(f"{path}: target is a dict, the message has {_describe(source)}")
+        if target.keys() != source.keys():
+            missing = [k for k in target if k not in source]
+            extra = [k for k in source if k not in target]
+            raise ValueError(f"{path}: dict keys differ: missing from the message {missing}, "
+                             f"not in the target {extra}")
+        for key in target:
+            _check(target[key], source[key], f"{path}[{key!r}]", pairs)
+    elif isinstance(target, (list, tuple)):
+        if not isinstance(source, (list, tuple)):
+            raise TypeError(f"{path}: target is {_describe(target)}, the message has {_describe(source)}")
+        if len(target) != len(source):
+            raise ValueError(f"{path}: target has {len(target)} items, the message has {len(source)}")
+        for i, (t, s) in enumerate(zip(target, source)):
+            _check(t, s, f"{path}[{i}]", pairs)
+    elif dataclasses.is_dataclass(target) and not isinstance(target, type):
+        if type(source) is not type(target):
+            raise TypeError(f"{path}: target is {_describe(target)}, the message has {_describe(source)}")
+        for f in dataclasses.fields(target):
+            _check(getattr(target, f.name), getattr(source, f.name), f"{path}.{f.name}", pairs)
+    elif _contains_array(source):
+        raise TypeError(f"{path}: the message has arrays here but the target has {_describe(target)}, "
+                        "which cannot receive them")
 
 
 def copy_into(target: Any, source: Any, path: str = "$") -> None:
     """Copy every array/tensor of ``source`` into the matching one of ``target``.
 
+    The structure is checked first (see the module docstring for the rules); nothing is
+    written unless all of it matches.
+
+    Args:
+        target: the object to write into (arrays/tensors inside containers).
+        source: the received object.
+        path: the name of ``target`` in error messages.
+
     Raises:
-        TypeError: the structures differ (a container of another kind, a missing array).
-        ValueError: a shape, dtype or length differs; the message names the path.
+        TypeError: a node of another kind (a tensor where the target has an array, a
+            list where it has a dict, arrays where it has a plain value).
+        ValueError: a shape, dtype, length or key set differs, or a target array is
+            read-only. Messages name the path, e.g. ``$['weights'][2]``.
     """
-    if _is_torch(target):
-        if not _is_torch(source):
-            raise TypeError(f"{path}: target is a tensor, message has {type(source).__name__}")
-        if tuple(target.shape) != tuple(source.shape) or target.dtype != source.dtype:
-            raise ValueError(f"{path}: target is {target.dtype}{tuple(target.shape)}, "
-                             f"message has {source.dtype}{tuple(source.shape)}")
-        target.copy_(source)
+    pairs: list = []
+    _check(target, source, path, pairs)
+    if not pairs:
         return
-    if type(target).__module__ == "numpy" and hasattr(target, "dtype") and hasattr(target, "shape"):
+    numpy_pairs = [(t, s) for t, s in pairs if not _is_torch(t)]
+    torch_pairs = [(t, s) for t, s in pairs if _is_torch(t)]
+    if numpy_pairs:
         import numpy as np
 
-        if not isinstance(source, np.ndarray) and not isinstance(source, np.generic):
-            raise TypeError(f"{path}: target is an array, message has {type(source).__name__}")
-        if target.shape != source.shape or target.dtype != source.dtype:
-            raise ValueError(f"{path}: target is {target.dtype}{target.shape}, message has {source.dtype}{source.shape}")
-        if target.ndim == 0 and not isinstance(target, np.ndarray):
-            raise TypeError(f"{path}: numpy scalars are immutable; use a 0-d array as target")
-        np.copyto(target, source)
-        return
-    if isinstance(target, dict):
-        if not isinstance(source, dict) or target.keys() != source.keys():
-            raise ValueError(f"{path}: dict keys differ from the message's")
-        for key in target:
-            copy_into(target[key], source[key], f"{path}[{key!r}]")
-        return
-    if isinstance(target, (list, tuple)):
-        if not isinstance(source, (list, tuple)) or len(target) != len(source):
-            raise ValueError(f"{path}: expected a sequence of {len(target)} items")
-        for i, (t, s) in enumerate(zip(target, source)):
-            copy_into(t, s, f"{path}[{i}]")
-        return
-    if dataclasses.is_dataclass(target) and not isinstance(target, type):
-        if type(source) is not type(target):
-            raise TypeError(f"{path}: expected {type(target).__name__}, message has {type(source).__name__}")
-        for f in dataclasses.fields(target):
-            copy_into(getattr(target, f.name), getattr(source, f.name), f"{path}.{f.name}")
-        return
-    # Plain values (numbers, strings, None) cannot be written in place; they must agree.
+        for t, s in numpy_pairs:
+            np.copyto(t, s, casting="no")
+    if torch_pairs:
+        import torch
+
+        with torch.no_grad():
+            for t, s in torch_pairs:
+                t.copy_(s)

@@ -3,8 +3,17 @@
 A spawned process connects as ``name:rank``, then either runs ``async def main(comm,
 *args)`` or instantiates a :class:`Worker` subclass, calls its ``setup()``, serves
 remote calls from the driver and, if it defines ``run()``, returns what ``run()``
-returns. Driver and child talk over a private pipe (calls, results, stop); the pipe
-closing means the driver died, and the child exits instead of lingering.
+returns.
+
+Driver and child talk over a private pipe. Child to driver: ``("started", info)`` once
+the communicator is up (``info`` names the ipc socket directory, which the driver
+removes if the child is killed before it can), ``("ready",)`` after ``setup()``,
+``("reply", call_id, ok, value_or_traceback)``, ``("result", ok, value_or_traceback)``.
+Driver to child: ``("call", call_id, method, args, kwargs)``; ``("finish",)`` (a Worker
+without ``run()`` returns None; others ignore it); ``("stop",)`` (cancel the work and
+close cleanly: what closing the cluster sends). SIGTERM means ``stop`` too. The pipe
+closing means the driver died: the child stops as well instead of lingering (and exits
+hard if stopping takes longer than a grace period).
 """
 
 from __future__ import annotations
@@ -12,7 +21,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import signal
 import sys
+import threading
 import traceback
 from typing import Any
 
@@ -21,13 +32,23 @@ from .comm import Communicator
 
 __all__ = ["Worker"]
 
+#: Seconds a child whose driver died may take to close cleanly before it exits hard.
+_ORPHAN_GRACE = 10.0
+
 
 class Worker:
     """Base class for workers started with ``cluster.spawn(MyWorker, "name", n)``.
 
-    Attributes set before ``setup()`` runs: ``comm`` (the :class:`Communicator`),
-    ``address``, ``rank`` and ``world_size`` (of its group). Public methods (plain or
-    ``async``) can be called from the driver with ``group.call("method", ...)``.
+    The driver's ``args``/``kwargs`` go to ``__init__``. Set before ``setup()`` runs:
+    ``comm`` (the :class:`~rlinf.Communicator`), ``address`` (``"name:rank"``), ``rank``
+    and ``world_size`` (of its group).
+
+    Optional hooks: ``async def setup(self)`` (once, before any remote call) and
+    ``async def run(self)`` (the worker's main loop; its return value is what
+    ``group.join()`` returns for this rank). Without ``run()`` the worker serves calls
+    until ``group.join()`` or the cluster stops it. Public methods, plain or ``async``,
+    can be called from the driver with ``group.call("method", *args, **kwargs)``;
+    arguments and results travel pickled over a pipe (use ``comm`` for bulk data).
     """
 
     comm: Communicator
@@ -42,73 +63,117 @@ class Worker:
         return f"<{type(self).__name__} {getattr(self, 'address', '?')}>"
 
 
-async def _serve_pipe(conn, worker: Worker | None, stop: asyncio.Event) -> None:
-    """Answer the driver's calls; set ``stop`` on request or when the driver is gone."""
-    loop = asyncio.get_running_loop()
-    requests: asyncio.Queue = asyncio.Queue()
+def is_worker_class(target: Any) -> bool:
+    return isinstance(target, type) and issubclass(target, Worker)
 
-    def on_readable() -> None:
+
+class _Child:
+    """The child's end of the pipe: dispatches the driver's requests on the loop."""
+
+    def __init__(self, conn, main_task: asyncio.Task) -> None:
+        self.conn = conn
+        self.main_task = main_task
+        self.loop = asyncio.get_running_loop()
+        self.worker: Worker | None = None
+        self.finish = asyncio.Event()
+        self.stopping = False
+        self.tasks: set[asyncio.Task] = set()
+        self.loop.add_reader(conn.fileno(), self._on_readable)
+        self.loop.add_signal_handler(signal.SIGTERM, self.stop)
+
+    def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
         try:
-            while conn.poll():
-                requests.put_nowait(conn.recv())
-        except (EOFError, OSError):
-            requests.put_nowait(None)
+            self.loop.remove_reader(self.conn.fileno())
+        except (ValueError, OSError):
+            pass
+        self.loop.remove_signal_handler(signal.SIGTERM)
 
-    loop.add_reader(conn.fileno(), on_readable)
-    try:
-        while True:
-            request = await requests.get()
-            if request is None:          # the driver died: do not outlive it
-                os._exit(1)
-            if request[0] == "stop":
-                stop.set()
-                continue
-            _, call_id, method, args, kwargs = request
-            loop.create_task(_answer(conn, worker, call_id, method, args, kwargs))
-    finally:
-        loop.remove_reader(conn.fileno())
+    def send(self, message: tuple) -> None:
+        try:
+            self.conn.send(message)
+        except (BrokenPipeError, EOFError, OSError):
+            self._orphaned()
 
+    def stop(self) -> None:
+        """Cancel the worker's main coroutine (once); the communicator then closes."""
+        if not self.stopping:
+            self.stopping = True
+            self.main_task.cancel()
 
-async def _answer(conn, worker: Worker | None, call_id: int, method: str, args, kwargs) -> None:
-    try:
-        if worker is None:
-            raise TypeError("this worker runs a function; only rlinf.Worker subclasses take calls")
-        if method.startswith("_"):
-            raise AttributeError(f"{method!r} is private and cannot be called remotely")
-        fn = getattr(worker, method)
-        result = fn(*args, **kwargs)
-        if inspect.isawaitable(result):
-            result = await result
-        reply = ("reply", call_id, True, result)
-    except Exception:
-        reply = ("reply", call_id, False, traceback.format_exc())
-    try:
-        conn.send(reply)
-    except Exception:   # result not picklable: report that instead
-        conn.send(("reply", call_id, False, traceback.format_exc()))
+    def _orphaned(self) -> None:
+        self.stop()
+        timer = threading.Timer(_ORPHAN_GRACE, os._exit, (1,))
+        timer.daemon = True
+        timer.start()
+
+    def _on_readable(self) -> None:
+        try:
+            while self.conn.poll():
+                self._dispatch(self.conn.recv())
+        except (EOFError, OSError):   # the driver died: do not outlive it
+            try:
+                self.loop.remove_reader(self.conn.fileno())
+            except (ValueError, OSError):
+                pass
+            self._orphaned()
+
+    def _dispatch(self, request: tuple) -> None:
+        kind = request[0]
+        if kind == "stop":
+            self.stop()
+        elif kind == "finish":
+            self.finish.set()
+        elif kind == "call":
+            task = self.loop.create_task(self._answer(*request[1:]))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _answer(self, call_id: int, method: str, args: tuple, kwargs: dict) -> None:
+        try:
+            if self.worker is None:
+                raise TypeError("this worker runs a function; only rlinf.Worker subclasses take calls")
+            if method.startswith("_"):
+                raise AttributeError(f"{method!r} is private and cannot be called remotely")
+            result = getattr(self.worker, method)(*args, **kwargs)
+            if inspect.isawaitable(result):
+                result = await result
+            reply = ("reply", call_id, True, result)
+        except Exception:
+            reply = ("reply", call_id, False, traceback.format_exc())
+        try:
+            self.conn.send(reply)
+        except (BrokenPipeError, EOFError, OSError):
+            self._orphaned()
+        except Exception:   # the result cannot be pickled: report that instead
+            self.send(("reply", call_id, False, traceback.format_exc()))
 
 
 async def _run_child(target, address: str, rank: int, world_size: int, manager: str, token: str,
                      args: tuple, kwargs: dict, conn) -> Any:
-    async with Communicator(address, manager=manager, token=token) as comm:
-        stop = asyncio.Event()
-        is_class = isinstance(target, type) and issubclass(target, Worker)
-        worker = None
-        if is_class:
+    child = _Child(conn, asyncio.current_task())
+    try:
+        async with Communicator(address, manager=manager, token=token) as comm:
+            ipc = comm.info.endpoints.get("ipc", "") if comm.info else ""
+            child.send(("started", {"pid": os.getpid(),
+                                    "ipc_dir": os.path.dirname(ipc[len("ipc://"):]) if ipc else ""}))
+            if not is_worker_class(target):
+                child.send(("ready",))
+                return await target(comm, *args, **kwargs)
             worker = target(*args, **kwargs)
             worker.comm, worker.address, worker.rank, worker.world_size = comm, address, rank, world_size
             await worker.setup()
-        server = asyncio.get_running_loop().create_task(_serve_pipe(conn, worker, stop))
-        conn.send(("ready",))
-        try:
-            if not is_class:
-                return await target(comm, *args, **kwargs)
-            if hasattr(worker, "run"):
-                return await worker.run()
-            await stop.wait()
+            child.worker = worker
+            child.send(("ready",))
+            run = getattr(worker, "run", None)
+            if run is not None:
+                result = run()
+                return await result if inspect.isawaitable(result) else result
+            await child.finish.wait()
             return None
-        finally:
-            server.cancel()
+    finally:
+        child.close()
 
 
 def child_main(target, address: str, rank: int, world_size: int, manager: str, token: str,
@@ -118,11 +183,15 @@ def child_main(target, address: str, rank: int, world_size: int, manager: str, t
     try:
         result = control.run(_run_child(target, address, rank, world_size, manager, token, args, kwargs, conn))
         message = ("result", True, result)
+    except asyncio.CancelledError:
+        message = ("result", False, f"{address} was stopped before it returned\n")
     except BaseException:
         message = ("result", False, traceback.format_exc())
     try:
         conn.send(message)
-    except Exception:
+    except (BrokenPipeError, EOFError, OSError):
+        pass
+    except Exception:   # the result cannot be pickled: report that instead
         conn.send(("result", False, traceback.format_exc()))
     finally:
         conn.close()

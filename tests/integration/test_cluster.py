@@ -1,0 +1,359 @@
+"""The local launcher: spawn / call / join / kill, failures, and cleanup after crashes.
+
+Worker targets are defined in this module (module level: the spawn context imports it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import rlinf
+
+pytestmark = pytest.mark.multiproc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# -- worker targets ------------------------------------------------------------------
+class Counter(rlinf.Worker):
+    def __init__(self, start: int = 0) -> None:
+        self.value = start
+
+    async def setup(self) -> None:
+        self.value += 100 * self.rank
+
+    def add(self, k: int) -> int:
+        self.value += k
+        return self.value
+
+    async def where(self) -> tuple[str, int, int, int]:
+        return self.address, self.rank, self.world_size, os.getpid()
+
+    async def hang(self) -> None:
+        await asyncio.Event().wait()
+
+    def unpicklable(self):
+        return lambda: None
+
+    async def share(self, nbytes: int = 1 << 20) -> list:
+        """Send a large array to the driver, who keeps it: our slot stays in use."""
+        await self.comm.send(np.ones(nbytes // 8), "driver:0", tag=5, timeout=30)
+        return os.getpid()
+
+
+class Runner(rlinf.Worker):
+    """A Worker with run(): join() returns what run() returns; calls work meanwhile."""
+
+    async def setup(self) -> None:
+        self.release = asyncio.Event()
+
+    def go(self) -> str:
+        self.release.set()
+        return "released"
+
+    async def run(self) -> str:
+        await self.release.wait()
+        return f"ran {self.address}"
+
+
+class BadSetup(rlinf.Worker):
+    async def setup(self) -> None:
+        if self.rank == 1:
+            raise RuntimeError("setup exploded on rank 1")
+
+
+async def returns(comm, value):
+    return {"address": comm.address, "value": value, "flag": os.environ.get("MY_FLAG"),
+            "node": comm.info.node_id}
+
+
+async def fail_after_others_wait(comm):
+    """Rank 0 raises once the other ranks told it they are blocked waiting for it."""
+    rank = int(comm.address.split(":")[1])
+    if rank == 0:
+        for _ in range(2):
+            await comm.recv_any(tag=1, timeout=60)
+        raise ValueError("rank zero gave up")
+    await comm.send("waiting", comm.address.split(":")[0] + ":0", tag=1, timeout=60)
+    await asyncio.Event().wait()   # never returns: must be killed, not left hanging
+
+
+async def send_weights(comm, versions: int):
+    """Send ``versions`` nested weight sets to the driver, then one with a wrong shape."""
+    for v in range(versions):
+        await comm.send({"w": np.full((256, 512), float(v), dtype=np.float32),
+                         "b": [np.full(3, v, dtype=np.int32)], "step": v}, "driver:0", timeout=30)
+    await comm.send({"w": np.zeros((2, 2), dtype=np.float32), "b": [np.zeros(3, dtype=np.int32)], "step": -1},
+                    "driver:0", timeout=30)
+    return versions
+
+
+async def raises(comm):
+    raise RuntimeError("failing on purpose")
+
+
+async def idle(comm):
+    await asyncio.Event().wait()
+
+
+async def ignores_cancel(comm):
+    """Swallows the cancellation that "stop" and SIGTERM cause: needs SIGKILL."""
+    while True:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            continue
+
+
+async def blocks_loop(comm, driver: str):
+    await comm.send("blocking", driver, tag=2, timeout=60)
+    await comm.recv(driver, tag=3, timeout=60)   # our send has left once the ack is here
+    while True:
+        time.sleep(0.5)   # a stuck C call: the loop never runs again
+
+
+def not_async(comm):
+    return 1
+
+
+def _orphan_driver(mode: str) -> None:
+    """Run by a subprocess: start a worker, print what it is, then wait to be killed
+    (``mode="kill"``) or return without closing the cluster (``"forget"``)."""
+    async def main():
+        cluster = await rlinf.Cluster().start()
+        group = await cluster.spawn(Counter, "orphan", 1)
+        comm = await cluster.connect("odriver:0").start()
+        infos = await _infos(comm, group.addresses)
+        print(json.dumps({"pids": group.pids, "ipc": [_ipc_dir(i) for i in infos]}), flush=True)
+        if mode == "kill":
+            await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+# -- helpers -------------------------------------------------------------------------
+def _ipc_dir(info) -> str:
+    return os.path.dirname(info.endpoints["ipc"][len("ipc://"):])
+
+
+async def _infos(comm, addresses: list[str]):
+    """WorkerInfo of each address (looked up through the manager; they are registered)."""
+    await asyncio.gather(*(comm.send(None, a, tag=99) for a in addresses))   # resolves them
+    roster = {p.address: p for p in await comm.peers()}
+    return [roster[a] for a in addresses]
+
+
+def _shm_of(pid: int) -> list[str]:
+    """Shared-memory files of ``pid`` (the shm transport names them rlinf-<pid>-...)."""
+    try:
+        return [f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith(f"rlinf-{pid}-")]
+    except FileNotFoundError:
+        return []
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _wait_exit(pid: int, timeout: float) -> bool:
+    """Wait for a process that is not our child to exit (pidfd: no polling)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
+
+
+# -- tests ---------------------------------------------------------------------------
+async def test_spawn_call_join_round_trip(cluster):
+    async with asyncio.timeout(90):
+        group = await cluster.spawn(Counter, "ctr", 3, kwargs={"start": 1})
+        assert group.addresses == ["ctr:0", "ctr:1", "ctr:2"] and len(group) == 3
+        assert "alive=3" in repr(group)
+        assert await group.call("add", 1) == [2, 102, 202]
+        assert await group.call("add", k=10, ranks=[2, 0]) == [212, 12]      # in the order asked
+        where = await group.call("where")
+        assert [w[:3] for w in where] == [("ctr:0", 0, 3), ("ctr:1", 1, 3), ("ctr:2", 2, 3)]
+        assert [w[3] for w in where] == group.pids
+        functions = await cluster.spawn(returns, "fn", 1, args=([1, 2],),
+                                        env={"RLINF_NODE_ID": "node-x", "MY_FLAG": "on"})
+        assert "MY_FLAG" not in os.environ                      # the driver's env is untouched
+        runners = await cluster.spawn(Runner, "run", 2)
+        assert await runners.call("go", ranks=[1]) == ["released"]
+        assert await runners.join(ranks=[1]) == ["ran run:1"]
+        await runners.call("go", ranks=[0])
+        assert await runners.join() == ["ran run:0", "ran run:1"]
+
+        with pytest.raises(TypeError, match="runs a function"):
+            await functions.call("add", 1)
+        with pytest.raises(ValueError, match="private"):
+            await group.call("_secret")
+        with pytest.raises(ValueError, match="not in 0..2"):
+            await group.call("add", 1, ranks=[3])
+        with pytest.raises(rlinf.WorkerFailedError, match="AttributeError") as info:
+            await group.call("no_such_method")
+        assert info.value.address == "ctr:0" and "no_such_method" in info.value.remote_traceback
+        with pytest.raises(rlinf.WorkerFailedError, match="pickle"):
+            await group.call("unpicklable", ranks=[1])
+        with pytest.raises(rlinf.CommTimeoutError):
+            await group.call("hang", timeout=0.3)
+        assert await group.call("add", 0) == [12, 102, 212]                 # still serving
+
+        assert await functions.join() == [{"address": "fn:0", "value": [1, 2], "flag": "on", "node": "node-x"}]
+        assert await group.join() == [None, None, None]                       # told to finish
+        assert all(_gone(pid) for pid in group.pids + functions.pids + runners.pids)
+        assert "alive=0" in repr(group)
+
+
+async def test_kill_one_rank(cluster, driver):
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(Counter, "k", 3)
+        infos = await _infos(driver, group.addresses)
+        pid = group.pids[1]
+        await group.call("share", ranks=[1])                   # k:1 now owns shared memory
+        held = await driver.recv("k:1", tag=5)
+        segments = _shm_of(pid)
+        assert segments, "expected the 1 MiB message to travel through shared memory"
+        await group.kill(1)
+        assert _gone(pid)
+        assert not os.path.exists(_ipc_dir(infos[1]))          # removed by the driver...
+        assert [s for s in segments if os.path.exists(s)] == []   # ...and so is its shm
+        del held
+        with pytest.raises(rlinf.WorkerFailedError, match=r"k:1 .*killed by group.kill\(\)"):
+            await group.call("add", 1, ranks=[1])
+        with pytest.raises(rlinf.PeerLostError):                # its peers see it lost
+            await driver.recv("k:1", timeout=10)
+        assert await group.call("add", 1, ranks=[0, 2]) == [1, 201]
+        assert await group.join(ranks=[0, 2]) == [None, None]
+        with pytest.raises(rlinf.WorkerFailedError, match="killed"):
+            await group.join()
+
+
+async def test_recv_into_between_processes(cluster, driver):
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(send_weights, "trainer", 1, args=(3,))
+        target = {"w": np.empty((256, 512), dtype=np.float32), "b": [np.empty(3, dtype=np.int32)], "step": None}
+        pointers = (target["w"].ctypes.data, target["b"][0].ctypes.data)
+        for v in range(3):
+            assert await driver.recv_into(target, "trainer:0") is target
+            assert (target["w"] == v).all() and target["b"][0].tolist() == [v] * 3   # 512 KiB
+            assert target["step"] is None                       # plain values: placeholders
+        assert (target["w"].ctypes.data, target["b"][0].ctypes.data) == pointers   # in place
+        with pytest.raises(ValueError, match=r"\$\['w'\].*\[256, 512\].*\[2, 2\]"):
+            await driver.recv_into(target, "trainer:0")
+        assert (target["w"] == 2).all()                         # left untouched
+        assert await group.join() == [3]
+
+
+async def test_failure_raises_with_traceback_and_kills_the_rest(cluster):
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(fail_after_others_wait, "f", 3)
+        t0 = time.monotonic()
+        with pytest.raises(rlinf.WorkerFailedError) as info:
+            await group.join()
+        assert info.value.address == "f:0"
+        assert "rank zero gave up" in str(info.value) and "fail_after_others_wait" in info.value.remote_traceback
+        assert time.monotonic() - t0 < 20
+        assert all(_gone(pid) for pid in group.pids)            # the waiting ranks were killed
+
+        with pytest.raises(rlinf.WorkerFailedError, match="setup exploded on rank 1") as info:
+            await cluster.spawn(BadSetup, "bad", 2)
+        assert info.value.address == "bad:1"
+        assert all(_gone(pid) for pid in cluster._groups[-1].pids)   # rank 0 did not linger
+
+
+async def test_bad_arguments(cluster):
+    async with asyncio.timeout(30):
+        async def local(comm):
+            return None
+
+        with pytest.raises(TypeError, match="module level"):
+            await cluster.spawn(local, "x")
+        with pytest.raises(TypeError, match="async def"):
+            await cluster.spawn(not_async, "x")
+        with pytest.raises(ValueError, match="group name"):
+            await cluster.spawn(idle, "a:b")
+        with pytest.raises(ValueError, match="positive"):
+            await cluster.spawn(idle, "x", 0)
+        with pytest.raises(TypeError, match="env"):
+            await cluster.spawn(idle, "x", env={"A": 1})
+    assert cluster._groups == []
+
+
+async def test_close_after_crashes_leaves_nothing_behind():
+    """SIGKILLed, failed, stuck and stubborn workers: close() removes every trace."""
+    async with asyncio.timeout(90):
+        cluster = await rlinf.Cluster(stop_timeout=1.0).start()
+        try:
+            driver = await cluster.connect("driver:0").start()
+            killed = await cluster.spawn(Counter, "killed", 1)
+            counters = await cluster.spawn(Counter, "ctr", 1)
+            stubborn = await cluster.spawn(ignores_cancel, "stubborn", 1)
+            stuck = await cluster.spawn(blocks_loop, "stuck", 1, args=("driver:0",))
+            failing = await cluster.spawn(raises, "fail", 1)
+            groups = [killed, counters, stubborn, stuck, failing]
+            pids = [pid for g in groups for pid in g.pids]
+            await driver.recv("stuck:0", tag=2)
+            await driver.send("ack", "stuck:0", tag=3)
+            dirs = [_ipc_dir(i) for g in groups[:4] for i in await _infos(driver, g.addresses)]
+            dirs.append(_ipc_dir(driver.info))
+            await killed.call("share")
+            await counters.call("share")
+            held = [await driver.recv(a, tag=5) for a in ("killed:0", "ctr:0")]
+            segments = _shm_of(killed.pids[0]) + _shm_of(counters.pids[0])
+            assert len(segments) >= 2
+            os.kill(killed.pids[0], signal.SIGKILL)             # as the OOM killer would
+            with pytest.raises(rlinf.WorkerFailedError, match="failing on purpose"):
+                await failing.join()
+        finally:
+            t0 = time.monotonic()
+            await cluster.aclose()
+            closing = time.monotonic() - t0
+        del held
+        assert closing < 15
+        assert [pid for pid in pids if not _gone(pid)] == []
+        assert [d for d in dirs if os.path.exists(d)] == []
+        assert [s for s in segments if os.path.exists(s)] == []
+        await cluster.aclose()                                  # idempotent
+        with pytest.raises(rlinf.ClosedError):
+            await cluster.spawn(idle, "late")
+
+
+@pytest.mark.parametrize("mode", ["kill", "forget"])
+def test_orphaned_workers_exit_and_clean_up(mode):
+    """The driver dies (SIGKILL) or exits without closing its cluster: its workers stop
+    (they notice the pipe closing, or the driver's exit hook kills them) and clean up."""
+    driver = subprocess.Popen(
+        [sys.executable, "-c", f"from tests.integration.test_cluster import _orphan_driver; _orphan_driver({mode!r})"],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        ready = select.select([driver.stdout], [], [], 60)[0]
+        assert ready, "the driver did not start its workers in time"
+        started = json.loads(driver.stdout.readline())
+        if mode == "kill":
+            driver.kill()
+        assert driver.wait(30) in (0, -signal.SIGKILL)
+    finally:
+        driver.kill()
+        driver.wait(10)
+        driver.stdout.close()
+    for pid in started["pids"]:
+        assert _wait_exit(pid, 30), f"worker {pid} outlived its driver"
+    assert [d for d in started["ipc"] if os.path.exists(d)] == []
