@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 from .comm import Communicator
 from .errors import ClosedError, CommTimeoutError, WorkerFailedError
 from .manager import Manager
-from .worker import child_main, is_worker_class
+from .worker import child_main, is_worker_class, pipe_recv, pipe_send
 
 __all__ = ["Cluster", "WorkerGroup"]
 
@@ -95,7 +95,7 @@ class _Proc:
     def _on_message(self) -> None:
         try:
             while not self.conn.closed and self.conn.poll():
-                self._handle(self.conn.recv())
+                self._handle(pipe_recv(self.conn))
         except (EOFError, OSError):
             self._stop_reading(self.conn)
 
@@ -165,7 +165,7 @@ class _Proc:
         if self.conn.closed:
             raise WorkerFailedError(f"worker {self.address} is gone", address=self.address)
         try:
-            self.conn.send(message)
+            pipe_send(self.conn, message)
         except (BrokenPipeError, OSError) as exc:
             raise WorkerFailedError(f"worker {self.address} is gone", address=self.address) from exc
 
@@ -292,7 +292,7 @@ class WorkerGroup:
             if p.ready.done() and not p.result.done():
                 p.tell(("finish",))
         try:
-            results = await _gather([p.result for p in procs], timeout, f"join of {self.name}")
+            results = await _gather([p.result for p in procs], timeout, f"join of {self.name}", first_error=True)
         except WorkerFailedError:
             await self._kill(procs, deliberate=False)
             raise
@@ -337,12 +337,25 @@ class WorkerGroup:
                 p.process.close()
 
 
-async def _gather(futures: list[asyncio.Future], timeout: float | None, what: str) -> list[Any]:
+async def _gather(futures: list[asyncio.Future], timeout: float | None, what: str, *,
+                  first_error: bool = False) -> list[Any]:
+    """Wait for the futures; on failure raise the error of the lowest failing rank.
+
+    ``first_error`` stops at the first failure (``join``: the caller then kills the
+    rest, who may be waiting on the failed one); otherwise every future is awaited
+    (``call``), which makes the reported rank deterministic.
+    """
+    when = asyncio.FIRST_EXCEPTION if first_error else asyncio.ALL_COMPLETED
     try:
         async with asyncio.timeout(timeout):
-            return list(await asyncio.gather(*(asyncio.shield(f) for f in futures)))
+            if futures:
+                await asyncio.wait([asyncio.shield(f) for f in futures], return_when=when)
     except TimeoutError:
         raise CommTimeoutError(f"{what} did not finish within {timeout} s") from None
+    for f in futures:
+        if f.done() and f.exception() is not None:
+            raise f.exception()
+    return [f.result() for f in futures]
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -30,7 +31,22 @@ from typing import Any
 from . import control
 from .comm import Communicator
 
-__all__ = ["Worker"]
+__all__ = ["Worker", "pipe_send", "pipe_recv"]
+
+
+def pipe_send(conn, message: tuple) -> None:
+    """Send ``message`` over a driver<->child pipe, pickled by value.
+
+    multiprocessing's own pickler would pass torch tensors as shared-memory file
+    descriptors, which the receiver cannot open once the sender has exited (a worker's
+    return value is sent just before it exits). Plain pickle copies them instead.
+    """
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def pipe_recv(conn) -> tuple:
+    """Receive a message sent with :func:`pipe_send` (the driver and its own children only)."""
+    return pickle.loads(conn.recv_bytes())
 
 #: Seconds a child whose driver died may take to close cleanly before it exits hard.
 _ORPHAN_GRACE = 10.0
@@ -92,7 +108,7 @@ class _Child:
 
     def send(self, message: tuple) -> None:
         try:
-            self.conn.send(message)
+            pipe_send(self.conn, message)
         except (BrokenPipeError, EOFError, OSError):
             self._orphaned()
 
@@ -111,7 +127,7 @@ class _Child:
     def _on_readable(self) -> None:
         try:
             while self.conn.poll():
-                self._dispatch(self.conn.recv())
+                self._dispatch(pipe_recv(self.conn))
         except (EOFError, OSError):   # the driver died: do not outlive it
             try:
                 self.loop.remove_reader(self.conn.fileno())
@@ -143,7 +159,7 @@ class _Child:
         except Exception:
             reply = ("reply", call_id, False, traceback.format_exc())
         try:
-            self.conn.send(reply)
+            pipe_send(self.conn, reply)
         except (BrokenPipeError, EOFError, OSError):
             self._orphaned()
         except Exception:   # the result cannot be pickled: report that instead
@@ -188,11 +204,11 @@ def child_main(target, address: str, rank: int, world_size: int, manager: str, t
     except BaseException:
         message = ("result", False, traceback.format_exc())
     try:
-        conn.send(message)
+        pipe_send(conn, message)
     except (BrokenPipeError, EOFError, OSError):
         pass
     except Exception:   # the result cannot be pickled: report that instead
-        conn.send(("result", False, traceback.format_exc()))
+        pipe_send(conn, ("result", False, traceback.format_exc()))
     finally:
         conn.close()
     sys.exit(0 if message[1] else 1)

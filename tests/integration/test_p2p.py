@@ -211,3 +211,11 @@ async def test_worker_class_calls(cluster):
         with pytest.raises(rlinf.WorkerFailedError, match="boom from a method"):
             await group.call("fail")
         assert await group.join() == [None, None, None]
+
+
+async def test_return_value_with_tensor_reaches_driver(cluster):
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers.return_tensor, "rt", 2)
+        results = await group.join()
+        assert [r["ok"] for r in results] == [True, True]
+        assert all(torch.equal(r["t"], torch.arange(5)) for r in results)

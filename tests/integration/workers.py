@@ -57,3 +57,10 @@ class Counter(rlinf.Worker):
 
     def fail(self) -> None:
         raise ValueError("boom from a method")
+
+
+async def return_tensor(comm):
+    """A return value holding a tensor must reach the driver although we exit at once."""
+    import torch
+
+    return {"t": torch.arange(5), "ok": True}
