@@ -86,6 +86,7 @@ class Manager:
         self._checker: asyncio.Task | None = None
         self._machine = control.machine_id()
         self._recheck = False
+        self._sweep: set[int] = set()    # pids of departed local workers (see _sweep_gone)
 
     def __repr__(self) -> str:
         return f"<Manager {self.address or 'unbound'} workers={len(self._roster)}>"
@@ -159,12 +160,15 @@ class Manager:
 
     def snapshot(self) -> dict[str, Any]:
         """Roster, latest stats per worker and recent events (for ``rlinf top``)."""
-        now = time.time()
+        now, mono = time.time(), time.monotonic()
         return {
             "manager": self.address,
             "time": now,
+            "version": self.version,            # +1 per event: tells observers how many are new
+            "peer_timeout": self.peer_timeout,
             "workers": [
-                {**info.to_wire(), "age": now - info.start_time, "stats": self._stats.get(info.address, {})}
+                {**info.to_wire(), "age": now - info.start_time, "stats": self._stats.get(info.address, {}),
+                 "silence": mono - self._last_seen.get(info.address, mono)}   # since its last heartbeat
                 for info in self._roster.values()
             ],
             "events": [{"kind": e.kind, "address": e.address} for e in self.events],
@@ -258,7 +262,20 @@ class Manager:
         self._identity.pop(info.address, None)
         self._last_seen.pop(info.address, None)
         self._stats.pop(info.address, None)
+        if info.pid and info.meta.get("machine") == self._machine and len(self._sweep) < 100_000:
+            self._sweep.add(info.pid)
+            self._sweep_gone()
         self._announce(MembershipEvent(kind, info.address, info.incarnation, info), bye_to)
+
+    def _sweep_gone(self) -> None:
+        """Unlink the shared memory of departed local workers whose process is gone (a
+        ``kill -9`` leaves its ``/dev/shm/rlinf-<pid>-*`` segments behind)."""
+        from .transports.shm import sweep   # the manager never needs numpy otherwise
+
+        for pid in [p for p in self._sweep if _process_gone(p)]:
+            self._sweep.discard(pid)
+            if sweep(pid):
+                log.info("rlinf manager: removed the shared memory of lost process %d", pid)
 
     def _announce(self, event: MembershipEvent, bye_to: list[str] = ()) -> None:
         self.version += 1
@@ -275,13 +292,24 @@ class Manager:
             pass
 
     async def _check_loop(self) -> None:
+        last = time.monotonic()
         while True:
             await asyncio.sleep(self._check_interval)
             now = time.monotonic()
+            stall = now - last - self._check_interval
+            last = now
+            if stall > 0.2:
+                # Our own loop was stalled (an embedded manager shares the driver's loop):
+                # the workers were not silent, we were deaf. Credit them the stall.
+                for address in self._last_seen:
+                    self._last_seen[address] += stall
+            self._on_readable()   # judge silence only after reading the heartbeats that queued up
             for address, info in list(self._roster.items()):
                 local = info.meta.get("machine") == self._machine and info.pid
                 if now - self._last_seen.get(address, now) > self.peer_timeout or (local and _process_gone(info.pid)):
                     self._remove(info, "lost")
+            if self._sweep:
+                self._sweep_gone()
 
 
 async def _serve(bind: str, token: str | None) -> None:
