@@ -24,12 +24,13 @@ import zmq
 
 from . import control, devices, routing, wire
 from .codec import Codec
-from .errors import ClosedError, CommTimeoutError, PeerLostError, ProtocolError
+from .errors import ClosedError, CommTimeoutError, DecodeError, PeerLostError, ProtocolError
 from .info import MembershipEvent, WorkerInfo, parse_address
 from .mailbox import Mailbox, Message
 from .outbox import SMALL_MESSAGE, OutMessage, Outbox, split_frames
 from .security import ClusterKeys, ZapHandler, tcp_encryption_enabled
 from .stats import CommStats, Counters
+from .transports import shm
 from .transports.base import Received
 from .transports.zeromq import ZmqTransport
 from .work import Work
@@ -39,6 +40,8 @@ __all__ = ["Communicator", "connect"]
 log = logging.getLogger("rlinf.comm")
 
 _GRACEFUL_LINGER_MS = 2000
+#: Shared-memory notices owed before a receive that does not yield sends them itself.
+_OWED_BURST = 16
 #: How long a "left" peer that sent us data may take to deliver its in-order "bye".
 _BYE_GRACE = 2.0
 
@@ -73,10 +76,16 @@ class Communicator:
         codec: the codec to encode/decode messages with (default ``Codec()``).
         connect_timeout: seconds to wait for the manager at start.
         meta: extra registration data (shown by ``rlinf top``).
+        shm_views: arrays received through shared memory are zero-copy views of the
+            sender's slot (True, the default; the slot returns to the sender when they are
+            garbage-collected), or owned copies made at receive time (False: one more
+            copy, but nothing of the sender's is held). Default ``$RLINF_SHM_VIEWS``
+            (``0`` for copies), else True.
     """
 
     def __init__(self, address: str | None = None, *, manager: str | None = None, token: str | None = None,
-                 codec: Codec | None = None, connect_timeout: float = 30.0, meta: dict | None = None) -> None:
+                 codec: Codec | None = None, connect_timeout: float = 30.0, meta: dict | None = None,
+                 shm_views: bool | None = None) -> None:
         address = address or os.environ.get("RLINF_ADDRESS")
         if not address:
             raise ValueError("no worker address: pass address='group:rank' or set RLINF_ADDRESS")
@@ -112,6 +121,13 @@ class Communicator:
         self._started = False
         self._warned: set[str] = set()
         self._routing = routing.RoutingConfig.from_env()
+        if shm_views is None:
+            shm_views = os.environ.get("RLINF_SHM_VIEWS", "1").strip().lower() not in ("0", "false", "no")
+        elif not isinstance(shm_views, bool):
+            raise TypeError(f"shm_views must be a bool, got {shm_views!r}")
+        self._shm_views = shm_views
+        self._shm: shm.ShmSession | None = None
+        self._shm_routes: dict[str, bool] = {}     # peer -> large CPU payloads go by shm
 
     def __repr__(self) -> str:
         pending = sum(len(o.queue) for o in self._outboxes.values())
@@ -148,10 +164,15 @@ class Communicator:
                                            encrypt_tcp=tcp_encryption_enabled())
             self._listener = await self._transport.listen()
             self._listener.set_handler(self._on_frames)
+            transports = (routing.INLINE,)
+            if routing.SHM not in self._routing.disabled and shm.available():
+                self._shm = shm.ShmSession(self._loop, self._send_shm_notice, views=self._shm_views)
+                self.on_system("shm", self._shm.on_notice)
+                transports += (routing.SHM,)
             self.info = WorkerInfo(
                 address=self.address, incarnation=self.incarnation, node_id=devices.node_id(),
                 host=socket.gethostname(), pid=os.getpid(), endpoints=dict(self._listener.endpoints),
-                devices=devices.discover_devices(), transports=(routing.INLINE,),
+                devices=devices.discover_devices(), transports=transports,
                 meta={"machine": control.machine_id(), **self._meta},
             )
             self._control = control.ControlClient(self._context, self._keys, self.manager_address, self.info,
@@ -176,6 +197,13 @@ class Communicator:
 
     async def _teardown(self, *, deregister: bool) -> None:
         error = self._closed or ClosedError(f"communicator {self.address} failed to start")
+        cancelled = None
+        if self._shm is not None and deregister:
+            try:   # readers of our last slots must map them before we unlink the files
+                await self._shm.drain(_GRACEFUL_LINGER_MS / 1000)
+            except asyncio.CancelledError as exc:   # finish closing, then re-raise
+                cancelled = exc
+            self._shm.close()      # releases owed to peers go out ahead of the bye
         self._closed = error
         bye_to = self._say_bye() if deregister else []
         for closer in reversed(self._closers):
@@ -205,10 +233,14 @@ class Communicator:
             zap = getattr(self, "_zap", None)
             if zap is not None:
                 zap.close()
+            if self._shm is not None:
+                self._shm.close()
             if self._context is not None:
                 context, self._context = self._context, None
                 # term() waits for lingering frames; keep the loop free meanwhile.
                 await asyncio.get_running_loop().run_in_executor(None, context.term)
+        if cancelled is not None:
+            raise cancelled
 
     def _say_bye(self) -> list[str]:
         """Queue a SYSTEM "bye" behind the data on every open link: it tells each peer,
@@ -232,7 +264,9 @@ class Communicator:
         """Send ``obj`` to ``dst``.
 
         Returns when the buffers of ``obj`` may be reused: small messages (< 1 MiB) are
-        copied at once, large ones are sent zero-copy and awaited until released.
+        copied at once, large ones are sent zero-copy and awaited until released, and a
+        same-node message whose payload reaches the shared-memory threshold is copied
+        once into a shared-memory slot (see ``docs/transports.md``).
 
         Raises:
             PeerLostError: ``dst`` died or left. CommTimeoutError: not sent in ``timeout``.
@@ -276,9 +310,21 @@ class Communicator:
             outbox = self._outbox(dst)
         elif outbox.error is not None:
             raise outbox.error
+        return self._queue(outbox, kind, tag, codec_header, buffers, need_future)
+
+    def _queue(self, outbox: Outbox, kind: int, tag: Any, codec_header: bytes, buffers: list,
+               need_future: bool) -> asyncio.Future | None:
+        """Route and queue one encoded message to ``outbox`` (the rest of the hot path)."""
+        if self._shm is not None and self._shm.owed:
+            self._shm.flush()   # slots we owe go back ahead of what we send next: a peer may wait for one
         nbytes = 0
         for b in buffers:
             nbytes += b.nbytes if type(b) is memoryview else memoryview(b).nbytes
+        if nbytes >= self._routing.shm_threshold and nbytes and self._shm is not None \
+                and outbox.info is not None and self._shm_route(outbox.info):
+            export = self._shm.export(buffers, [memoryview(b).nbytes for b in buffers], {outbox.address: 1})
+            if export is not None:
+                return self._queue_slot(outbox, kind, tag, codec_header, export, nbytes, need_future)
         if nbytes < SMALL_MESSAGE:
             # copy now (the caller may reuse its buffers); coalesced into one frame later
             frames, counts, large = [bytes(b) for b in buffers], None, False
@@ -294,6 +340,35 @@ class Communicator:
         if not large and outbox.ready:
             future.set_result(None)
         outbox.put(OutMessage(entry, frames, nbytes, future, large), self._loop)
+        return future
+
+    def _shm_route(self, info: WorkerInfo) -> bool:
+        """Whether a message whose host payload reaches the shm threshold goes to ``info``
+        through shared memory. The payload of one message is routed as one CPU buffer
+        (its buffers share one slot), and ``select_transport`` is pure, so its answer is
+        cached per peer incarnation (dropped when the roster changes)."""
+        route = self._shm_routes.get(info.address)
+        if route is None:
+            probe = devices.BufferInfo("cpu", max(1, self._routing.shm_threshold))
+            chosen = routing.select_transport(self.info, info, probe, config=self._routing)
+            route = self._shm_routes[info.address] = chosen.transport == routing.SHM
+        return route
+
+    def _queue_slot(self, outbox: Outbox, kind: int, tag: Any, codec_header: bytes, export: tuple,
+                    nbytes: int, need_future: bool) -> asyncio.Future | None:
+        """Queue a message whose buffers sit in a shared-memory slot (a descriptor on the wire)."""
+        slot, layout, copying = export
+        entry = [kind, tag, codec_header, layout, slot.to_wire()]
+        session = self._shm
+        msg = OutMessage(entry, [], nbytes + len(codec_header), None, False, transport=routing.SHM,
+                         copying=copying, discard=lambda: session.discard(slot, copying, outbox.address))
+        if copying is None and not need_future:
+            outbox.put(msg, self._loop)
+            return None
+        msg.future = future = self._loop.create_future()
+        if copying is None:
+            future.set_result(None)     # copied: the caller's buffers are free again
+        outbox.put(msg, self._loop)
         return future
 
     def _send_to_self(self, tag, kind, codec_header, buffers, need_future) -> asyncio.Future | None:
@@ -343,7 +418,10 @@ class Communicator:
         """Receive the next message from ``src`` with ``tag``.
 
         Arrays and tensors in it are writable views over the received buffers, owned
-        by the caller. Cancelling (or timing out) never loses a message.
+        by the caller. When the message came through shared memory they are views of
+        the sender's slot, which goes back to the sender once they are all
+        garbage-collected (or owned copies, with ``shm_views=False``). Cancelling (or
+        timing out) never loses a message.
 
         Raises:
             PeerLostError: ``src`` died or left and nothing from it is queued.
@@ -353,12 +431,17 @@ class Communicator:
             _check_tag(tag)
         if src not in self._valid:
             self._check_address(src)
-        return self._decode(await self._get(src, tag, timeout))
+        msg = await self._get(src, tag, timeout)
+        if msg.shm and not self._shm_views:
+            return await self._decode_owned(msg)
+        return self._decode(msg)
 
     async def recv_any(self, *, tag: int = 0, timeout: float | None = None) -> tuple[Any, str]:
         """Receive the oldest message with ``tag`` from any source: ``(obj, src)``."""
         _check_tag(tag)
         msg = await self._get(None, tag, timeout)
+        if msg.shm and not self._shm_views:
+            return await self._decode_owned(msg), msg.src
         return self._decode(msg), msg.src
 
     def async_recv(self, src: str, *, tag: int = 0) -> Work[Any]:
@@ -394,6 +477,9 @@ class Communicator:
         self._check_open()
         msg = self._mailbox.get_nowait(src, tag)
         if msg is not None:
+            if self._shm is not None and self._shm.owed >= _OWED_BURST:
+                # consuming a backlog without yielding: return the slots now, not at the end
+                self._shm.flush()
             return msg
         if timeout is None:
             return await self._mailbox.get(src, tag)
@@ -405,7 +491,25 @@ class Communicator:
             raise CommTimeoutError(f"{self.address}: no message {what} with tag {tag!r} within {timeout} s") from None
 
     def _decode(self, msg: Message) -> Any:
+        if msg.error is not None:
+            raise msg.error
         return self._codec.decode(msg.codec_header, msg.buffers)
+
+    async def _decode_owned(self, msg: Message) -> Any:
+        """Copy-out (``shm_views=False``): decode over owned copies; the slot goes back
+        as soon as the copies are made. Large copies run in the executor; a receive
+        cancelled meanwhile puts the message back (nothing is lost)."""
+        if msg.error is None:
+            if msg.nbytes >= self._shm.offload:
+                try:
+                    owned = await self._loop.run_in_executor(None, self._shm.owned, msg.buffers)
+                except asyncio.CancelledError:
+                    self._mailbox.put_back(msg)
+                    raise
+            else:
+                owned = self._shm.owned(msg.buffers)
+            msg.buffers, msg.shm = owned, False
+        return self._decode(msg)
 
     def _on_frames(self, received: Received) -> None:
         frames = received.frames
@@ -421,10 +525,25 @@ class Communicator:
             self._counters.dropped_frames += 1
             return
         i = 0
-        blob = frames[0] if packed and frames else None
+        blob = (frames[0] if frames else _NO_BYTES) if packed else None
         for entry in entries:
-            buffers, nbytes = [], 0
+            buffers, nbytes, error = [], 0, None
+            in_slot = None
+            if entry.slot is not None:
+                try:
+                    in_slot = iter(self._open_slot(src, entry))
+                except (ProtocolError, ClosedError) as exc:
+                    self._counters.dropped_frames += 1
+                    log.warning("rlinf %s: bad shared-memory slot from %s: %r", self.address, src, exc)
+                    error = DecodeError(f"message from {src} cannot be read from shared memory: {exc}")
             for count in entry.frame_counts:
+                if count < 0:    # in the entry's shared-memory slot
+                    if in_slot is None:
+                        continue
+                    buf = next(in_slot)
+                    buffers.append(buf)
+                    nbytes += buf.nbytes
+                    continue
                 if packed:       # count is a size in bytes within the blob
                     buf = blob[i:i + count]
                 elif count == 1:
@@ -436,7 +555,10 @@ class Communicator:
                 nbytes += buf.nbytes
             if entry.kind == wire.USER:
                 self._counters.received(src, nbytes + len(entry.codec_header))
-                self._mailbox.deliver(Message(src, incarnation, entry.tag, entry.codec_header, buffers, 0, nbytes))
+                self._mailbox.deliver(Message(src, incarnation, entry.tag, entry.codec_header, buffers, 0, nbytes,
+                                              in_slot is not None, error))
+            elif error is not None:
+                log.warning("rlinf %s: dropped system message %r: %s", self.address, entry.tag, error)
             elif entry.tag == "bye":
                 self._peer_gone(src, incarnation, "left")
             else:
@@ -449,10 +571,30 @@ class Communicator:
                 except Exception:   # a subsystem bug must not kill the reader
                     log.exception("rlinf %s: system handler %r failed", self.address, entry.tag)
 
+    def _open_slot(self, src: str, entry: wire.Entry) -> list:
+        if self._shm is None:
+            raise ProtocolError("shared memory is not enabled in this process")
+        info = self._roster.get(src)
+        return self._shm.open(src, entry.slot, entry.frame_counts, info.pid if info is not None else None)
+
+    def _send_shm_notice(self, dst: str, obj: Any) -> None:
+        """Queue a SYSTEM "shm" notice (releases, mappings) — also while closing, so
+        what we owe a sender goes out ahead of our goodbye."""
+        outbox = self._outboxes.get(dst)
+        if outbox is None:
+            self._check_open()
+            outbox = self._outbox(dst)
+        if outbox.error is not None:
+            raise outbox.error
+        codec_header, buffers = self._codec.encode(obj)
+        self._queue(outbox, wire.SYSTEM, "shm", codec_header, buffers, False)
+        outbox.flush()       # notices are flushed once per loop iteration at most: send now
+
     # -- membership --------------------------------------------------------------------
     def _on_event(self, event: MembershipEvent, bye_sent: bool = False) -> None:
         if event.address == self.address:
             return
+        self._shm_routes.pop(event.address, None)
         if event.kind == "joined" and event.info is not None:
             old = self._roster.get(event.address)
             self._roster[event.address] = event.info
@@ -489,6 +631,8 @@ class Communicator:
             return   # a newer incarnation already joined
         error = PeerLostError(f"{address} {'left' if kind == 'left' else 'was lost'}", peer=address)
         self._mailbox.peer_lost(address, error)
+        if self._shm is not None:
+            self._shm.peer_gone(address)
         for hook in self._gone_hooks:
             hook(address, incarnation)
         outbox = self._outboxes.get(address)
@@ -558,11 +702,60 @@ class Communicator:
         return self._enqueue(obj, dst, tag, wire.USER, need_future=True)
 
     async def _recv_internal(self, src: str, tag: str, timeout: float | None = None) -> Any:
-        return self._decode(await self._get(src, tag, timeout))
+        msg = await self._get(src, tag, timeout)
+        if msg.shm and not self._shm_views:
+            return await self._decode_owned(msg)
+        return self._decode(msg)
 
     async def _recv_any_internal(self, tag: str, timeout: float | None = None) -> tuple[Any, str]:
         msg = await self._get(None, tag, timeout)
+        if msg.shm and not self._shm_views:
+            return await self._decode_owned(msg), msg.src
         return self._decode(msg), msg.src
+
+    async def _multicast_internal(self, obj: Any, dsts: list[str], tag: str) -> None:
+        """Send ``obj`` to every address of ``dsts``, encoded once.
+
+        Same-node destinations that take shared memory share ONE slot (copied once, with
+        a reader count; each maps it copy-on-write, so a reader's writes stay its own);
+        the others get the usual path, sharing the encoded buffers. Returns when the
+        buffers of ``obj`` may be reused.
+
+        Raises:
+            PeerLostError: a destination is gone (nothing was sent to anyone then).
+        """
+        self._check_open()
+        for dst in dsts:
+            if dst not in self._valid:
+                self._check_address(dst)
+        codec_header, buffers = self._codec.encode(obj)
+        outboxes = {}
+        for dst in dict.fromkeys(dsts):
+            if dst != self.address:
+                outbox = self._outboxes.get(dst) or self._outbox(dst)
+                if outbox.error is not None:
+                    raise outbox.error
+                outboxes[dst] = outbox
+        sizes = [memoryview(b).nbytes for b in buffers]
+        nbytes = sum(sizes)
+        readers: dict[str, int] = {}
+        if nbytes and nbytes >= self._routing.shm_threshold and self._shm is not None:
+            for dst in dsts:
+                info = outboxes[dst].info if dst in outboxes else None
+                if info is not None and self._shm_route(info):
+                    readers[dst] = readers.get(dst, 0) + 1
+        if self._shm is not None and self._shm.owed:
+            self._shm.flush()
+        export = self._shm.export(buffers, sizes, readers, private=sum(readers.values()) > 1) if readers else None
+        futures = []
+        for dst in dsts:
+            if dst == self.address:
+                futures.append(self._send_to_self(tag, wire.USER, codec_header, buffers, True))
+            elif export is not None and dst in readers:
+                futures.append(self._queue_slot(outboxes[dst], wire.USER, tag, codec_header, export, nbytes, True))
+            else:
+                futures.append(self._queue(outboxes[dst], wire.USER, tag, codec_header, buffers, True))
+        await asyncio.gather(*futures)
 
     def _send_system(self, obj: Any, dst: str, tag: str) -> None:
         """Fire-and-forget rlinf-internal message, handled by ``on_system(tag, ...)``."""
@@ -599,6 +792,9 @@ class Communicator:
             coro.close()
             raise RuntimeError("blocking_* would deadlock on the communicator's own loop; use 'await'")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+
+_NO_BYTES = memoryview(b"")
 
 
 def _join(frames: list) -> memoryview:

@@ -27,7 +27,12 @@ __all__ = ["Mailbox", "Message"]
 
 @dataclass(slots=True)
 class Message:
-    """A received, not yet decoded message. ``buffers`` are owned by the receiver."""
+    """A received, not yet decoded message. ``buffers`` are owned by the receiver.
+
+    ``shm``: some buffers are views of a sender's shared-memory slot (held until they
+    are garbage-collected). ``error``: the message arrived but cannot be rebuilt (e.g. a
+    bad shared-memory descriptor); receiving it raises this error.
+    """
 
     src: str
     incarnation: str
@@ -36,6 +41,8 @@ class Message:
     buffers: list[Any]
     seq: int = 0
     nbytes: int = 0
+    shm: bool = False
+    error: BaseException | None = None
 
 
 class _Waiter:
@@ -102,6 +109,14 @@ class Mailbox:
             if not sources:
                 del self._sources_by_tag[key[1]]
         return msg
+
+    def put_back(self, msg: Message) -> None:
+        """Return a message taken by a receive that was then cancelled: it is next again."""
+        if self._closed is not None:
+            return
+        if not (self._hand_over(self._waiters.get((msg.src, msg.tag)), msg)
+                or self._hand_over(self._any_waiters.get(msg.tag), msg)):
+            self._push(msg, front=True)
 
     # -- receiving ---------------------------------------------------------------------
     def get_nowait(self, src: str | None, tag: Any) -> Message | None:

@@ -8,7 +8,10 @@ each, up to 1 MiB or 4096 of them) into one frame set — one ZeroMQ send instea
 
 Buffer lifetimes: a small message's buffers are copied when it is queued, so its send
 completes at once; a large message's buffers are referenced until the transport
-releases them, and its send completes only then. When the link pushes back (high-water
+releases them, and its send completes only then. A message whose buffers went into a
+shared-memory slot travels as a small one (only its descriptor is on the wire); when
+its copy into the slot runs in an executor (``copying``), the outbox holds it, and every
+message behind it, until the copy is done, so the order stays the call order. When the link pushes back (high-water
 mark), flushing pauses until the socket is writable, and new sends wait (backpressure:
 nothing is dropped).
 """
@@ -59,16 +62,27 @@ def split_frames(buffers: list[Any]) -> tuple[list[Any], list[int], int]:
 
 
 class OutMessage:
-    """One queued message. ``future`` is None for fire-and-forget small sends."""
+    """One queued message. ``future`` is None for fire-and-forget small sends.
 
-    __slots__ = ("entry", "frames", "nbytes", "future", "large", "started")
+    ``entry`` is ``[kind, tag, codec_header, layout]`` (+ a slot; see :mod:`rlinf.wire`);
+    a small message's ``layout`` may be None: the flush derives it from ``frames``.
+    ``copying`` (a future) holds the message until its shared-memory copy is done;
+    ``discard()`` is called if the message is dropped unsent.
+    """
 
-    def __init__(self, entry: list, frames: list, nbytes: int, future: asyncio.Future | None, large: bool) -> None:
+    __slots__ = ("entry", "frames", "nbytes", "future", "large", "started", "transport", "copying", "discard")
+
+    def __init__(self, entry: list, frames: list, nbytes: int, future: asyncio.Future | None, large: bool,
+                 *, transport: str = "zmq", copying: asyncio.Future | None = None,
+                 discard: Callable[[], None] | None = None) -> None:
         self.entry = entry
         self.frames = frames
         self.nbytes = nbytes
         self.future = future
         self.large = large
+        self.transport = transport
+        self.copying = copying
+        self.discard = discard
         # fire-and-forget small sends complete at once: no latency to measure
         self.started = time.perf_counter() if future is not None else 0.0
 
@@ -93,6 +107,7 @@ class Outbox:
         self._counters = counters
         self._scheduled = False
         self._blocked = False
+        self._held = False        # the head's shared-memory copy is still running
         self._batched = 0
 
     def __repr__(self) -> str:
@@ -111,8 +126,8 @@ class Outbox:
         self.queue.append(msg)
         if msg.large:
             self._batched = _BATCH_BYTES
-        else:
-            self._batched += msg.nbytes + 64
+        else:   # bytes on the wire: a shared-memory message is only its descriptor
+            self._batched += (msg.nbytes if msg.transport == "zmq" else len(msg.entry[2])) + 64
         if self._batched >= _BATCH_BYTES or len(self.queue) >= _BATCH_COUNT:
             self.flush()
         elif not self._scheduled:
@@ -129,30 +144,44 @@ class Outbox:
         self._scheduled = False
         self._batched = 0
         link, queue = self.link, self.queue
-        if link is None or self._blocked or self.error is not None:
+        if link is None or self._blocked or self._held or self.error is not None:
             return
         while queue:
             head = queue[0]
             if head.future is not None and head.future.cancelled():   # timed out while queued
                 queue.popleft()
+                if head.discard is not None:
+                    head.discard()
                 continue
+            if head.copying is not None:
+                if not head.copying.done():
+                    self._hold(head.copying)
+                    return
+                if head.copying.cancelled() or head.copying.exception() is not None:
+                    queue.popleft()      # the copy failed: this message cannot go
+                    self._drop(head, head.copying)
+                    continue
             if head.large:
                 batch = [head]
             else:
                 batch, size = [], 0
                 for msg in queue:
-                    if msg.large or size >= _BATCH_BYTES or len(batch) >= _BATCH_COUNT:
+                    if msg.large or size >= _BATCH_BYTES or len(batch) >= _BATCH_COUNT or (
+                            msg.copying is not None and not msg.copying.done()):
                         break
                     if msg.future is None or not msg.future.cancelled():
                         batch.append(msg)
-                        size += msg.nbytes
+                        size += msg.nbytes if msg.transport == "zmq" else len(msg.entry[2])
             if head.large:
                 frames = [wire.pack_header(self._src, self._incarnation, [head.entry]), *head.frames]
             else:   # coalesced: one packed frame for every buffer of the batch
                 entries, pieces = [], []
                 for msg in batch:
-                    kind, tag, codec_header, _ = msg.entry
-                    entries.append([kind, tag, codec_header, [len(f) for f in msg.frames]])
+                    entry = msg.entry
+                    if entry[3] is None:
+                        entries.append([entry[0], entry[1], entry[2], [len(f) for f in msg.frames]])
+                    else:
+                        entries.append(entry)
                     pieces.extend(msg.frames)
                 frames = [wire.pack_header(self._src, self._incarnation, entries, True)]
                 if pieces:
@@ -171,12 +200,31 @@ class Outbox:
                 msg = queue.popleft()
                 if msg is batch[sent]:
                     sent += 1
-                    self._counters.sent(self.address, msg.nbytes)
+                    self._counters.sent(self.address, msg.nbytes, msg.transport)
                     if not msg.large and msg.future is not None:
                         self._complete(msg)
+                elif msg.discard is not None:     # cancelled while queued
+                    msg.discard()
             if head.large:
                 asyncio.get_running_loop().create_task(self._await_release(link, tracker, head))
 
+    @staticmethod
+    def _drop(msg: OutMessage, copying: asyncio.Future) -> None:
+        exc = ClosedError("copy into shared memory was cancelled") if copying.cancelled() else copying.exception()
+        if msg.future is not None and not msg.future.done():
+            msg.future.set_exception(exc)
+        if msg.discard is not None:
+            msg.discard()
+
+    def _hold(self, copying: asyncio.Future) -> None:
+        """Resume flushing once ``copying`` (the head's copy into shared memory) is done."""
+        self._held = True
+
+        def resume(_: asyncio.Future) -> None:
+            self._held = False
+            self.flush()
+
+        copying.add_done_callback(resume)
     def _complete(self, msg: OutMessage) -> None:
         if msg.future is not None:
             if not msg.future.done():
@@ -204,6 +252,8 @@ class Outbox:
             msg = self.queue.popleft()
             if msg.future is not None and not msg.future.done():
                 msg.future.set_exception(exc)
+            if msg.discard is not None:
+                msg.discard()
         if self.resolving is not None:
             self.resolving.cancel()
             self.resolving = None

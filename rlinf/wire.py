@@ -16,6 +16,15 @@ own traffic (goodbyes, shared-memory releases, ...). Two layouts exist:
   concatenated into one payload frame and ``layout[i]`` is buffer ``i``'s size in bytes.
   One frame instead of one per buffer keeps the per-message cost low.
 
+An entry may carry a fifth item, a shared-memory *slot* (see :class:`SlotRef`)::
+
+    [kind, tag, codec_header, layout, [segment, offset, size, generation, private]]
+
+Then a negative ``layout[i]`` (in either layout) marks buffer ``i`` as carried by the
+slot instead of the frames: it holds ``-layout[i]`` bytes, placed in the slot by
+:func:`slot_layout` (in buffer order, each at a :data:`SLOT_ALIGN`-byte boundary).
+Only the descriptor travels through ZeroMQ; see ``rlinf/transports/shm.py``.
+
 Entries are in send order.
 
 Every size and count is checked before anything is allocated; a bad header raises
@@ -25,6 +34,7 @@ its life.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +42,8 @@ import msgpack
 
 from .errors import ProtocolError
 
-__all__ = ["VERSION", "USER", "SYSTEM", "MAX_FRAME", "Entry", "pack_header", "unpack_header"]
+__all__ = ["VERSION", "USER", "SYSTEM", "MAX_FRAME", "SLOT_ALIGN", "Entry", "SlotRef", "pack_header",
+           "unpack_header", "slot_layout", "parse_segment_name"]
 
 VERSION = 1
 USER = 0
@@ -42,6 +53,14 @@ MAX_FRAME = 16 << 20
 MAX_HEADER = 64 << 20
 MAX_ENTRIES = 1 << 20
 MAX_FRAMES = 1 << 22
+#: Largest shared-memory slot a peer may describe (bounds every size taken from it).
+MAX_SLOT = 1 << 40
+#: Alignment of each buffer inside a slot (covers every dtype and cache lines).
+SLOT_ALIGN = 64
+_PAGE = 4096
+#: Segment file names: ``rlinf-<pid>-<token>-<n>`` (the pid lets a sweeper find a dead
+#: process's segments; nothing else may appear, so a name can never leave /dev/shm).
+_SEGMENT_NAME = re.compile(r"rlinf-([0-9]{1,10})-[0-9a-f]{1,32}-[0-9]{1,12}")
 
 _packer_opts = {"use_bin_type": True}
 
@@ -54,10 +73,70 @@ class Entry:
     tag: Any
     codec_header: bytes
     frame_counts: list[int]
+    slot: SlotRef | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRef:
+    """Where a message's shared-memory buffers are: a validated slot descriptor.
+
+    Attributes:
+        segment: file name in ``/dev/shm`` (``rlinf-<pid>-<token>-<n>``).
+        pid: the creating process, parsed from ``segment``.
+        offset: start of the slot in the segment (page-aligned).
+        size: bytes of the slot; the buffers placed by :func:`slot_layout` fit in it.
+        generation: the sender's use count of the slot, echoed back on release.
+        private: several readers share the slot: map it copy-on-write.
+    """
+
+    segment: str
+    pid: int
+    offset: int
+    size: int
+    generation: int
+    private: bool
+
+    def to_wire(self) -> list:
+        return [self.segment, self.offset, self.size, self.generation, self.private]
+
+
+def parse_segment_name(name: Any) -> int:
+    """The pid in a segment name; raises ``ProtocolError`` for anything else."""
+    match = _SEGMENT_NAME.fullmatch(name) if isinstance(name, str) else None
+    if match is None:
+        raise ProtocolError(f"bad shared-memory segment name {name!r}")
+    return int(match.group(1))
+
+
+def slot_layout(sizes: list[int]) -> tuple[list[int], int]:
+    """Offsets of buffers of ``sizes`` bytes inside a slot, and the bytes they span.
+
+    The one definition of the in-slot placement, used by the sender (to copy) and the
+    receiver (to slice): in order, each buffer at the next :data:`SLOT_ALIGN` boundary.
+    """
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(end)
+        end = (end + n + SLOT_ALIGN - 1) & ~(SLOT_ALIGN - 1)
+    return offsets, end
+
+
+def _unpack_slot(raw: Any) -> SlotRef:
+    if not (isinstance(raw, list) and len(raw) == 5):
+        raise ProtocolError("malformed shared-memory slot")
+    segment, offset, size, generation, private = raw
+    pid = parse_segment_name(segment)
+    for value in (offset, size, generation):
+        if type(value) is not int or not 0 <= value <= MAX_SLOT:
+            raise ProtocolError("bad shared-memory slot bounds")
+    if size == 0 or offset % _PAGE or not isinstance(private, bool):
+        raise ProtocolError("bad shared-memory slot bounds")
+    return SlotRef(segment, pid, offset, size, generation, private)
 
 
 def pack_header(src: str, incarnation: str, entries: list[list], packed: bool = False) -> bytes:
-    """Pack a frame-set header. ``entries`` are ``[kind, tag, codec_header, layout]``."""
+    """Pack a frame-set header. ``entries`` are ``[kind, tag, codec_header, layout]``,
+    optionally followed by a slot descriptor (see the module docstring)."""
     return msgpack.packb([VERSION, src, incarnation, entries, packed], **_packer_opts)
 
 
@@ -91,19 +170,29 @@ def unpack_header(data, frames: list) -> tuple[str, str, list[Entry], bool]:
     entries = []
     total = 0
     limit = MAX_HEADER if packed else MAX_FRAMES
+    low = 0 if packed else 1
     for raw in raw_entries:
-        if not (isinstance(raw, list) and len(raw) == 4):
+        if not (isinstance(raw, list) and 4 <= len(raw) <= 5):
             raise ProtocolError("malformed message entry")
-        kind, tag, codec_header, counts = raw
+        kind, tag, codec_header, counts = raw[:4]
         if kind not in (USER, SYSTEM) or not isinstance(codec_header, bytes) or not isinstance(counts, list):
             raise ProtocolError("malformed message entry")
         if not isinstance(tag, (int, str)) or isinstance(tag, bool):
             raise ProtocolError("message tag must be an int or str")
+        slot = _unpack_slot(raw[4]) if len(raw) == 5 else None
+        in_slot = 0
         for c in counts:
-            if type(c) is not int or c < (0 if packed else 1) or c > limit:
+            if type(c) is not int or c > limit:
                 raise ProtocolError("bad buffer layout")
-            total += c
-        entries.append(Entry(kind, tag, codec_header, counts))
+            if c >= low:
+                total += c
+            elif c < 0 and slot is not None and c >= -MAX_SLOT:
+                in_slot += (-c + SLOT_ALIGN - 1) & ~(SLOT_ALIGN - 1)
+            else:
+                raise ProtocolError("bad buffer layout")
+        if slot is not None and not 0 < in_slot <= slot.size:
+            raise ProtocolError(f"slot of {slot.size} bytes cannot hold the {in_slot} bytes announced")
+        entries.append(Entry(kind, tag, codec_header, counts, slot))
     if packed:
         have = len(frames) and memoryview(frames[0]).nbytes
         if len(frames) > 1 or total != have:

@@ -1,0 +1,300 @@
+"""Same-node transfer benchmarks (BENCHMARKS.md S1-S3), rlinf beside baselines in one run.
+
+    python benchmarks/transfer.py [--quick]
+
+The workload is BENCHMARKS.md's nested object (10 float32 tensors of mixed sizes plus
+scalars and strings) at ~40 MiB and ~400 KiB, sent between two processes on this
+machine. The receiver rebuilds it and touches every page, then acks; one transfer is
+timed from the send call to the ack (median over repeats, after a warm-up). At 400 KiB
+the per-message cost is also measured streamed (200 messages back to back, one ack at
+the end), which is how small batches flow in a pipeline.
+
+Rows: memcpy of the payload into memory already paged in (the limit), rlinf with views
+(the default), rlinf where the receiver owns a copy (``shm_views=False``), rlinf with
+its large copies on the loop instead of an executor (``RLINF_SHM_OFFLOAD``), raw pyzmq
+multipart over ipc (msgpack header + raw frames, ``copy=False``; the receiver rebuilds
+the same dict of torch tensors over the frames, without copying), a
+torch.multiprocessing Queue with tensors already shared and with fresh tensors, and
+torch.distributed gloo send/recv per tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+import msgpack
+import numpy as np
+import zmq
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import Row, nested_object, print_rows, touch  # noqa: E402
+
+import rlinf  # noqa: E402
+from rlinf.control import run as run_loop  # noqa: E402
+
+ctx = mp.get_context("spawn")
+# A loaded 2-core machine can starve a heartbeat thread for over the 1.5 s default.
+os.environ.setdefault("RLINF_PEER_TIMEOUT", "10")
+SIZES = {"40 MiB": 40 << 20, "400 KiB": 400 << 10}
+STREAM = 200
+
+
+def _tensors(obj: dict) -> list:
+    return list(obj["tensors"].values())
+
+
+# ----------------------------------------------------------------------------- memcpy
+def _memcpy(total: int, reps: int) -> float:
+    src = [t.numpy() for t in _tensors(nested_object(total))]
+    dst = [np.ones_like(a) for a in src]          # paged in
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        for d, s in zip(dst, src):
+            np.copyto(d, s)
+        touch(dst)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+# ----------------------------------------------------------------------------- rlinf
+async def _rl_sink(comm, n: int, stream: int):
+    for _ in range(n):
+        obj = await comm.recv("driver:0")
+        touch(obj)
+        del obj
+        await comm.send(b"ok", "driver:0", tag=1)
+    for _ in range(2 if stream else 0):     # a warm-up stream, then the timed one
+        for _ in range(stream):
+            obj = await comm.recv("driver:0")
+            touch(obj)
+            del obj
+        await comm.send(b"ok", "driver:0", tag=1)
+
+
+async def _rlinf(total: int, reps: int, stream: int, env: dict) -> tuple[float, float | None]:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)            # the driver (sender) reads RLINF_SHM_OFFLOAD at start
+    try:
+        async with rlinf.Cluster() as cluster, cluster.connect("driver:0") as comm:
+            obj = nested_object(total)
+            await cluster.spawn(_rl_sink, "sink", 1, args=(reps + 1, stream), env=env)
+            times = []
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                await comm.send(obj, "sink:0")
+                await comm.recv("sink:0", tag=1)
+                times.append(time.perf_counter() - t0)
+            streamed = None
+            for _ in range(2 if stream else 0):     # the pool grows to its working size once
+                t0 = time.perf_counter()
+                for _ in range(stream):
+                    await comm.send(obj, "sink:0")
+                await comm.recv("sink:0", tag=1)
+                streamed = (time.perf_counter() - t0) / stream
+            assert comm.stats().transports["shm"].msgs >= reps + 1, "rlinf did not use shared memory"
+            return statistics.median(times[1:]), streamed
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# ----------------------------------------------------------------------------- raw pyzmq
+def _zmq_sink(endpoint: str, n: int, stream: int) -> None:
+    import torch
+
+    s = zmq.Context().socket(zmq.DEALER)
+    s.connect(endpoint)
+
+    def one() -> None:   # rebuild the same object rlinf delivers: a dict of torch tensors
+        frames = s.recv_multipart(copy=False)
+        meta = msgpack.unpackb(frames[0].bytes)
+        tensors = {name: torch.from_numpy(np.frombuffer(f.buffer, np.float32).reshape(shape))
+                   for f, name, shape in zip(frames[1:], meta["names"], meta["shapes"])}
+        obj = {k: v for k, v in meta.items() if k not in ("names", "shapes")}
+        obj["tensors"] = tensors
+        touch(obj)
+
+    for _ in range(n):
+        one()
+        s.send(b"ok")
+    for _ in range(2 if stream else 0):
+        for _ in range(stream):
+            one()
+        s.send(b"ok")
+
+
+def _raw_zmq(total: int, reps: int, stream: int) -> tuple[float, float | None]:
+    obj = nested_object(total)
+    arrays = [t.numpy() for t in _tensors(obj)]
+    d = tempfile.mkdtemp(prefix="rlinf-bench-")
+    endpoint = f"ipc://{d}/s"
+    s = zmq.Context().socket(zmq.DEALER)
+    s.bind(endpoint)
+    p = ctx.Process(target=_zmq_sink, args=(endpoint, reps + 1, stream))
+    p.start()
+    header = {k: v for k, v in obj.items() if k != "tensors"}
+    header.update(names=list(obj["tensors"]), shapes=[a.shape for a in arrays])
+
+    def send() -> None:
+        s.send_multipart([msgpack.packb(header), *arrays], copy=False)
+
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        send()
+        s.recv()
+        times.append(time.perf_counter() - t0)
+    streamed = None
+    for _ in range(2 if stream else 0):
+        t0 = time.perf_counter()
+        for _ in range(stream):
+            send()
+        s.recv()
+        streamed = (time.perf_counter() - t0) / stream
+    p.join()
+    os.unlink(f"{d}/s")
+    os.rmdir(d)
+    return statistics.median(times[1:]), streamed
+
+
+# ----------------------------------------------------------------------------- torch.mp Queue
+def _queue_sink(q, acks, n: int) -> None:
+    for _ in range(n):
+        obj = q.get()
+        touch(obj)
+        del obj
+        acks.put(b"ok")
+
+
+def _torch_queue(total: int, reps: int, shared: bool) -> float:
+    import torch.multiprocessing as tmp
+
+    tctx = tmp.get_context("spawn")
+    q, acks = tctx.Queue(), tctx.Queue()
+    p = tctx.Process(target=_queue_sink, args=(q, acks, reps + 1))
+    p.start()
+    if shared:
+        obj = nested_object(total)
+        for t in _tensors(obj):
+            t.share_memory_()
+        objs = [obj] * (reps + 1)
+    else:    # a put moves a tensor into shared memory (a copy): each rep needs new ones
+        objs = [nested_object(total, seed=i) for i in range(reps + 1)]
+    times = []
+    for obj in objs:
+        t0 = time.perf_counter()
+        q.put(obj)
+        acks.get()
+        times.append(time.perf_counter() - t0)
+    p.join()
+    return statistics.median(times[1:])
+
+
+# ----------------------------------------------------------------------------- gloo
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_rank1(port: int, total: int, n: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
+    bufs = [torch.empty_like(t) for t in _tensors(nested_object(total))]
+    ack = torch.zeros(1)
+    for _ in range(n):
+        for b in bufs:
+            dist.recv(b, 0)
+        touch(bufs)
+        dist.send(ack, 0)
+    dist.destroy_process_group()
+
+
+def _gloo(total: int, reps: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    port = _free_port()
+    p = ctx.Process(target=_gloo_rank1, args=(port, total, reps + 1))
+    p.start()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+    tensors = _tensors(nested_object(total))
+    ack = torch.zeros(1)
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        for t in tensors:
+            dist.send(t, 1)
+        dist.recv(ack, 1)
+        times.append(time.perf_counter() - t0)
+    dist.destroy_process_group()
+    p.join()
+    return statistics.median(times[1:])
+
+
+# ----------------------------------------------------------------------------- table
+def run(quick: bool = False, sizes: list[str] | None = None) -> list[Row]:
+    rows = []
+    for label, total in SIZES.items():
+        if sizes and label not in sizes:
+            continue
+        small = total < (1 << 20)
+        reps = (20 if quick else 100) if small else (5 if quick else 15)
+        stream = (STREAM // 4 if quick else STREAM) if small else 0
+        memcpy = _memcpy(total, reps)
+        views, views_stream = run_loop(_rlinf(total, reps, stream, {}))
+        copy, _ = run_loop(_rlinf(total, reps, 0, {"RLINF_SHM_VIEWS": "0"}))
+        raw, raw_stream = _raw_zmq(total, reps, stream)
+        shared_q = _torch_queue(total, reps, shared=True)
+        fresh_q = _torch_queue(total, reps, shared=False)
+        gloo = _gloo(total, reps)
+        if small:
+            rows += [
+                Row(f"S3 {label} views, one at a time", views, "raw pyzmq multipart ipc", raw, "s", target=">= 2x (<= 0.5x time)"),
+                Row(f"S3 {label} views, streamed ({stream})", views_stream, "raw pyzmq multipart ipc", raw_stream, "s",
+                    target=">= 2x (<= 0.5x time)"),
+                Row(f"{label} views", views, "memcpy", memcpy, "s"),
+                Row(f"{label} views", views, "torch.mp Queue, pre-shared", shared_q, "s"),
+                Row(f"{label} views", views, "torch.mp Queue, fresh", fresh_q, "s"),
+                Row(f"{label} views", views, "gloo send/recv per tensor", gloo, "s"),
+                Row(f"{label} receiver owns a copy", copy, "raw pyzmq multipart ipc", raw, "s"),
+            ]
+        else:
+            on_loop, _ = run_loop(_rlinf(total, reps, 0, {"RLINF_SHM_OFFLOAD": "1T"}))
+            rows += [
+                Row(f"S1 {label} views", views, "memcpy", memcpy, "s", target=">= 0.75x"),
+                Row(f"S1 {label} views", views, "torch.mp Queue, pre-shared", shared_q, "s", target=">= 2.5x"),
+                Row(f"S1 {label} views", views, "raw pyzmq multipart ipc", raw, "s", target=">= 3x"),
+                Row(f"{label} views", views, "torch.mp Queue, fresh", fresh_q, "s"),
+                Row(f"{label} views", views, "gloo send/recv per tensor", gloo, "s"),
+                Row(f"S2 {label} receiver owns a copy", copy, "memcpy", memcpy, "s", target=">= 0.4x"),
+                Row(f"{label} views, copy on the loop", on_loop, "rlinf views (executor copy)", views, "s",
+                    note="RLINF_SHM_OFFLOAD=1T"),
+            ]
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--size", action="append", choices=list(SIZES), help="only this size (repeatable)")
+    args = parser.parse_args()
+    print_rows("Same-node transfer (S1-S3)", run(args.quick, args.size))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,12 @@
+"""Transport plug-ins: how a buffer moves between two processes.
+
+* :mod:`.base` — the contract (``available()``, ``listen()``, ``connect()``, a ``Link``
+  with ``send(header, buffers)``) every transport implements and states its
+  buffer-lifetime rule against.
+* :mod:`.zeromq` — ZeroMQ ``ipc://`` (same node) and ``tcp://`` (across nodes).
+* :mod:`.shm` — same-node shared memory: pooled slots, one copy, zero-copy views.
+
+Which one carries a buffer is decided only by :func:`rlinf.routing.select_transport`;
+``docs/transports.md`` has the table and the lifetime rules. Importing this package
+imports no transport (and so no optional dependency).
+"""

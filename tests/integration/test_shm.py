@@ -1,0 +1,268 @@
+"""Same-node shared memory between real processes: routing, views, lifetimes, cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import rlinf
+
+from . import workers_shm
+from .workers_shm import shm_state
+
+pytestmark = pytest.mark.multiproc
+
+
+def _segments(pid: int) -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"rlinf-{pid}-"))
+
+
+async def _until(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    """Bounded polling of state we cannot be notified about (the filesystem, a pool)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def _nested(scale: int = 1) -> dict:
+    rng = np.random.default_rng(7)
+    return {
+        "step": 3, "name": "batch", "done": [False, True],
+        "tensors": {
+            "big": torch.from_numpy(rng.random(500_000 * scale, dtype=np.float32)),
+            "obs": torch.arange(60_000, dtype=torch.float32).reshape(300, 200).t(),   # non-contiguous
+            "bf": torch.ones(10_000, dtype=torch.bfloat16),
+            "tiny": torch.zeros(3),
+            "empty": torch.empty(0),
+        },
+        "actions": rng.integers(0, 10, 200_000),
+        "raw": bytes(range(256)) * 40,
+    }
+
+
+def _assert_same(a, b) -> None:
+    if isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _assert_same(a[k], b[k])
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    else:
+        assert a == b
+
+
+async def test_large_nested_objects_go_through_shm_both_ways(cluster, driver):
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers_shm.echo, "echo", 1, args=("driver:0", 3))
+        obj = _nested()
+        for _ in range(3):
+            await driver.send(obj, "echo:0")
+            back = await driver.recv("echo:0")
+            _assert_same(obj, back)
+        back["tensors"]["big"][0] = -1.0          # views are writable
+        back["actions"][:] = 0
+        assert driver.stats().transports["shm"].msgs == 3
+        await driver.send("done", "echo:0", tag=99)
+        [worker] = await group.join()
+        assert worker["shm_msgs"] == 3            # and the echo went back through shm too
+        assert worker["created"] <= 2 < worker["exports"]   # slots are reused, not made per message
+
+
+async def test_small_messages_stay_inline(cluster, driver):
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers_shm.echo, "echo", 1, args=("driver:0", 1))
+        small = {"tensors": {"big": torch.ones(100)}}
+        await driver.send(small, "echo:0")
+        _assert_same(small, await driver.recv("echo:0"))
+        assert "shm" not in driver.stats().transports
+        await driver.send("done", "echo:0", tag=99)
+        assert (await group.join())[0]["shm_msgs"] == 0
+
+
+async def test_no_slot_reuse_while_a_view_lives(cluster, driver):
+    """Keep a view of message 0; twenty more messages recycle the sender's slots; the
+    kept view's data never changes."""
+    n, nbytes = 21, 1 << 20
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers_shm.send_fills, "filler", 1, args=("driver:0", n, nbytes))
+        kept = await driver.recv("filler:0")
+        assert kept["i"] == 0
+        await driver.send(0, "filler:0", tag=1)
+        for i in range(1, n):
+            obj = await driver.recv("filler:0")
+            assert obj["i"] == i and obj["x"][0] == i and obj["x"][-1] == i
+            del obj                                # released: its slot may be reused
+            await driver.send(i, "filler:0", tag=1)
+        state = await driver.recv("filler:0", tag=2)
+        assert np.all(kept["x"] == 0), "a slot was rewritten while a view of it was alive"
+        assert state["shm_msgs"] == n
+        assert state["created"] <= 3, state         # the other slots were recycled many times
+        assert state["busy"] >= 1                   # ours is still held
+        del kept
+        await driver.send("bye", "filler:0", tag=3)
+        assert await group.join() == ["bye"]
+
+
+async def test_copy_out_option_releases_the_slot_at_once(cluster):
+    async with asyncio.timeout(60):
+        comm = await cluster.connect("copier:0", shm_views=False).start()
+        try:
+            group = await cluster.spawn(workers_shm.send_fills, "filler", 1, args=("copier:0", 3, 4 << 20))
+            held = []
+            for i in range(3):
+                obj = await comm.recv("filler:0")
+                assert obj["x"][0] == i
+                obj["x"][:10] = 99                 # owned and writable
+                held.append(obj)                   # kept: yet the sender's slot is free
+                await comm.send(i, "filler:0", tag=1)
+            state = await comm.recv("filler:0", tag=2)
+            assert state["shm_msgs"] == 3 and state["busy"] == 0 and state["created"] == 1
+            await comm.send("bye", "filler:0", tag=3)
+            await group.join()
+        finally:
+            await comm.aclose()
+
+
+async def test_copy_out_by_environment(cluster, driver):
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers_shm.echo, "echo", 1, args=("driver:0", 1),
+                                    env={"RLINF_SHM_VIEWS": "0"})
+        obj = _nested()
+        await driver.send(obj, "echo:0")
+        _assert_same(obj, await driver.recv("echo:0"))
+        await driver.send("done", "echo:0", tag=99)
+        assert (await group.join())[0]["shm_msgs"] == 1
+
+
+async def test_cap_reached_falls_back_to_zeromq(cluster, driver):
+    """With a 3 MiB cap one 2 MiB slot fits; while the driver holds it, the next
+    messages go inline over ZeroMQ instead of failing."""
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers_shm.send_fills, "filler", 1, args=("driver:0", 4, 2 << 20),
+                                    env={"RLINF_SHM_CAP": "3M"})
+        held = []
+        for i in range(4):
+            obj = await driver.recv("filler:0")
+            assert obj["i"] == i and np.all(obj["x"] == i)
+            held.append(obj)
+            await driver.send(i, "filler:0", tag=1)
+        state = await driver.recv("filler:0", tag=2)
+        assert state["shm_msgs"] == 1 and state["fallbacks"] == 3 and state["zmq_msgs"] >= 3
+        await driver.send("bye", "filler:0", tag=3)
+        await group.join()
+
+
+async def test_kill_sender_leaves_no_segment(cluster, driver):
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers_shm.send_and_wait, "sender", 1, args=("driver:0", 8 << 20))
+        obj = await driver.recv("sender:0")
+        state = await driver.recv("sender:0", tag=6)
+        pid = group.pids[0]
+        assert state["segments"] and _segments(pid) == state["segments"]
+        await group.kill()
+        await _until(lambda: not _segments(pid), what="the dead sender's segments to be swept")
+        assert float(obj["x"].sum()) == (8 << 20) // 4    # our mapping outlives the file
+
+
+async def test_kill_receiver_retires_its_slots(cluster, driver):
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers_shm.hold, "holder", 1, args=("driver:0",))
+        await driver.send({"x": np.ones(1 << 20)}, "holder:0")
+        assert await driver.recv("holder:0", tag=5) == ("holding", float(1 << 20))
+        pool = driver._shm.pool
+        [held] = [name for name in pool.segment_names() if name in pool._busy]
+        await group.kill()
+        await _until(lambda: pool.busy == 0, what="the lost reader's slot to be retired")
+        assert held not in os.listdir("/dev/shm")    # retired slots are unlinked, never reused
+
+
+async def test_kill_sender_and_receiver_leaves_no_segment(cluster, driver):
+    async with asyncio.timeout(60):
+        receiver = await cluster.spawn(workers_shm.hold, "holder", 1, args=("sender:0",))
+        sender = await cluster.spawn(workers_shm.send_and_wait, "sender", 1, args=("holder:0", 8 << 20))
+        state = await driver.recv("sender:0", tag=6)
+        pids = sender.pids + receiver.pids
+        assert _segments(pids[0]) == state["segments"] != []
+        await asyncio.gather(sender.kill(), receiver.kill())
+        await _until(lambda: not any(_segments(p) for p in pids), what="the manager's sweep")
+
+
+async def test_multicast_to_three_readers(cluster, driver):
+    """One slot, three copy-on-write readers: a reader's writes stay its own, and the
+    slot's next use shows fresh data even to the reader that wrote."""
+    readers = ["r:0", "r:1", "r:2"]
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers_shm.multicast_reader, "r", 3, args=("driver:0",))
+        pool = driver._shm.pool
+        for round_, value in enumerate((1.0, 2.0)):
+            exports = pool.exports
+            obj = {"x": torch.full((1 << 20,), value)}
+            await driver._multicast_internal(obj, readers, "mc")
+            assert pool.exports == exports + 1                 # copied once for all three
+            assert [await driver.recv(r, tag=10) for r in readers] == [value] * 3
+            await driver.send("write", "r:0", tag=11)
+            assert await driver.recv("r:0", tag=12) == -1.0
+            for r in readers[1:]:
+                await driver.send("check", r, tag=11)
+                assert await driver.recv(r, tag=12) == value   # r:0's writes are not visible
+            assert float(obj["x"].mean()) == value
+            for r in readers:
+                await driver.send("next", r, tag=13)
+            await _until(lambda: pool.busy == 0, what="all three readers to release the slot")
+        assert driver.stats().transports["shm"].msgs == 6
+        assert pool.created == 1
+        assert await group.join() == ["done"] * 3
+
+
+async def test_multicast_mixes_paths(cluster, driver):
+    """Same-node readers share a slot; another "node" and the sender itself get copies."""
+    async with asyncio.timeout(60):
+        near = await cluster.spawn(workers_shm.multicast_reader, "near", 1, args=("driver:0",))
+        far = await cluster.spawn(workers_shm.multicast_reader, "far", 1, args=("driver:0",),
+                                  env={"RLINF_NODE_ID": "another-node"})
+        for value in (3.0, 4.0):
+            await driver._multicast_internal({"x": torch.full((1 << 18,), value)}, ["near:0", "far:0", "driver:0"], "mc")
+            assert (await driver._recv_internal("driver:0", "mc"))["x"][0] == value
+            for peer in ("near:0", "far:0"):
+                assert await driver.recv(peer, tag=10) == value
+                await driver.send("check", peer, tag=11)
+                assert await driver.recv(peer, tag=12) == value
+                await driver.send("next", peer, tag=13)
+        stats = driver.stats().transports
+        assert stats["shm"].msgs == 2 and stats["zmq"].msgs >= 2
+        assert await near.join() == ["done"] and await far.join() == ["done"]
+
+
+async def test_bad_slot_descriptor_is_a_decode_error(cluster, driver):
+    """A peer describing a segment that is not its own (or does not exist) fails that
+    receive with DecodeError; the receiver keeps serving."""
+    import zmq
+
+    async with asyncio.timeout(30):
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        try:
+            s.linger = 0
+            s.routing_id = b"evil:0|i1"
+            rlinf.security.ClusterKeys(cluster.token).secure_client(s, encrypt=False)
+            s.connect(driver.info.endpoints["ipc"])
+            header, _ = rlinf.codec.encode(np.zeros(100))
+            for name in ("rlinf-1-ab-0", f"rlinf-{os.getpid()}-00-999999"):
+                slot = [name, 0, 1 << 20, 1, False]
+                s.send_multipart([rlinf.wire.pack_header("evil:0", "i1", [[0, 0, header, [-800], slot]], True), b""])
+                with pytest.raises(rlinf.DecodeError):
+                    await driver.recv("evil:0", timeout=10)
+            await driver.send("ok", "driver:0")
+            assert await driver.recv("driver:0") == "ok"
+        finally:
+            s.close(0)
+            ctx.term()

@@ -1,0 +1,66 @@
+"""Module-level worker targets for the shared-memory integration tests."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import torch
+
+
+def shm_state(comm) -> dict:
+    """What a test needs to know about a communicator's shared memory."""
+    pool = comm._shm.pool
+    stats = comm.stats().transports
+    return {"busy": pool.busy, "created": pool.created, "exports": pool.exports, "fallbacks": pool.fallbacks,
+            "segments": pool.segment_names(), "shm_msgs": stats["shm"].msgs if "shm" in stats else 0,
+            "zmq_msgs": stats["zmq"].msgs if "zmq" in stats else 0}
+
+
+async def echo(comm, peer: str, n: int):
+    """Receive ``n`` messages from ``peer``, check they are writable, send each back;
+    then, once ``peer`` says it got them all (tag 99), report our shared-memory state."""
+    for _ in range(n):
+        obj = await comm.recv(peer, timeout=60)
+        obj["tensors"]["big"][0] += 0           # writable (raises on a read-only view)
+        await comm.send(obj, peer, timeout=60)
+    await comm.recv(peer, tag=99, timeout=60)
+    return shm_state(comm)
+
+
+async def send_fills(comm, dst: str, n: int, nbytes: int):
+    """Send ``n`` arrays filled with 0..n-1 to ``dst``, each after ``dst`` acked the last."""
+    for i in range(n):
+        await comm.send({"x": np.full(nbytes, i % 256, np.uint8), "i": i}, dst, timeout=60)
+        assert await comm.recv(dst, tag=1, timeout=60) == i
+    await comm.send(shm_state(comm), dst, tag=2, timeout=60)
+    return await comm.recv(dst, tag=3, timeout=60)
+
+
+async def hold(comm, src: str):
+    """Receive one message from ``src``, keep it, tell ``src``, wait to be killed."""
+    obj = await comm.recv(src, timeout=60)
+    await comm.send(("holding", float(obj["x"].sum())), src, tag=5, timeout=60)
+    await asyncio.Event().wait()
+
+
+async def send_and_wait(comm, dst: str, nbytes: int):
+    """Send a large message to ``dst``, report our segments to the driver, wait to be killed."""
+    await comm.send({"x": torch.ones(nbytes // 4)}, dst, timeout=60)
+    await comm.send(shm_state(comm), "driver:0", tag=6, timeout=60)
+    await asyncio.Event().wait()
+
+
+async def multicast_reader(comm, root: str):
+    """Two rounds of: receive a multicast, follow the root's orders, report what we see."""
+    for _ in range(2):
+        obj = await comm._recv_internal(root, "mc", timeout=60)
+        arr = obj["x"]
+        await comm.send(float(arr.mean()), root, tag=10, timeout=60)
+        order = await comm.recv(root, tag=11, timeout=60)
+        if order == "write":
+            arr[:] = -1.0                      # our private copy only
+        await comm.send(float(arr.mean()), root, tag=12, timeout=60)
+        del obj, arr
+        await comm.recv(root, tag=13, timeout=60)
+    return "done"

@@ -1,0 +1,121 @@
+"""Fixtures of the transport conformance suite: one sender/receiver pair per transport.
+
+Every transport in ``rlinf/transports/`` joins the ``pair`` fixture's parameters and so
+runs the whole suite in ``test_conformance.py``. GPU transports join with the ``cuda``
+marker (see ``_TRANSPORTS``); they are skipped where no GPU exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import pytest
+import zmq
+
+from rlinf.security import ClusterKeys, ZapHandler
+from rlinf.transports.base import Link, Listener
+from rlinf.transports.shm import ShmTransport, available as shm_available
+from rlinf.transports.zeromq import ZmqTransport
+
+
+@dataclass
+class Pair:
+    """A listener and a link to it, plus a way to open more links.
+
+    ``connect(identity)`` opens another link to the same listener. ``sender`` and
+    ``receiver`` are the transport objects (for transport-specific checks).
+    """
+
+    name: str
+    listener: Listener
+    link: Link
+    connect: Callable[[bytes], Awaitable[Link]]
+    sender: Any
+    receiver: Any
+    closers: list[Callable[[], Any]] = field(default_factory=list)
+
+
+class _Zmq:
+    """One ZeroMQ context with its authentication handler (one per simulated process)."""
+
+    def __init__(self, keys: ClusterKeys, scheme: str) -> None:
+        self.context = zmq.Context()
+        self.zap = ZapHandler(self.context, keys)
+        self.zap.attach(asyncio.get_running_loop())
+        tcp = "127.0.0.1" if scheme == "tcp" else None
+        self.transport = ZmqTransport(self.context, keys, tcp_host=tcp, ipc=scheme == "ipc", encrypt_tcp=True)
+
+    def close(self) -> None:
+        self.transport.close()
+        self.zap.close()
+        self.context.term()
+
+
+async def _zmq_pair(name: str, scheme: str) -> Pair:
+    keys = ClusterKeys(secrets.token_hex(16))
+    rx, tx = _Zmq(keys, scheme), _Zmq(keys, scheme)
+    listener = await rx.transport.listen()
+    endpoint = listener.endpoints[scheme]
+
+    async def connect(identity: bytes) -> Link:
+        return await tx.transport.connect(endpoint, identity=identity)
+
+    link = await connect(b"sender|1")
+    pair = Pair(name, listener, link, connect, tx.transport, rx.transport)
+    pair.closers += [listener.close, tx.close, rx.close]
+    return pair
+
+
+async def _shm_pair(name: str, cap: int | None) -> Pair:
+    if not shm_available():
+        pytest.skip("shared memory needs Linux and a writable /dev/shm")
+    keys = ClusterKeys(secrets.token_hex(16))
+    rx, tx = _Zmq(keys, "ipc"), _Zmq(keys, "ipc")
+    receiver, sender = ShmTransport(rx.transport), ShmTransport(tx.transport, cap=cap)
+    listener = await receiver.listen()
+    endpoint = listener.endpoints["ipc"]
+
+    async def connect(identity: bytes) -> Link:
+        return await sender.connect(endpoint, identity=identity)
+
+    link = await connect(b"sender|1")
+    pair = Pair(name, listener, link, connect, sender, receiver)
+    pair.closers += [listener.close, sender.close, receiver.close, tx.close, rx.close]
+    return pair
+
+
+async def _cuda_pair(name: str) -> Pair:
+    # GPU transports (CUDA IPC, NCCL) join the suite here once they exist.
+    pytest.skip(f"the {name} transport is not implemented yet")
+
+
+_TRANSPORTS = [
+    pytest.param("zmq-ipc", id="zmq-ipc"),
+    pytest.param("zmq-tcp", id="zmq-tcp"),
+    pytest.param("shm", id="shm"),
+    pytest.param("shm-capped", id="shm-capped"),     # cap 0: every send falls back inline
+    pytest.param("cuda_ipc", id="cuda_ipc", marks=pytest.mark.cuda),
+]
+
+
+@pytest.fixture(params=_TRANSPORTS)
+async def pair(request) -> Pair:
+    name = request.param
+    async with asyncio.timeout(20):
+        if name.startswith("zmq-"):
+            p = await _zmq_pair(name, name.split("-")[1])
+        elif name == "shm":
+            p = await _shm_pair(name, None)
+        elif name == "shm-capped":
+            p = await _shm_pair(name, 0)
+        else:
+            p = await _cuda_pair(name)
+    try:
+        yield p
+    finally:
+        p.link.close()
+        for close in p.closers:
+            close()

@@ -1,0 +1,235 @@
+"""The shared-memory pieces in one process: pool, reader, recycler, wire descriptors."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+
+from rlinf import wire
+from rlinf.errors import ProtocolError
+from rlinf.transports import shm
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="needs Linux and a writable /dev/shm")
+
+
+@pytest.fixture
+def pool():
+    p = shm.ShmPool(cap=64 << 20)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def released():
+    return []
+
+
+@pytest.fixture
+def reader(released):
+    r = shm.ShmReader(lambda *args: released.append(args))
+    yield r
+    r.close()
+
+
+def _export(pool, data: list[bytes], readers=None, private=False):
+    sizes = [len(d) for d in data]
+    offsets, end = wire.slot_layout(sizes)
+    slot = pool.acquire(end, readers or {"r:0": 1}, private=private)
+    pool.fill(slot, [memoryview(d) for d in data], offsets)
+    return slot, sizes
+
+
+def test_slot_layout_aligns_every_buffer():
+    offsets, end = wire.slot_layout([1, 64, 65, 0, 7])
+    assert offsets == [0, 64, 128, 256, 256] and end == 320
+    assert all(o % wire.SLOT_ALIGN == 0 for o in offsets)
+
+
+def test_size_classes_waste_at_most_an_eighth():
+    for n in (1, 4095, 64 << 10, (64 << 10) + 1, 400 << 10, 1 << 20, (40 << 20) + 17, 3 << 30):
+        size = shm._slot_size(n)
+        assert size >= n and size % 4096 == 0
+        assert size <= max(shm.MIN_SLOT, n * 1.125 + 4096)
+
+
+def test_views_are_writable_zero_copy_and_released_when_collected(pool, reader, released):
+    slot, sizes = _export(pool, [b"a" * 100, b"b" * 70_000])
+    views = reader.open("s:0", slot.ref(), sizes, os.getpid())
+    assert [bytes(v[:1]) for v in views] == [b"a", b"b"] and not views[1].readonly
+    arr = np.frombuffer(views[1], np.uint8)
+    arr[0] = ord("z")                          # shared mapping: the sender's slot sees it
+    assert slot.array[128] == ord("z")
+    del views
+    assert released == []                      # arr still holds the slot
+    del arr
+    gc.collect()
+    assert released == [("s:0", slot.name, slot.generation)]
+
+
+def test_release_must_match_reader_and_generation(pool):
+    slot, _ = _export(pool, [b"x" * 10], readers={"r:0": 1})
+    assert not pool.release("intruder:0", slot.name, slot.generation)
+    assert not pool.release("r:0", slot.name, slot.generation + 1)
+    assert not pool.release("r:0", "rlinf-1-ab-0", 1)
+    assert pool.busy == 1
+    assert pool.release("r:0", slot.name, slot.generation)
+    assert pool.busy == 0 and not pool.release("r:0", slot.name, slot.generation)   # no double free
+
+
+def test_a_slot_is_reused_only_after_every_reader_released(pool):
+    slot, _ = _export(pool, [b"x" * 10], readers={"a:0": 1, "b:0": 2})
+    again = pool.acquire(10, {"c:0": 1})
+    assert again is not slot                   # busy: a new one
+    pool.release("a:0", slot.name, slot.generation)
+    pool.release("b:0", slot.name, slot.generation)
+    assert pool.acquire(10, {"c:0": 1}) is not slot
+    pool.release("b:0", slot.name, slot.generation)
+    assert pool.acquire(10, {"c:0": 1}) is slot
+    assert pool.created == 3
+
+
+def test_cap_evicts_free_slots_then_refuses(pool):
+    small = shm.ShmPool(cap=5 << 19)     # 2.5 MiB
+    try:
+        a = small.acquire(2 << 20, {"r:0": 1})
+        assert a is not None
+        assert small.acquire(2 << 20, {"r:0": 1}) is None and small.fallbacks == 1
+        small.release("r:0", a.name, a.generation)
+        assert small.acquire(1 << 20, {"r:0": 1}) is a   # a free slot up to twice the size serves
+        small.release("r:0", a.name, a.generation)
+        b = small.acquire(700 << 10, {"r:0": 1})    # too small for it: evicted, a new one made
+        assert b is not None and b is not a and small.mapped <= small.cap
+        assert not os.path.exists(a.path)
+        assert small.acquire(10 << 20, {"r:0": 1}) is None    # larger than the cap
+    finally:
+        small.close()
+
+
+def test_reader_gone_retires_its_slots(pool):
+    slot, _ = _export(pool, [b"x" * 10], readers={"gone:0": 1})
+    assert pool.reader_gone("gone:0") == 1
+    assert pool.busy == 0 and not os.path.exists(slot.path)
+    assert pool.acquire(10, {"r:0": 1}) is not slot
+
+
+def test_close_unlinks_every_segment(pool):
+    slots = [_export(pool, [b"x" * n])[0] for n in (10, 300_000, 2 << 20)]
+    pool.release("r:0", slots[0].name, slots[0].generation)
+    names = pool.segment_names()
+    assert len(names) == 3 and all(n.startswith(f"rlinf-{os.getpid()}-") for n in names)
+    pool.close()
+    assert not any(os.path.exists(s.path) for s in slots)
+    assert pool.acquire(10, {"r:0": 1}) is None
+
+
+def test_private_readers_do_not_see_each_other_and_reset_on_release(pool, released):
+    readers = [shm.ShmReader(lambda *a: released.append(a)) for _ in range(2)]
+    try:
+        slot, sizes = _export(pool, [b"\x01" * 8192], readers={"a:0": 1, "b:0": 1}, private=True)
+        va = readers[0].open("s:0", slot.ref(), sizes)[0]
+        vb = readers[1].open("s:0", slot.ref(), sizes)[0]
+        np.frombuffer(va, np.uint8)[:] = 7                 # a's copy-on-write pages
+        assert bytes(vb[:2]) == b"\x01\x01" and slot.array[0] == 1
+        del va, vb
+        gc.collect()
+        for r in ("a:0", "b:0"):
+            assert pool.release(r, slot.name, slot.generation)
+        slot2, _ = _export(pool, [b"\x02" * 8192], readers={"a:0": 1}, private=True)
+        assert slot2 is slot                                # same slot, new data
+        again = readers[0].open("s:0", slot2.ref(), sizes)[0]
+        assert bytes(again[:2]) == b"\x02\x02"               # not a's old private writes
+    finally:
+        for r in readers:
+            r.close()
+
+
+def test_reader_refuses_foreign_missing_or_short_segments(pool, reader):
+    slot, sizes = _export(pool, [b"x" * 10])
+    with pytest.raises(ProtocolError, match="another process"):
+        reader.open("s:0", slot.ref(), sizes, pid=os.getpid() + 1)
+    missing = wire.SlotRef(f"rlinf-{os.getpid()}-00-424242", os.getpid(), 0, 4096, 1, False)
+    with pytest.raises(ProtocolError, match="cannot open"):
+        reader.open("s:0", missing, [10])
+    ref = slot.ref()
+    beyond = wire.SlotRef(ref.segment, ref.pid, 0, ref.size + 4096, ref.generation, False)
+    with pytest.raises(ProtocolError, match="beyond the end"):
+        reader.open("t:0", beyond, [10])
+
+
+@pytest.mark.parametrize("slot", [
+    ["../../etc/passwd", 0, 4096, 1, False],
+    ["rlinf-1-ab-0/x", 0, 4096, 1, False],
+    ["torch_1_2_3", 0, 4096, 1, False],
+    ["rlinf-1-ab-0", 100, 4096, 1, False],           # offset not page-aligned
+    ["rlinf-1-ab-0", 0, 0, 1, False],                # empty slot
+    ["rlinf-1-ab-0", 0, 1 << 41, 1, False],          # beyond MAX_SLOT
+    ["rlinf-1-ab-0", 0, 4096, -1, False],
+    ["rlinf-1-ab-0", 0, 4096, 1, 1],                 # private must be a bool
+    ["rlinf-1-ab-0", 0, 4096],
+])
+def test_bad_slot_descriptors_are_protocol_errors(slot):
+    header = wire.pack_header("x:0", "i", [[0, 0, b"", [-10], slot]], True)
+    with pytest.raises(ProtocolError):
+        wire.unpack_header(header, [])
+
+
+def test_layout_must_fit_its_slot_and_negative_counts_need_one():
+    ok = ["rlinf-1-ab-0", 0, 4096, 1, False]
+    entries = wire.unpack_header(wire.pack_header("x:0", "i", [[0, 0, b"", [-10, 0, -4000], ok]], True), [])[2]
+    assert entries[0].slot.pid == 1 and entries[0].frame_counts == [-10, 0, -4000]
+    with pytest.raises(ProtocolError, match="cannot hold"):
+        wire.unpack_header(wire.pack_header("x:0", "i", [[0, 0, b"", [-4000, -100], ok]], True), [])
+    with pytest.raises(ProtocolError, match="layout"):
+        wire.unpack_header(wire.pack_header("x:0", "i", [[0, 0, b"", [-10]]], True), [])
+    with pytest.raises(ProtocolError, match="cannot hold"):      # a slot must carry something
+        wire.unpack_header(wire.pack_header("x:0", "i", [[0, 0, b"", [], ok]], True), [])
+
+
+def test_recycler_reuses_memory_once_arrays_die():
+    recycler = shm.Recycler(1 << 30)
+    data = np.arange(300_000, dtype=np.float64)
+    first = recycler.copy([memoryview(data).cast("B"), b"", b"tail"])
+    assert np.array_equal(np.frombuffer(first[0], np.float64), data) and bytes(first[2]) == b"tail"
+    address = np.frombuffer(first[0], np.uint8).ctypes.data
+    del first
+    second = recycler.copy([memoryview(data).cast("B")])
+    assert np.frombuffer(second[0], np.uint8).ctypes.data == address     # warm pages again
+
+
+def test_sweep_removes_only_that_pid(tmp_path):
+    for name in ("rlinf-123-ab-0", "rlinf-123-cd-7", "rlinf-1234-ab-0", "other"):
+        (tmp_path / name).write_bytes(b"")
+    assert shm.sweep(123, directory=str(tmp_path)) == 2
+    assert sorted(os.listdir(tmp_path)) == ["other", "rlinf-1234-ab-0"]
+
+
+def test_cap_parsing(monkeypatch):
+    monkeypatch.setenv("RLINF_SHM_CAP", "512M")
+    assert shm.default_cap() == 512 << 20
+    monkeypatch.setenv("RLINF_SHM_CAP", "1.5GiB")
+    assert shm.default_cap() == 3 << 29
+    monkeypatch.setenv("RLINF_SHM_CAP", "lots")
+    with pytest.raises(ValueError, match="RLINF_SHM_CAP"):
+        shm.default_cap()
+    monkeypatch.delenv("RLINF_SHM_CAP")
+    assert 0 < shm.default_cap() <= 4 << 30
+
+
+async def test_a_dropped_multicast_message_releases_only_its_reader():
+    import asyncio
+
+    notices = []
+    session = shm.ShmSession(asyncio.get_running_loop(), lambda dst, obj: notices.append((dst, obj)))
+    try:
+        data = [memoryview(b"x" * 1000)]
+        slot, layout, copying = session.export(data, [1000], {"a:0": 1, "b:0": 1}, private=True)
+        assert layout == [-1000] and copying is None and slot.private
+        session.discard(slot, copying, "a:0")          # a's copy of the message was dropped
+        assert session.pool.busy == 1                  # b still holds the slot
+        assert session.pool.release("b:0", slot.name, slot.generation)
+        assert session.pool.busy == 0
+    finally:
+        session.close()
