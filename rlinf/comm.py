@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Callable
 import zmq
 
 from . import control, devices, routing, wire
-from .codec import Codec
+from .codec import Codec, is_device_buffer
 from .errors import ClosedError, CommTimeoutError, DecodeError, PeerLostError, ProtocolError
 from .info import MembershipEvent, WorkerInfo, parse_address
 from .mailbox import Mailbox, Message
@@ -303,6 +303,10 @@ class Communicator:
         if dst not in self._valid:
             self._check_address(dst)
         codec_header, buffers = self._codec.encode(obj)
+        for b in buffers:
+            if type(b) is not memoryview and is_device_buffer(b):
+                buffers = self._stage_device_buffers(buffers, dst)
+                break
         if dst == self.address:
             return self._send_to_self(tag, kind, codec_header, buffers, need_future)
         outbox = self._outboxes.get(dst)
@@ -311,6 +315,28 @@ class Communicator:
         elif outbox.error is not None:
             raise outbox.error
         return self._queue(outbox, kind, tag, codec_header, buffers, need_future)
+
+    def _stage_device_buffers(self, buffers: list, dst: str) -> list:
+        """The staged path for GPU buffers: copy them to host memory and send them as CPU
+        buffers; the receiver's codec moves them to its current CUDA device.
+
+        This is the fallback of the routing table's GPU rows; it is what runs while the
+        CUDA IPC and NCCL transports are not built. It waits for work already queued on
+        the current stream (``Tensor.cpu()`` synchronises it). Warns once per peer.
+        """
+        if dst not in self._warned:
+            self._warned.add(dst)
+            log.warning("rlinf %s: GPU buffers to %s are staged through host memory "
+                        "(no direct GPU transport available)", self.address, dst)
+        staged = []
+        for b in buffers:
+            if type(b) is memoryview or not is_device_buffer(b):
+                staged.append(b)
+            elif hasattr(b, "cpu"):          # torch
+                staged.append(memoryview(b.cpu().numpy()).cast("B"))
+            else:                            # cupy
+                staged.append(memoryview(b.get()).cast("B"))
+        return staged
 
     def _queue(self, outbox: Outbox, kind: int, tag: Any, codec_header: bytes, buffers: list,
                need_future: bool) -> asyncio.Future | None:

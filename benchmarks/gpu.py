@@ -1,0 +1,146 @@
+"""GPU transfer benchmark (BENCHMARKS.md G1-G2), rlinf beside its baselines in one run.
+
+    python benchmarks/gpu.py [--quick]
+
+For 1 MiB, 64 MiB and 512 MiB float32 CUDA tensors between two processes on one GPU:
+
+* device-to-device copy in one process (the limit);
+* rlinf: `comm.send(tensor)` → the receiver gets a CUDA tensor and acks (first send and
+  steady state);
+* torch.multiprocessing Queue passing the CUDA tensor (CUDA IPC handles), receiver
+  reads it and acks;
+
+plus the per-message time of a small (4 KiB) CUDA tensor (G2). NCCL rows need two GPUs
+and are reported as skipped with one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import Row, print_rows  # noqa: E402
+
+import rlinf  # noqa: E402
+from rlinf.control import run as run_loop  # noqa: E402
+
+SIZES = {"1 MiB": 1 << 20, "64 MiB": 64 << 20, "512 MiB": 512 << 20}
+
+
+def _d2d(nbytes: int, reps: int) -> float:
+    import torch
+
+    src = torch.randn(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])
+
+
+async def _rl_sink(comm, n):
+    import torch
+
+    for _ in range(n):
+        t = await comm.recv("driver:0")
+        assert t.is_cuda
+        torch.cuda.current_stream().synchronize()
+        await comm.send(b"ok", "driver:0", tag=1)
+
+
+async def _rlinf(reps: int) -> dict[str, tuple[float, float]]:
+    import torch
+
+    out = {}
+    async with rlinf.Cluster() as cluster, cluster.connect("driver:0") as comm:
+        cases = {**SIZES, "4 KiB": 4096}
+        for name, nbytes in cases.items():
+            n = reps * 20 if nbytes <= 4096 else reps
+            group = await cluster.spawn(_rl_sink, f"sink{nbytes}", 1, args=(n + 1,))
+            t = torch.randn(nbytes // 4, device="cuda")
+            times = []
+            for _ in range(n + 1):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                await comm.send(t, group.addresses[0])
+                await comm.recv(group.addresses[0], tag=1)
+                times.append(time.perf_counter() - t0)
+            out[name] = (times[0], statistics.median(times[1:]))
+            await group.join()
+    return out
+
+
+def _mp_consumer(q, acks, n):
+    import torch
+
+    for _ in range(n):
+        t = q.get()
+        torch.cuda.current_stream().synchronize()
+        float(t[-1])
+        del t
+        acks.put(1)
+
+
+def _torch_mp(nbytes: int, reps: int) -> float:
+    import torch
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q, acks = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_mp_consumer, args=(q, acks, reps + 1))
+    p.start()
+    times = []
+    for _ in range(reps + 1):
+        t = torch.randn(nbytes // 4, device="cuda")   # a fresh tensor each time, as in a real pipeline
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        q.put(t)
+        acks.get()
+        times.append(time.perf_counter() - t0)
+    p.join()
+    return statistics.median(times[1:])
+
+
+def run(quick: bool = False) -> list[Row]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return [Row("G1 CUDA transfer", None, "device copy", None, "GB/s", True, note="no GPU")]
+    reps = 3 if quick else 7
+    rl = run_loop(_rlinf(reps))
+    rows = []
+    for name, nbytes in SIZES.items():
+        d2d = nbytes / _d2d(nbytes, reps) / 1e9
+        first, steady = rl[name]
+        tmp = nbytes / _torch_mp(nbytes, reps) / 1e9
+        rows.append(Row(f"G1 {name} steady", nbytes / steady / 1e9, "device-to-device copy", d2d, "GB/s", True, ">= 0.8x"))
+        rows.append(Row(f"G1 {name} steady", nbytes / steady / 1e9, "torch.mp Queue (CUDA IPC)", tmp, "GB/s", True))
+        rows.append(Row(f"G1 {name} first send", first, "-", None, "s", note="setup cost"))
+    rows.append(Row("G2 4 KiB CUDA tensor round trip", rl["4 KiB"][1], "-", None, "s", target="<= 100 us"))
+    count = torch.cuda.device_count()
+    rows.append(Row("NCCL send/recv", None, "torch NCCL", None, "GB/s", True,
+                    note="skipped: needs 2 GPUs" if count < 2 else "not implemented"))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    import torch
+
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    print_rows(f"GPU transfers on {name}", run(args.quick))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The one device check: GPU tests, then the GPU benchmark; prints a short table last.
+# Runs on the lent GPU machine with only what it already has (torch, cupy, msgpack,
+# uvloop, pytest, hypothesis) plus the wheels carried in .gpu/wheels (pyzmq,
+# pytest-asyncio). Usage (from the repo root): bash scripts/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/rlinf-gpu-out}"; mkdir -p "$OUT"
+python3 -m pip install -q --no-deps --no-index .gpu/wheels/*.whl 2>&1 | tail -2
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, zmq; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'pyzmq', zmq.__version__)"
+status=0
+timeout 200 python3 -m pytest -q -p no:cacheprovider -o timeout=120 \
+    tests/gpu tests/unit/test_codec.py tests/unit/test_routing.py tests/unit/test_devices.py \
+    tests/integration/test_p2p.py 2>&1 | tee "$OUT/pytest.log" | tail -25 || status=1
+timeout 120 python3 benchmarks/gpu.py --quick 2>&1 | tee "$OUT/bench.log" | tail -20 || status=1
+exit $status
