@@ -25,6 +25,7 @@ from .errors import (
     WorkerFailedError,
     WouldBlock,
 )
+from .group import Group
 from .info import DeviceInfo, MembershipEvent, WorkerInfo
 from .manager import Manager
 from .stats import CommStats, PeerStats, TransportStats
@@ -45,6 +46,7 @@ __all__ = [
     "DeviceInfo",
     "EncodeError",
     "EndOfChannel",
+    "Group",
     "ItemInfo",
     "LoadBalancePolicy",
     "Manager",

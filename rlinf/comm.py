@@ -675,11 +675,12 @@ class Communicator:
 
         return Group(self, addresses)
 
-    async def reshard(self, shard: Any, *, src: list[str], dst: list[str], dim: int = 0) -> Any:
+    async def reshard(self, shard: Any, *, src: list[str], dst: list[str], dim: int = 0,
+                      timeout: float | None = None) -> Any:
         """M->N batch resharding; see :func:`rlinf.reshard.reshard`."""
         from .reshard import reshard
 
-        return await reshard(self, shard, src=src, dst=dst, dim=dim)
+        return await reshard(self, shard, src=src, dst=dst, dim=dim, timeout=timeout)
 
     async def create_channel(self, name: str, *, maxsize: int = 0, policy: Any = "fifo", **options: Any):
         """Start a channel server process named ``name`` and return a handle to it."""
