@@ -1,6 +1,12 @@
-"""Data channels: named, load-balanced queues served by their own worker process."""
+"""Data channels: named, load-balanced queues served by their own worker process.
+
+``ch = await comm.create_channel(name, maxsize=0, policy="fifo")`` starts one;
+``ch = await comm.channel(name)`` finds it; see :class:`Channel` and ``docs/channel.md``.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 from . import policies
 from .policies import (
@@ -16,9 +22,14 @@ from .policies import (
     WeightedRoundRobin,
     make_policy,
 )
+from .stats import ChannelStats, ConsumerStats, KeyStats
 
 __all__ = [
     "policies",
+    "Channel",
+    "ChannelStats",
+    "ConsumerStats",
+    "KeyStats",
     "ItemInfo",
     "ConsumerInfo",
     "LoadBalancePolicy",
@@ -31,3 +42,12 @@ __all__ = [
     "SpeedMeter",
     "make_policy",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The handle pulls in the communicator; policies and stats stay importable alone.
+    if name == "Channel":
+        from .client import Channel
+
+        return Channel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,351 @@
+"""Data channel benchmarks (BENCHMARKS.md Q1-Q3), rlinf beside its baselines in one run.
+
+    python benchmarks/channel.py [--quick]
+
+Q1: 1 KiB items put -> get, 1 producer -> 1 consumer and 4 -> 2, every process its own;
+    rlinf (channel process in between, consumers with prefetch=256) vs raw pyzmq
+    PUSH/PULL on zmq.asyncio (producers push straight to the consumers, item i of a
+    producer to consumer i % C: no broker) and ray.util.queue (skipped when ray is not
+    installed). Rate = all items / (start signal -> last item received).
+Q2: the 40 MiB nested 10-tensor object, producer process -> channel process -> consumer
+    process on this node (maxsize=2, the consumer touches every page), steady-state time
+    per item vs one memcpy of the same bytes into a paged-in buffer.
+Q3: 4 consumer processes with speeds 1, 1, 2, 4 (weight units per second, scaled so a
+    step takes ~0.5 s); synchronous steps of 256 items with log-normal weights (sigma 1,
+    seeded); a consumer "works" an item for weight / speed (time.sleep) and gets one item
+    at a time (prefetch=0). Per step: imbalance = (max busy - min busy) / mean busy and
+    the step time; medians over the steps, per policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import Row, nested_object, print_rows, touch  # noqa: E402
+
+import rlinf  # noqa: E402
+from rlinf.control import run as run_loop  # noqa: E402
+
+ctx = mp.get_context("spawn")
+SPEEDS = (1.0, 1.0, 2.0, 4.0)
+POLICIES = ("fifo", "round_robin", "weighted_round_robin", "shortest_queue", "performance_aware")
+ITEM = b"x" * 1024
+
+
+# ------------------------------------------------------------------------------------ Q1
+async def _q1_producer(comm, name: str, n: int):
+    ch = await comm.channel(name, timeout=60)
+    await comm.recv("driver:0", tag=1)                 # go
+    for _ in range(n):
+        await ch.put(ITEM)
+    await ch.flush(timeout=60)
+    return n
+
+
+async def _q1_consumer(comm, name: str, prefetch: int):
+    ch = await comm.channel(name, timeout=60, prefetch=prefetch)
+    await comm.send("attached", "driver:0", tag=2)
+    count, last = 0, 0.0
+    try:
+        while True:
+            await ch.get()
+            count += 1
+            last = time.perf_counter()
+    except rlinf.EndOfChannel:
+        return count, last
+
+
+async def _q1_rlinf(producers: int, consumers: int, n: int, tag: str) -> float:
+    async with rlinf.Cluster() as cluster, cluster.connect("driver:0") as comm:
+        name = f"q1-{tag}"
+        ch = await comm.create_channel(name)
+        cons = await cluster.spawn(_q1_consumer, "cons", consumers, args=(name, 256))
+        for address in cons.addresses:
+            await comm.recv(address, tag=2)
+        prods = await cluster.spawn(_q1_producer, "prod", producers, args=(name, n))
+        t0 = time.perf_counter()
+        for address in prods.addresses:
+            await comm.send("go", address, tag=1)
+        await prods.join(timeout=600)
+        await ch.close(timeout=60)
+        results = await cons.join(timeout=600)
+        total = sum(r[0] for r in results)
+        assert total == producers * n, (total, producers * n)
+        return total / (max(r[1] for r in results) - t0)
+
+
+def _raw_push(endpoints: list[str], n: int, go) -> None:
+    import zmq.asyncio
+
+    async def main():
+        context = zmq.asyncio.Context()
+        socks = []
+        for ep in endpoints:
+            s = context.socket(zmq.PUSH)
+            s.connect(ep)
+            socks.append(s)
+        go.wait()
+        k = len(socks)
+        for i in range(n):
+            await socks[i % k].send(ITEM)
+        await asyncio.sleep(0.5)
+    run_loop(main())
+
+
+def _raw_pull(endpoint: str, n: int, ready, done) -> None:
+    import zmq.asyncio
+
+    async def main():
+        s = zmq.asyncio.Context().socket(zmq.PULL)
+        s.bind(endpoint)
+        ready.put(True)
+        for _ in range(n):
+            await s.recv()
+        done.put(time.perf_counter())
+    run_loop(main())
+
+
+def _q1_raw(producers: int, consumers: int, n: int) -> float:
+    d = tempfile.mkdtemp(prefix="rlinf-bench-")
+    endpoints = [f"ipc://{d}/pull{i}" for i in range(consumers)]
+    ready, done, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    pulls = [ctx.Process(target=_raw_pull, args=(ep, producers * n // consumers, ready, done)) for ep in endpoints]
+    for p in pulls:
+        p.start()
+    for _ in pulls:
+        ready.get(timeout=60)
+    pushes = [ctx.Process(target=_raw_push, args=(endpoints, n, go)) for _ in range(producers)]
+    for p in pushes:
+        p.start()
+    time.sleep(1.0)                     # let every PUSH connect before the clock starts
+    t0 = time.perf_counter()
+    go.set()
+    end = max(done.get(timeout=600) for _ in pulls)
+    for p in pulls + pushes:
+        p.join(10)
+    return producers * n / (end - t0)
+
+
+def _ray_queue_rate(n: int) -> float | None:
+    try:
+        import ray
+        from ray.util.queue import Queue
+    except ImportError:
+        return None
+
+    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
+    try:
+        q = Queue()
+
+        @ray.remote
+        def produce(q, n):
+            for _ in range(n):
+                q.put(ITEM)
+
+        t0 = time.perf_counter()
+        ref = produce.remote(q, n)
+        for _ in range(n):
+            q.get()
+        ray.get(ref)
+        return n / (time.perf_counter() - t0)
+    finally:
+        ray.shutdown()
+
+
+# ------------------------------------------------------------------------------------ Q2
+async def _q2_producer(comm, name: str, reps: int):
+    ch = await comm.channel(name, timeout=60)
+    obj = nested_object(40 << 20)
+    await comm.recv("driver:0", tag=1)
+    for _ in range(reps):
+        await ch.put(obj)
+    return reps
+
+
+async def _q2_consumer(comm, name: str, reps: int, prefetch: int = 1):
+    ch = await comm.channel(name, timeout=60, prefetch=prefetch)
+    nbytes = sum(t.nbytes for t in nested_object(40 << 20)["tensors"].values())
+    memcpy = [_memcpy_time(nbytes, 5)]               # the baseline, in this process, before
+    await comm.send("attached", "driver:0", tag=2)
+    times = []
+    for _ in range(reps):
+        obj = await ch.get(timeout=120)
+        touch(obj)
+        times.append(time.perf_counter())
+        del obj
+    memcpy.append(_memcpy_time(nbytes, 5))           # ... and after the stream
+    return times, statistics.median(memcpy), nbytes
+
+
+async def _q2_rlinf(reps: int) -> tuple[float, float, int]:
+    async with rlinf.Cluster() as cluster, cluster.connect("driver:0") as comm:
+        ch = await comm.create_channel("q2", maxsize=2)
+        cons = await cluster.spawn(_q2_consumer, "cons", 1, args=("q2", reps))
+        await comm.recv("cons:0", tag=2)
+        prod = await cluster.spawn(_q2_producer, "prod", 1, args=("q2", reps))
+        await comm.send("go", "prod:0", tag=1)
+        ((times, memcpy, nbytes),) = await cons.join(timeout=600)
+        await prod.join(timeout=60)
+        await ch.close()
+    gaps = np.diff(times[1:])            # steady state: the first item pays connection setup
+    return float(np.median(gaps)), memcpy, nbytes
+
+
+def _memcpy_time(nbytes: int, reps: int) -> float:
+    src = np.random.default_rng(0).random(nbytes // 8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ------------------------------------------------------------------------------------ Q3
+async def _q3_consumer(comm, names: list[str], scale: float):
+    speed = SPEEDS[int(comm.address.rsplit(":", 1)[1])]
+    for name in names:
+        ch = await comm.channel(name, timeout=120)
+        work = ch.async_get()                          # join before the first step starts
+        await ch.stats(timeout=60)
+        await comm.send("attached", "driver:0", tag=2)
+        try:
+            while True:
+                step, weight = await work
+                t0 = time.perf_counter()
+                time.sleep(weight / speed * scale)     # "work" for weight / speed
+                busy = time.perf_counter() - t0
+                await comm.send((step, comm.address, busy), "driver:0", tag=3)
+                work = ch.async_get()
+        except rlinf.EndOfChannel:
+            pass
+        await ch.detach()
+    return True
+
+
+def _q3_weights(steps: int, items: int, seed: int) -> list[list[float]]:
+    rng = random.Random(seed)
+    return [[rng.lognormvariate(0.0, 1.0) for _ in range(items)] for _ in range(steps)]
+
+
+async def _q3_rlinf(steps: int, items: int, seed: int, step_seconds: float) -> dict[str, dict]:
+    weights = _q3_weights(steps, items, seed)
+    mean_step_units = statistics.fmean(sum(w) for w in weights) / sum(SPEEDS)
+    scale = step_seconds / mean_step_units
+    out = {}
+    names = [f"q3-{p}" for p in POLICIES]
+    async with rlinf.Cluster() as cluster, cluster.connect("driver:0") as comm:
+        group = None
+        for policy, name in zip(POLICIES, names):
+            ch = await comm.create_channel(name, policy=policy)
+            if group is None:
+                group = await cluster.spawn(_q3_consumer, "learner", len(SPEEDS), args=(names, scale))
+            out[policy] = await _q3_run(comm, ch, group, weights, scale)
+        await group.join(timeout=120)
+    return out
+
+
+async def _q3_run(comm, ch, group, weights, scale) -> dict:
+    for address in group.addresses:
+        await comm.recv(address, tag=2)
+    imbalances, step_times, ideal = [], [], []
+    for step, ws in enumerate(weights):
+        busy = {a: 0.0 for a in group.addresses}
+        t0 = time.perf_counter()
+        for w in ws:
+            await ch.put((step, w), weight=w)
+        for _ in ws:
+            (s, address, b), _src = await comm.recv_any(tag=3, timeout=120)
+            assert s == step
+            busy[address] += b
+        step_times.append(time.perf_counter() - t0)
+        values = list(busy.values())
+        imbalances.append((max(values) - min(values)) / statistics.fmean(values))
+        ideal.append(sum(ws) / sum(SPEEDS) * scale)
+    stats = await ch.stats()
+    await ch.close()
+    return {"imbalance": statistics.median(imbalances), "max_imbalance": max(imbalances),
+            "step_time": statistics.median(step_times), "ideal": statistics.median(ideal),
+            "imbalances": imbalances, "stats": str(stats)}
+
+
+# ------------------------------------------------------------------------------------ main
+def run(quick: bool = False, only: str = "q1,q2,q3") -> list[Row]:
+    n = 5000 if quick else 20000
+    rows = []
+    if "q1" in only:
+        rows += _run_q1(n)
+    if "q2" in only:
+        rows += _run_q2(quick)
+    if "q3" in only:
+        rows += _run_q3(quick)
+    return rows
+
+
+def _run_q1(n: int) -> list[Row]:
+    rows = []
+    raw11 = _q1_raw(1, 1, n)
+    rl11 = run_loop(_q1_rlinf(1, 1, n, "11"))
+    raw42 = _q1_raw(4, 2, n // 2)
+    rl42 = run_loop(_q1_rlinf(4, 2, n // 2, "42"))
+    print(f"Q1 1->1 rlinf {rl11:.0f}/s raw {raw11:.0f}/s; 4->2 rlinf {rl42:.0f}/s raw {raw42:.0f}/s",
+          file=sys.stderr)
+    ray_rate = _ray_queue_rate(min(n, 2000))
+    note = "" if ray_rate else "ray not installed"
+    rows += [
+        Row("Q1 1 KiB put->get rate, 1->1", rl11, "raw pyzmq PUSH/PULL", raw11, "msg/s", True, ">= 0.3x"),
+        Row("Q1 1 KiB put->get rate, 4->2", rl42, "raw pyzmq PUSH/PULL", raw42, "msg/s", True, ">= 0.3x"),
+        Row("Q1 1 KiB put->get rate, 1->1", rl11, "ray.util.queue", ray_rate, "msg/s", True, ">= 100x", note),
+    ]
+    return rows
+
+
+def _run_q2(quick: bool) -> list[Row]:
+    item, memcpy, nbytes = run_loop(_q2_rlinf(8 if quick else 16))
+    print(f"Q2 rlinf {item * 1e3:.1f} ms/item, memcpy {memcpy * 1e3:.1f} ms", file=sys.stderr)
+    return [Row("Q2 40 MiB nested object, same node", nbytes / item / 1e9, "memcpy (paged-in)",
+                nbytes / memcpy / 1e9, "GB/s", True, ">= 0.4x")]
+
+
+def _run_q3(quick: bool) -> list[Row]:
+    rows = []
+    q3 = run_loop(_q3_rlinf(4 if quick else 10, 256, 20240601, 0.5))
+    for policy in POLICIES:
+        r = q3[policy]
+        print(f"Q3 {policy}: imbalance {r['imbalance']:.1%} (steps {[f'{x:.0%}' for x in r['imbalances']]}), "
+              f"step {r['step_time']:.3f} s, ideal {r['ideal']:.3f} s", file=sys.stderr)
+    rr = q3["round_robin"]["imbalance"]
+    for policy in POLICIES:
+        r = q3[policy]
+        rows.append(Row(f"Q3 imbalance, {policy}", r["imbalance"] * 100, "round_robin", rr * 100, "%",
+                        False, "<= 10% (best)", f"max {r['max_imbalance']:.0%}"))
+    for policy in POLICIES:
+        r = q3[policy]
+        rows.append(Row(f"Q3 step time, {policy}", r["step_time"], "ideal (total work / total speed)",
+                        r["ideal"], "s", False, ""))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", default="q1,q2,q3", help="comma-separated subset of q1,q2,q3")
+    args = parser.parse_args()
+    print_rows("Channel (Q1-Q3)", run(args.quick, args.only))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,419 @@
+"""The machinery of a channel handle: state, batched ops, the reader, failure handling.
+
+:class:`HandleBase` holds what :class:`rlinf.channel.Channel` needs under its public
+methods. Operations issued in one loop iteration leave as one message (per-get
+bookkeeping, "took"/"done"/"credit", is merged into one op of each kind), and the
+server's answers are dispatched by :meth:`HandleBase._on_ops`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import math
+import sys
+import time
+from typing import Any, Callable
+
+from ..errors import ClosedError, CommTimeoutError, DecodeError, EndOfChannel, PeerLostError, ProtocolError, RlinfError
+from ._payload import unpack
+from ._wire import decode_ops, encode_ops
+from .server import REQUEST_TAG, check_name, reply_tag, server_address
+
+__all__ = ["HandleBase", "default_free_memory"]
+
+log = logging.getLogger("rlinf.channel")
+
+_hids = itertools.count(1)
+_KEY_TYPES = (str, int, bytes, type(None))
+_MEMORY_PERIOD = 0.1
+_MAX_BATCH = 1024      # ops per message before a tight loop flushes (and put yields once)
+
+
+def _check_key(key: Any) -> None:
+    if isinstance(key, tuple):
+        for part in key:
+            _check_key(part)
+    elif not isinstance(key, _KEY_TYPES):
+        raise TypeError(f"a channel key must be None, str, int, bytes or a tuple of them, got {type(key).__name__}")
+
+def _check_weight(weight: Any) -> float:
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise TypeError(f"weight must be a number, got {type(weight).__name__}")
+    weight = float(weight)
+    if not (math.isfinite(weight) and weight >= 0):
+        raise ValueError(f"weight must be finite and >= 0, got {weight!r}")
+    return weight
+
+def _check_timeout(timeout: Any) -> None:
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
+        raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
+
+def default_free_memory() -> int | None:
+    """Free bytes on this process's current GPU, if torch has initialised CUDA; else None."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    try:
+        free, _total = torch.cuda.mem_get_info()
+    except RuntimeError:      # a device in a bad state reports nothing rather than failing gets
+        return None
+    return int(free)
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+def _chain(source: asyncio.Future, target: asyncio.Future) -> None:
+    def done(f: asyncio.Future) -> None:
+        if target.done():
+            _retrieve(f)
+        elif f.cancelled():
+            target.cancel()
+        elif f.exception() is not None:
+            target.set_exception(f.exception())
+        else:
+            target.set_result(None)
+
+    source.add_done_callback(done)
+
+def _error_factory(exc: BaseException, ch: HandleBase) -> Callable[[], BaseException]:
+    if isinstance(exc, PeerLostError):
+        message = f"channel {ch.name!r}: its server {ch._server} is gone ({exc})"
+
+        def make() -> BaseException:
+            error = PeerLostError(message, peer=ch._server)
+            error.__cause__ = exc
+            return error
+        return make
+    if isinstance(exc, ClosedError):
+        return lambda: ClosedError(f"channel {ch.name!r}: {exc}")
+    return lambda: exc
+
+
+
+class HandleBase:
+    """State and plumbing of a channel handle (see :class:`rlinf.channel.Channel`)."""
+
+    def __init__(self, comm, name: str, *, prefetch: int = 0,
+                 free_memory: Callable[[], int | None] | None = None) -> None:
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        self.name = check_name(name)
+        self._comm = comm
+        self._server = server_address(name)
+        self._hid = next(_hids)
+        self._tag = reply_tag(self._hid)
+        self._codec = comm._codec
+        self._prefetch = prefetch
+        self._free_memory = free_memory or default_free_memory
+        self._memory: tuple[float, int | None] = (-1.0, None)
+        self._clock = time.monotonic
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: asyncio.Task | None = None
+        self._rids = itertools.count(1)
+        self._ops: list = []
+        self._flush_scheduled = False
+        self._must_yield = False
+        self._large = False
+        self._acc_took: dict[bool, list] = {}
+        self._acc_done: list | None = None
+        self._acc_credit: dict[Any, int] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._gets: dict[int, asyncio.Future] = {}
+        self._error: Callable[[], BaseException] | None = None
+        self._detached = False
+        self._drained = False
+        self.info: dict[str, Any] = {}
+        # producer
+        self._maxsize = 0
+        self._credits = 0
+        self._blocked: collections.deque[list] = collections.deque()
+        self._remote_closed = False
+        self._rejected = 0
+        # consumer
+        self._buffers: dict[Any, collections.deque] = {}
+        self._buffer_waiters: dict[Any, list[asyncio.Future]] = {}
+        self._credited: set = set()
+        self._ended: set = set()
+        self._working: list[int] = []
+        self._working_since = 0.0
+        self._unacked: dict[int, collections.deque] = {}
+
+    @property
+    def unacked(self) -> int:
+        """Items this handle got with ``ack=True`` and has not ``task_done`` yet."""
+        return sum(len(q) for q in self._unacked.values())
+
+    def _gone_drained(self) -> ClosedError:
+        return ClosedError(f"channel {self.name!r} is closed and drained: its server has exited")
+
+    def _check_usable(self) -> None:
+        if self._error is not None:
+            raise self._error()
+        if self._loop is None:
+            raise ClosedError("channel handle is not open: use 'await comm.channel(name)'")
+
+    def _check_producer(self) -> None:
+        self._check_usable()
+        if self._remote_closed or self._drained:
+            raise ClosedError(f"channel {self.name!r} is closed")
+        if self._rejected:
+            raise ClosedError(f"channel {self.name!r} is closed: {self._rejected} put(s) were refused")
+
+    def _check_consumer(self, key: Any) -> None:
+        if (self._drained or key in self._ended) and not self._buffers.get(key) and not self._detached:
+            raise EndOfChannel(f"channel {self.name!r} is closed and drained (key {key!r})")
+        self._check_usable()
+
+    def _send_put(self, op: tuple, large: bool) -> asyncio.Future | None:
+        self._ops.append(op)
+        if op[4][0] == 2:
+            self._large = True
+        if large:
+            return self._flush()
+        if len(self._ops) >= _MAX_BATCH:
+            self._must_yield = True
+            future = self._flush()
+            if not future.done():
+                future.add_done_callback(_retrieve)
+            return None
+        self._schedule_flush()
+        return None
+
+    def _release_blocked(self) -> None:
+        while self._blocked and self._credits > 0:
+            op, large, future = self._blocked.popleft()
+            self._credits -= 1
+            try:
+                sent = self._send_put(op, large)
+            except RlinfError as exc:
+                future.set_exception(exc)
+                continue
+            if sent is None:
+                future.set_result(None)
+            else:
+                _chain(sent, future)
+
+    def _withdraw(self, entry: list) -> bool:
+        try:
+            self._blocked.remove(entry)
+        except ValueError:
+            return False
+        entry[2].cancel()
+        return True
+
+    def _abandon(self, rid: int, future: asyncio.Future) -> None:
+        """Give up get ``rid`` without losing an item (idempotent)."""
+        if self._gets.pop(rid, None) is None:
+            return
+        if not future.done():
+            future.cancel()
+        if future.cancelled():
+            self._op(("cancel", rid))          # an answer still on its way is given back
+        elif future.exception() is None:       # answered, never returned: give them back
+            self._op(("unget", [i[0] for i in future.result()]))
+
+    def _ensure_credit(self, key: Any) -> None:
+        if key not in self._credited:
+            self._credited.add(key)
+            self._credit(key, self._prefetch)
+
+    def _deliver(self, items: list, ack: bool) -> list[Any]:
+        ids = [i[0] for i in items]
+        self._took(ids, ack)
+        objects = [unpack(self._codec, i[2]) for i in items]
+        now = self._clock()
+        if ack:
+            for (item_id, _w, _p), obj in zip(items, objects):
+                self._unacked.setdefault(id(obj), collections.deque()).append((item_id, now, obj))
+        else:
+            if not self._working:
+                self._working_since = now
+            self._working.extend(ids)
+        return objects
+
+    def _report_done(self) -> None:
+        if self._working:
+            self._done(self._working, self._clock() - self._working_since)
+            self._working = []
+
+    def _memory_now(self) -> int | None:
+        now = self._clock()
+        when, value = self._memory
+        if now - when >= _MEMORY_PERIOD:
+            value = self._free_memory()
+            self._memory = (now, value)
+        return value
+
+    def _op(self, op: tuple) -> None:
+        self._ops.append(op)
+        self._schedule_flush()
+
+    # Per-get bookkeeping is merged until the next flush: one op of each kind per message.
+
+    def _took(self, ids: list, ack: bool) -> None:
+        self._acc_took.setdefault(ack, []).extend(ids)
+        self._schedule_flush()
+
+    def _done(self, ids: list, seconds: float) -> None:
+        if self._acc_done is None:
+            self._acc_done = [list(ids), seconds]
+        else:
+            self._acc_done[0].extend(ids)
+            self._acc_done[1] += seconds
+        self._schedule_flush()
+
+    def _credit(self, key: Any, n: int) -> None:
+        credit = self._acc_credit[key] = self._acc_credit.get(key, 0) + n
+        if credit * 2 >= self._prefetch:
+            self._must_yield = True
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush_soon)
+
+    def _flush_soon(self) -> None:
+        self._flush_scheduled = False
+        self._must_yield = False
+        try:
+            future = self._flush()
+        except RlinfError as exc:
+            self._fail(_error_factory(exc, self))
+            return
+        if future is not None and not future.done():
+            future.add_done_callback(_retrieve)
+
+    def _flush(self) -> asyncio.Future | None:
+        """Send the queued ops now, as one message. Returns the send's future."""
+        ops: list = [("took", ids, ack) for ack, ids in self._acc_took.items()]
+        if self._acc_done is not None:
+            ops.append(("done", *self._acc_done))
+        if self._acc_credit:
+            memory = self._memory_now()
+            ops.extend(("credit", key, n, memory) for key, n in self._acc_credit.items())
+        if ops:
+            self._acc_took, self._acc_done, self._acc_credit = {}, None, {}
+            ops.extend(self._ops)
+        elif not self._ops:
+            return None
+        else:
+            ops = self._ops
+        self._ops = []
+        large, self._large = self._large, False
+        blob, buffers = encode_ops(ops, large)
+        return self._comm._async_send_internal([self._hid, blob, buffers], self._server, REQUEST_TAG)
+
+    def _call_start(self, kind: str, *args: Any) -> tuple[int, asyncio.Future]:
+        self._check_usable()
+        if self._drained:
+            raise self._gone_drained()
+        rid = next(self._rids)
+        future = self._calls[rid] = self._loop.create_future()
+        self._op((kind, rid, *args))
+        return rid, future
+
+    async def _await_call(self, call: tuple[int, asyncio.Future], timeout: float | None, what: str) -> Any:
+        rid, future = call
+        try:
+            async with asyncio.timeout(timeout):
+                return await future
+        except TimeoutError:
+            raise CommTimeoutError(f"channel {self.name!r}: {what} got no answer within {timeout} s") from None
+        finally:
+            self._calls.pop(rid, None)
+
+    async def _read(self) -> None:
+        comm = self._comm
+        while True:
+            try:
+                ops = decode_ops(await comm._recv_internal(self._server, self._tag))
+            except (DecodeError, ProtocolError) as exc:
+                log.warning("channel %s: dropped an undecodable message: %r", self.name, exc)
+                continue
+            except (PeerLostError, ClosedError) as exc:
+                if self._drained:   # it exited as it should once drained
+                    self._fail(self._gone_drained)
+                else:
+                    self._fail(_error_factory(exc, self))
+                return
+            try:
+                self._on_ops(ops)
+            except (ValueError, TypeError, KeyError, IndexError) as exc:
+                log.warning("channel %s: dropped a malformed message: %r", self.name, exc)
+
+    def _on_ops(self, ops: list) -> None:
+        for op in ops:
+            kind = op[0]
+            if kind == "items":
+                rid, key, items = op[1], op[2], op[3]
+                if rid == 0:
+                    self._buffers.setdefault(key, collections.deque()).extend(items)
+                    self._wake(key)
+                else:
+                    future = self._gets.get(rid)
+                    if future is not None and not future.done():
+                        future.set_result(items)
+                    else:                   # its get was abandoned: give the items back
+                        self._op(("unget", [i[0] for i in items]))
+            elif kind == "end":
+                rid, key = op[1], op[2]
+                self._ended.add(key)
+                future = self._gets.get(rid) if rid else None
+                if future is not None and not future.done():
+                    future.set_exception(EndOfChannel(f"channel {self.name!r} is closed and drained (key {key!r})"))
+                self._wake(key)
+            elif kind == "grant":
+                self._credits += op[1]
+                self._release_blocked()
+            elif kind == "revoke":
+                self._op(("ret", self._credits))
+                self._credits = 0
+            elif kind in ("info", "reply"):
+                future = self._calls.pop(op[1], None)
+                if future is not None and not future.done():
+                    future.set_result(op[2])
+            elif kind == "closed":
+                self._remote_closed = True
+                self._fail_puts(lambda: ClosedError(f"channel {self.name!r} is closed"))
+            elif kind == "rejected":
+                self._rejected += op[1]
+            elif kind == "drained":
+                self._drained = True
+                self._fail_puts(lambda: ClosedError(f"channel {self.name!r} is closed"))
+                for future in self._gets.values():
+                    if not future.done():
+                        future.set_exception(EndOfChannel(f"channel {self.name!r} is closed and drained"))
+                self._gets.clear()
+                for key in list(self._buffer_waiters):
+                    self._wake(key)
+
+    def _wake(self, key: Any) -> None:
+        for waiter in self._buffer_waiters.pop(key, ()):
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _fail_puts(self, error: Callable[[], BaseException]) -> None:
+        while self._blocked:
+            future = self._blocked.popleft()[2]
+            if not future.done():
+                future.set_exception(error())
+
+    def _fail(self, error: Callable[[], BaseException]) -> None:
+        """The handle is unusable from now on: fail everything pending with ``error()``."""
+        if self._error is None:
+            self._error = error
+        for table in (self._gets, self._calls):
+            for future in table.values():
+                if not future.done():
+                    future.set_exception(error())
+            table.clear()
+        self._fail_puts(error)
+        for key in list(self._buffer_waiters):
+            self._wake(key)
+        if self._reader is not None and self._reader is not asyncio.current_task():
+            self._reader.cancel()

@@ -1,0 +1,505 @@
+"""The client side of a channel: :class:`Channel` handles, and creating / finding channels.
+
+A handle talks to the channel's server (``channel.<name>:0``) with small batched
+operations: every operation issued in one loop iteration leaves in one message, and the
+server answers each handle the same way. See ``docs/channel.md`` for the semantics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import os
+import weakref
+from typing import Any, Callable
+
+from ..errors import ClosedError, CommTimeoutError, EndOfChannel, RlinfError, WouldBlock
+from ..outbox import SMALL_MESSAGE
+from ..work import Work
+from ._handle import (
+    HandleBase,
+    _chain,
+    _check_key,
+    _check_timeout,
+    _check_weight,
+    _retrieve,
+    default_free_memory,
+)
+from ._payload import pack
+from .policies import make_policy
+from .server import ChannelServer, ServerProcess, check_name, server_address
+from .stats import ChannelStats
+
+__all__ = ["Channel", "create_channel", "open_channel", "create_cluster_channel", "default_free_memory"]
+
+
+class Channel(HandleBase):
+    """A handle to a channel: put items in, get them out. Get one with
+    ``await comm.channel(name)`` or ``await comm.create_channel(name)``.
+
+    One handle serves any number of producers and consumers on its loop. A handle is a
+    *consumer* once it calls ``get``; the policy assigns items among consumers.
+
+    Args:
+        comm: the communicator to talk through.
+        name: the channel's name.
+        prefetch: items the server may send ahead of ``get`` calls (per key; 0: none,
+            every ``get`` is one round trip). Prefetched items count as pending for this
+            consumer, are put back if it dies or detaches, and make ``get`` local.
+        free_memory: ``() -> int | None`` reporting free device memory with each get
+            (default: ``torch.cuda.mem_get_info`` when torch has initialised CUDA).
+    """
+
+    def __repr__(self) -> str:
+        state = ("failed" if self._error else "drained" if self._drained else "closed" if self._remote_closed
+                 else "detached" if self._detached else "open")
+        buffered = sum(len(b) for b in self._buffers.values())
+        return (f"<Channel {self.name!r} {state} via {self._comm.address} gets={len(self._gets)} "
+                f"blocked_puts={len(self._blocked)} buffered={buffered} unacked={self.unacked}>")
+
+    # -- opening ---------------------------------------------------------------------------
+    async def _open(self, timeout: float | None) -> Channel:
+        comm = self._comm
+        comm._check_open()
+        self._loop = asyncio.get_running_loop()
+        try:
+            info = await comm._control.lookup(self._server, wait=True, timeout=timeout)
+        except CommTimeoutError:
+            raise CommTimeoutError(f"no channel named {self.name!r} appeared within {timeout} s") from None
+        if info is not None and info.meta.get("kind") != "channel":
+            raise ValueError(f"{self._server} is not a channel server")
+        _track(comm, self)
+        self._reader = self._loop.create_task(self._read(), name=f"rlinf-channel-{self.name}-{self._hid}")
+        node = comm.info.node_id if comm.info is not None else ""
+        reply = self._call_start("hello", comm.incarnation, node, self._consumer_name())
+        self.info = await self._await_call(reply, timeout, "open")
+        self._maxsize = self.info["maxsize"]
+        self._credits += self.info["lease"]
+        self._remote_closed = self.info["closed"]
+        return self
+
+    def _consumer_name(self) -> str:
+        same = sum(1 for h in _registry.get(self._comm, ()) if h.name == self.name and h is not self)
+        return self._comm.address if same == 0 else f"{self._comm.address}#{same}"
+
+    # -- producing -------------------------------------------------------------------------
+    async def put(self, item: Any, weight: float = 1.0, key: Any = None, *, timeout: float | None = None) -> None:
+        """Put ``item`` in the sub-queue ``key``.
+
+        Returns once the item is on its way to the channel, in order with this handle's
+        other operations, and its buffers may be reused (large items are sent zero-copy
+        and awaited). With ``maxsize``, waits for space first; a put that times out or is
+        cancelled while waiting for space is withdrawn.
+
+        Raises:
+            ValueError: ``weight`` is not finite and >= 0. TypeError: bad key or weight.
+            EncodeError: ``item`` cannot be encoded.
+            ClosedError: the channel is closed (or this handle detached).
+            CommTimeoutError: no space within ``timeout``.
+            PeerLostError: the channel process is gone.
+        """
+        _check_timeout(timeout)
+        entry = self._start_put(item, weight, key)
+        if entry is None:
+            if self._must_yield:     # a tight put loop: let the transport send the batch
+                self._must_yield = False
+                await asyncio.sleep(0)
+            return
+        future = entry[2]
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(future)
+        except TimeoutError:
+            if self._withdraw(entry):
+                raise CommTimeoutError(f"channel {self.name!r}: no space within {timeout} s") from None
+            await future      # already on its way: finish sending it
+        except asyncio.CancelledError:
+            self._withdraw(entry)
+            raise
+
+    def put_nowait(self, item: Any, weight: float = 1.0, key: Any = None) -> None:
+        """Put ``item`` without waiting.
+
+        Buffer lifetime: a large item (>= 1 MiB) is sent zero-copy; do not modify its
+        arrays until it is sent (use ``put`` or ``async_put`` to know when).
+
+        Raises:
+            WouldBlock: the channel is full as far as this handle knows (it holds no
+                lease of free space; one is requested, so a later call may succeed).
+            Same as :meth:`put` otherwise.
+        """
+        weight = _check_weight(weight)
+        _check_key(key)
+        self._check_producer()
+        if self._maxsize and (self._blocked or self._credits <= 0):
+            self._op(("want", 1, True))
+            raise WouldBlock(f"channel {self.name!r} is full")
+        payload, nbytes = pack(self._codec, item)
+        if self._maxsize:
+            self._credits -= 1
+        future = self._send_put(("put", key, weight, nbytes, payload), nbytes >= SMALL_MESSAGE)
+        if future is not None and not future.done():
+            future.add_done_callback(_retrieve)
+
+    def async_put(self, item: Any, weight: float = 1.0, key: Any = None) -> Work[None]:
+        """Start a put now (its order is fixed by this call) and return its :class:`Work`."""
+        entry = self._start_put(item, weight, key)
+        future = self._loop.create_future()
+        if entry is None:
+            future.set_result(None)
+        else:
+            _chain(entry[2], future)
+        return Work(future, f"put to channel {self.name}")
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Wait until the channel has processed every put this handle made so far.
+
+        Raises:
+            ClosedError: some of them were refused because the channel was closed.
+            CommTimeoutError, PeerLostError.
+        """
+        if self._drained and not self._rejected:
+            return                              # drained: every put was processed
+        rejected = self._rejected if self._drained else \
+            await self._await_call(self._call_start("sync"), timeout, "flush")
+        if rejected:
+            raise ClosedError(f"channel {self.name!r} is closed: {rejected} put(s) from this handle were refused")
+
+    def _start_put(self, item: Any, weight: Any, key: Any) -> list | None:
+        weight = _check_weight(weight)
+        _check_key(key)
+        self._check_producer()
+        payload, nbytes = pack(self._codec, item)
+        op = ("put", key, weight, nbytes, payload)
+        large = nbytes >= SMALL_MESSAGE
+        if self._maxsize:
+            if self._blocked or self._credits <= 0:
+                entry = [op, large, self._loop.create_future()]
+                self._blocked.append(entry)
+                self._op(("want", 1, False))
+                return entry
+            self._credits -= 1
+        future = self._send_put(op, large)
+        return None if future is None else [op, large, future]
+
+    # -- consuming -------------------------------------------------------------------------
+    async def get(self, key: Any = None, timeout: float | None = None, *, ack: bool = False) -> Any:
+        """Take the next item of sub-queue ``key`` meant for this consumer.
+
+        Calling ``get`` also tells the channel that the items this handle got before
+        (without ``ack``) are finished: their processing time is measured from the
+        previous ``get``'s return to this call.
+
+        Args:
+            key: the sub-queue.
+            timeout: seconds to wait (None: forever). A get that times out or is
+                cancelled loses nothing: an item already on its way goes back.
+            ack: keep the item assigned to this consumer until :meth:`task_done`; if the
+                consumer dies first, the item is put back in the queue.
+
+        Raises:
+            EndOfChannel: the channel is closed and nothing of ``key`` is left.
+            CommTimeoutError, PeerLostError (the channel process died), ClosedError.
+        """
+        return (await self._get_items(key, 1, None, ack, timeout))[0]
+
+    async def get_batch(self, target_weight: float | None = None, max_items: int | None = None, key: Any = None,
+                        timeout: float | None = None, *, ack: bool = False) -> list[Any]:
+        """Take a batch: waits for the first item, then takes at once, in order, the
+        items available to this consumer while both hold: at most ``max_items`` items,
+        and a total weight <= ``target_weight``. The first item is always taken, even
+        if it alone weighs more than the target; taking stops at the first item that
+        does not fit (later, lighter items are not picked out of order). With neither
+        limit, every available item is taken. It never waits to fill a batch.
+
+        Raises:
+            ValueError: ``target_weight`` < 0 or not finite, ``max_items`` < 1.
+            Same as :meth:`get`.
+        """
+        if target_weight is not None:
+            target_weight = _check_weight(target_weight)
+        if max_items is not None and (isinstance(max_items, bool) or not isinstance(max_items, int) or max_items < 1):
+            raise ValueError(f"max_items must be None or an int >= 1, got {max_items!r}")
+        return await self._get_items(key, max_items, target_weight, ack, timeout)
+
+    def get_nowait(self, key: Any = None, *, ack: bool = False) -> Any:
+        """Take an item already prefetched into this handle (``prefetch`` > 0).
+
+        Raises:
+            WouldBlock: no item of ``key`` is buffered here (always, without prefetch).
+            EndOfChannel: the channel is closed and nothing of ``key`` is left.
+        """
+        _check_key(key)
+        self._check_usable()
+        buffer = self._buffers.get(key)
+        if not buffer:
+            self._check_consumer(key)
+            if self._prefetch:
+                self._ensure_credit(key)
+            raise WouldBlock(f"channel {self.name!r}: no item of key {key!r} is buffered here")
+        self._report_done()
+        taken = [buffer.popleft()]
+        self._credit(key, 1)
+        return self._deliver(taken, ack)[0]
+
+    def async_get(self, key: Any = None, *, ack: bool = False) -> Work[Any]:
+        """Start a get now (its order is fixed by this call) and return its :class:`Work`."""
+        _check_key(key)
+        if self._prefetch:
+            self._check_consumer(key)
+            self._ensure_credit(key)
+            task = self._loop.create_task(self.get(key, ack=ack))
+        else:
+            self._check_consumer(key)
+            self._report_done()
+            rid, future = self._start_get(key, 1, None)
+            task = self._loop.create_task(self._finish_get_one(rid, future, ack))
+            # cancelled before it ever ran: its request is still live, withdraw it
+            task.add_done_callback(lambda t: t.cancelled() and self._abandon(rid, future))
+        return Work(task, f"get from channel {self.name}")
+
+    async def _finish_get_one(self, rid: int, future: asyncio.Future, ack: bool) -> Any:
+        return (await self._finish_get(rid, future, ack, None))[0]
+
+    def task_done(self, *items: Any) -> None:
+        """Mark items got with ``ack=True`` as finished (each object as ``get`` returned it).
+
+        The time since ``get`` returned each one is reported as its processing time.
+
+        Raises:
+            ValueError: an object is not an unfinished ``ack=True`` item of this handle
+                (nothing is marked then).
+        """
+        need = collections.Counter(id(obj) for obj in items)
+        for obj_id, n in need.items():
+            if len(self._unacked.get(obj_id, ())) < n:
+                raise ValueError("task_done: not an unacknowledged item from get(ack=True) on this handle")
+        now = self._clock()
+        for obj in items:
+            queue = self._unacked[id(obj)]
+            item_id, since, _obj = queue.popleft()
+            if not queue:
+                del self._unacked[id(obj)]
+            self._done([item_id], now - since)
+
+    def __aiter__(self) -> Channel:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return await self.get()
+        except EndOfChannel:
+            raise StopAsyncIteration from None
+
+    async def _get_items(self, key: Any, max_items: int | None, target: float | None, ack: bool,
+                         timeout: float | None) -> list[Any]:
+        _check_key(key)
+        _check_timeout(timeout)
+        self._check_consumer(key)
+        self._report_done()
+        if self._prefetch:
+            return await self._get_buffered(key, max_items, target, ack, timeout)
+        rid, future = self._start_get(key, max_items, target)
+        return await self._finish_get(rid, future, ack, timeout)
+
+    def _start_get(self, key: Any, max_items: int | None, target: float | None) -> tuple[int, asyncio.Future]:
+        rid = next(self._rids)
+        future = self._gets[rid] = self._loop.create_future()
+        self._op(("get", rid, key, max_items, target, self._memory_now()))
+        return rid, future
+
+    async def _finish_get(self, rid: int, future: asyncio.Future, ack: bool, timeout: float | None) -> list[Any]:
+        try:
+            async with asyncio.timeout(timeout):
+                items = await future
+        except BaseException as exc:
+            self._abandon(rid, future)
+            if isinstance(exc, TimeoutError) and not isinstance(exc, RlinfError):
+                raise CommTimeoutError(f"channel {self.name!r}: no item within {timeout} s") from None
+            raise
+        self._gets.pop(rid, None)
+        return self._deliver(items, ack)
+
+    async def _get_buffered(self, key: Any, max_items: int | None, target: float | None, ack: bool,
+                            timeout: float | None) -> list[Any]:
+        self._ensure_credit(key)
+        buffer = self._buffers.setdefault(key, collections.deque())
+        if buffer and self._must_yield:
+            # A tight get loop served from the buffer never lets the loop run: yield once
+            # so the credit it returned goes out and the server keeps the buffer full.
+            self._must_yield = False
+            await asyncio.sleep(0)
+        try:
+            async with asyncio.timeout(timeout if not buffer else None):
+                while not buffer:
+                    self._check_consumer(key)
+                    waiter = self._loop.create_future()
+                    self._buffer_waiters.setdefault(key, []).append(waiter)
+                    try:
+                        await waiter
+                    finally:
+                        waiters = self._buffer_waiters.get(key)
+                        if waiters and waiter in waiters:
+                            waiters.remove(waiter)
+        except TimeoutError:
+            raise CommTimeoutError(f"channel {self.name!r}: no item within {timeout} s") from None
+        taken, total = [], 0.0
+        while buffer:
+            weight = buffer[0][1]
+            if taken and ((max_items and len(taken) >= max_items) or (target is not None and total + weight > target)):
+                break
+            taken.append(buffer.popleft())
+            total += weight
+            if max_items and len(taken) >= max_items:
+                break
+        self._credit(key, len(taken))
+        return self._deliver(taken, ack)
+
+    # -- channel-wide ----------------------------------------------------------------------
+    async def close(self, timeout: float | None = None) -> None:
+        """Close the channel for everyone: puts are refused from now on; consumers drain
+        what is left, then get ``EndOfChannel``. The channel process exits once drained.
+        Idempotent.
+
+        Raises:
+            PeerLostError, CommTimeoutError.
+        """
+        if self._drained:
+            return
+        await self._await_call(self._call_start("close"), timeout, "close")
+        self._remote_closed = True
+
+    async def stats(self, timeout: float | None = None) -> ChannelStats:
+        """A snapshot of the channel (see :class:`ChannelStats`).
+
+        Raises:
+            PeerLostError, CommTimeoutError, ClosedError.
+        """
+        return ChannelStats.from_dict(await self._await_call(self._call_start("stats"), timeout, "stats"))
+
+    async def detach(self) -> None:
+        """Stop using this handle (not the channel): prefetched items and, with acks,
+        unfinished ones go back to the queue; items got without ack count as finished.
+        Idempotent. Also done when the communicator closes."""
+        if self._detached or self._loop is None:
+            return
+        self._detached = True
+        back = [i[0] for buffer in self._buffers.values() for i in buffer]
+        self._buffers.clear()
+        if self._error is None and not self._drained:
+            if back:
+                self._ops.append(("unget", back))
+            if self._credits:
+                self._ops.append(("ret", self._credits))
+                self._credits = 0
+            self._ops.append(("bye",))
+            try:
+                future = self._flush()
+                if future is not None and not future.done():
+                    future.add_done_callback(_retrieve)
+            except RlinfError:
+                pass
+        self._fail(lambda: ClosedError(f"channel handle {self.name!r} is detached"))
+        _untrack(self._comm, self)
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+
+
+
+# -- handles per communicator (closed with it) ------------------------------------------------
+_registry: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _track(comm, ch: Channel) -> None:
+    handles = _registry.get(comm)
+    if handles is None:
+        handles = _registry[comm] = []
+        comm.add_closer(lambda: _close_handles(comm))
+    handles.append(ch)
+
+
+def _untrack(comm, ch: Channel) -> None:
+    handles = _registry.get(comm)
+    if handles is not None and ch in handles:
+        handles.remove(ch)
+
+
+def _close_handles(comm) -> None:
+    for ch in list(_registry.get(comm, ())):
+        ch._detached = True
+        ch._fail(lambda: ClosedError(f"communicator {comm.address} is closed"))
+    _registry.pop(comm, None)
+
+
+# -- creating and finding channels -------------------------------------------------------------
+async def open_channel(comm, name: str, *, timeout: float | None = 30.0, prefetch: int = 0,
+                       free_memory: Callable[[], int | None] | None = None) -> Channel:
+    """A handle to the channel ``name``, waiting up to ``timeout`` for it to appear.
+
+    Raises:
+        CommTimeoutError: no such channel appeared in time.
+        ValueError / TypeError: a bad name or option.
+    """
+    _check_timeout(timeout)
+    return await Channel(comm, name, prefetch=prefetch, free_memory=free_memory)._open(timeout)
+
+
+async def create_channel(comm, name: str, *, maxsize: int = 0, policy: Any = "fifo", in_process: bool = False,
+                         work_stealing: bool = False, timeout: float | None = 60.0, prefetch: int = 0,
+                         free_memory: Callable[[], int | None] | None = None) -> Channel:
+    """Start channel ``name`` (in a new process on this node, or in this loop with
+    ``in_process=True``) and return a handle to it. It lives until it is closed and
+    drained, or until ``comm`` closes (which stops it).
+
+    Raises:
+        ValueError: a bad name, maxsize or policy name, or the channel already exists.
+        TypeError: a bad policy object.
+        WorkerFailedError: its process failed to start. CommTimeoutError.
+    """
+    check_name(name)
+    if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:
+        raise ValueError(f"maxsize must be an int >= 0 (0: unbounded), got {maxsize!r}")
+    make_policy(policy)                      # fail here, not in the server
+    _check_timeout(timeout)
+    comm._check_open()
+    address = server_address(name)
+    if await comm._control.lookup(address, wait=False, timeout=timeout) is not None:
+        raise ValueError(f"a channel named {name!r} already exists")
+    config = {"maxsize": maxsize, "policy": policy, "work_stealing": bool(work_stealing)}
+    if in_process:
+        server = ChannelServer(name, manager=comm.manager_address, token=comm._token, **config)
+        await server.start()
+        comm.add_closer(server.aclose)
+        watcher = asyncio.get_running_loop().create_task(_close_when_done(server))
+        _watchers.add(watcher)
+        watcher.add_done_callback(_watchers.discard)
+    else:
+        process = ServerProcess(name, manager=comm.manager_address, token=comm._token, config=config)
+        comm.add_closer(process.stop)
+        await process.wait_ready(timeout)
+    return await open_channel(comm, name, timeout=timeout, prefetch=prefetch, free_memory=free_memory)
+
+
+_watchers: set[asyncio.Task] = set()
+
+
+async def _close_when_done(server: ChannelServer) -> None:
+    await server.wait_done()
+    await server.aclose()
+
+
+_owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_owner_ids = itertools.count()
+
+
+async def create_cluster_channel(cluster, name: str, **options: Any) -> Channel:
+    """``Cluster.create_channel``: the channel is owned by a communicator of the cluster's
+    driver (``cluster.<pid>:<n>``), so closing the cluster stops it."""
+    owner = _owners.get(cluster)
+    if owner is None:
+        owner = _owners[cluster] = asyncio.get_running_loop().create_task(
+            cluster.connect(f"cluster.{os.getpid()}:{next(_owner_ids)}").start())
+    comm = await asyncio.shield(owner)
+    return await create_channel(comm, name, **options)

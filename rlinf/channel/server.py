@@ -1,0 +1,323 @@
+"""The channel server: one worker (``channel.<name>:0``) that owns a channel's queues.
+
+:class:`ChannelServer` joins the cluster with its own :class:`~rlinf.comm.Communicator`
+(meta ``{"kind": "channel", "channel": name}``, so it shows in the roster and in
+``rlinf top``), receives the operations of every client handle, feeds them to the state
+machine (:class:`~rlinf.channel._core.ChannelCore`) and sends the answers back, batched
+per handle once per loop iteration. It ends once the channel is closed and drained.
+
+:class:`ServerProcess` runs one in a child process (spawn context). The child exits when
+the channel is drained, when asked to stop, or when its parent's pipe closes (the
+parent died), so a channel process never outlives the worker that created it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import re
+import traceback
+from typing import Any
+
+from .. import control
+from ..comm import Communicator
+from ..errors import (
+    ClosedError,
+    CommTimeoutError,
+    DecodeError,
+    PeerLostError,
+    ProtocolError,
+    RlinfError,
+    WorkerFailedError,
+)
+from ._core import ChannelCore, Handle
+from ._wire import decode_ops, encode_ops
+
+__all__ = ["ChannelServer", "ServerProcess", "server_address", "check_name", "REQUEST_TAG", "reply_tag"]
+
+log = logging.getLogger("rlinf.channel")
+
+#: Tag of client -> server messages (str tags never match a user's int tags).
+REQUEST_TAG = "rlinf.channel"
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,100}")
+_STOP_GRACE = 3.0
+
+
+def reply_tag(hid: int) -> str:
+    """Tag of server -> handle ``hid`` messages."""
+    return f"rlinf.channel.{hid}"
+
+
+def check_name(name: Any) -> str:
+    """Validate a channel name.
+
+    Raises:
+        TypeError: not a str. ValueError: empty, too long, or not ``[A-Za-z0-9_.-]``.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"a channel name must be a str, got {type(name).__name__}")
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"a channel name is 1-100 characters from [A-Za-z0-9_.-], got {name!r}")
+    return name
+
+
+def server_address(name: str) -> str:
+    """The worker address of channel ``name``'s server."""
+    return f"channel.{check_name(name)}:0"
+
+
+class ChannelServer:
+    """Serves one channel from its own communicator (in this process, on this loop).
+
+    Args:
+        name: the channel's name.
+        manager, token: the cluster to join.
+        maxsize, policy, work_stealing: see :meth:`rlinf.Communicator.create_channel`.
+    """
+
+    def __init__(self, name: str, *, manager: str, token: str, maxsize: int = 0, policy: Any = "fifo",
+                 work_stealing: bool = False) -> None:
+        self.name = check_name(name)
+        self.address = server_address(name)
+        self.core = ChannelCore(name, maxsize=maxsize, policy=policy, work_stealing=work_stealing,
+                                send=self._send)
+        meta = {"kind": "channel", "channel": name, "policy": self.core.policy.name, "maxsize": maxsize}
+        self.comm = Communicator(self.address, manager=manager, token=token, meta=meta)
+        self._out: dict[tuple[str, int], list] = {}
+        self._flush_scheduled = False
+        self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.done: asyncio.Event | None = None
+        self._closing = False
+        self._close_task: asyncio.Future | None = None
+
+    def __repr__(self) -> str:
+        return f"<ChannelServer {self.name} {self.core!r}>"
+
+    async def start(self) -> ChannelServer:
+        """Join the cluster and start serving.
+
+        Raises:
+            AuthenticationError, CommTimeoutError: from joining the cluster.
+        """
+        self._loop = asyncio.get_running_loop()
+        self.done = asyncio.Event()
+        await self.comm.start()
+        self.comm.on_peer_gone(self._on_gone)
+        self._task = self._loop.create_task(self._serve(), name=f"rlinf-channel-{self.name}")
+        return self
+
+    async def _serve(self) -> None:
+        comm, core = self.comm, self.core
+        try:
+            while not core.finished:
+                try:
+                    message, src = await comm._recv_any_internal(REQUEST_TAG)
+                except DecodeError as exc:
+                    log.warning("channel %s: dropped an undecodable request: %r", self.name, exc)
+                    continue
+                try:
+                    if src == self.address:            # our own marker: a peer is gone
+                        core.gone(message[1], message[2])
+                    else:
+                        core.handle_ops(src, message[0], decode_ops(message[1:]))
+                except (ProtocolError, ValueError, TypeError, KeyError, IndexError) as exc:
+                    log.warning("channel %s: rejected a malformed request from %s: %r", self.name, src, exc)
+        except ClosedError:
+            return
+        finally:
+            self._flush()
+            self.done.set()
+
+    def _on_gone(self, address: str, incarnation: str) -> None:
+        # Messages that peer sent before leaving may still wait in our mailbox: a marker
+        # sent to ourselves is received after them, so its items are put back only once
+        # its last "took"/"done" were applied.
+        if self.core.has_source(address) and not self._closing:
+            try:
+                self.comm._async_send_internal(("gone", address, incarnation), self.address, REQUEST_TAG)
+            except RlinfError:
+                pass
+
+    def _send(self, h: Handle, op: tuple) -> None:
+        key = (h.src, h.hid)
+        out = self._out.get(key)
+        if out is None:
+            out = self._out[key] = [[], False]
+        ops = out[0]
+        if op[0] == "items":
+            if any(i[2] is not None and i[2][0] == 2 for i in op[3]):
+                out[1] = True
+            last = ops[-1] if ops else None
+            if op[1] == 0 and last is not None and last[0] == "items" and last[1] == 0 and last[2] == op[2]:
+                last[3].extend(op[3])          # prefetched items for one key: one op
+                return
+        ops.append(op)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        out, self._out = self._out, {}
+        for (src, hid), (ops, large) in out.items():
+            try:
+                future = self.comm._async_send_internal(encode_ops(ops, large), src, reply_tag(hid))
+            except (PeerLostError, ClosedError):
+                continue            # its handles are (or will be) removed by _on_gone
+            if not future.done():
+                future.add_done_callback(_retrieve)
+
+    async def wait_done(self) -> None:
+        """Wait until the channel is closed and drained (or the server stopped)."""
+        await self.done.wait()
+
+    async def aclose(self) -> None:
+        """Stop serving and leave the cluster. Idempotent: every call waits for the one close."""
+        if self._close_task is None:
+            self._closing = True
+            self._close_task = asyncio.ensure_future(self._aclose())
+        await asyncio.shield(self._close_task)
+
+    async def _aclose(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await self.comm.aclose()
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+# -- a server in its own process ------------------------------------------------------------
+async def _process_serve(name: str, manager: str, token: str, config: dict, conn) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_pipe() -> None:
+        try:
+            while conn.poll():
+                if conn.recv()[0] == "stop":
+                    stop.set()
+        except (EOFError, OSError):      # the parent died: do not outlive it
+            stop.set()
+            loop.remove_reader(conn.fileno())
+
+    server = ChannelServer(name, manager=manager, token=token, **config)
+    await server.start()
+    loop.add_reader(conn.fileno(), on_pipe)
+    conn.send(("ready", os.getpid()))
+    finished = loop.create_task(server.wait_done())
+    stopped = loop.create_task(stop.wait())
+    try:
+        await asyncio.wait({finished, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        finished.cancel()
+        stopped.cancel()
+        try:
+            loop.remove_reader(conn.fileno())
+        except (ValueError, OSError):
+            pass
+        try:
+            async with asyncio.timeout(_STOP_GRACE):
+                await server.aclose()
+        except TimeoutError:
+            pass
+
+
+def _process_main(name: str, manager: str, token: str, config: dict, conn) -> None:
+    """Entry point of a channel process (module level so the spawn context imports it)."""
+    try:
+        control.run(_process_serve(name, manager, token, config, conn))
+    except BaseException:
+        try:
+            conn.send(("failed", traceback.format_exc()))
+        except (OSError, ValueError):
+            pass
+        raise
+    finally:
+        conn.close()
+
+
+class ServerProcess:
+    """A channel server in a child process, owned by the worker that started it."""
+
+    def __init__(self, name: str, *, manager: str, token: str, config: dict) -> None:
+        self.name = name
+        mp = multiprocessing.get_context("spawn")
+        self._conn, child = mp.Pipe()
+        self.process = mp.Process(target=_process_main, name=f"rlinf-channel-{name}", daemon=False,
+                                  args=(name, manager, token, config, child))
+        self.process.start()
+        child.close()
+
+    def __repr__(self) -> str:
+        return f"<ServerProcess {self.name} pid={self.process.pid} alive={self.process.is_alive()}>"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    async def wait_ready(self, timeout: float | None) -> None:
+        """Wait for the child to serve.
+
+        Raises:
+            WorkerFailedError: it failed to start (its traceback attached).
+            CommTimeoutError: it was not ready within ``timeout``.
+        """
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+
+        def on_ready() -> None:
+            if ready.done():
+                return
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                message = ("failed", f"channel process exited with code {self.process.exitcode}")
+            if message[0] == "ready":
+                ready.set_result(None)
+            else:
+                ready.set_exception(WorkerFailedError(f"channel {self.name!r} failed to start",
+                                                      address=server_address(self.name),
+                                                      remote_traceback=message[1]))
+
+        loop.add_reader(self._conn.fileno(), on_ready)
+        try:
+            async with asyncio.timeout(timeout):
+                await ready
+        except TimeoutError:
+            await self.stop()
+            raise CommTimeoutError(f"channel {self.name!r} did not start within {timeout} s") from None
+        except WorkerFailedError:
+            await self.stop()
+            raise
+        finally:
+            try:
+                loop.remove_reader(self._conn.fileno())
+            except (ValueError, OSError):
+                pass
+
+    async def stop(self) -> None:
+        """Ask the child to stop, then terminate, then kill it; reap it. Idempotent."""
+        loop = asyncio.get_running_loop()
+        if self.process.is_alive():
+            try:
+                self._conn.send(("stop",))
+            except (OSError, ValueError):
+                pass
+            await loop.run_in_executor(None, self.process.join, _STOP_GRACE + 1.0)
+        if self.process.is_alive():
+            self.process.terminate()
+            await loop.run_in_executor(None, self.process.join, 2.0)
+        if self.process.is_alive():
+            self.process.kill()
+            await loop.run_in_executor(None, self.process.join, 2.0)
+        self._conn.close()

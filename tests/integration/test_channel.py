@@ -1,0 +1,453 @@
+"""Data channels between real processes: ordering, no loss, faults, backpressure, policies."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import rlinf
+from rlinf.channel import Channel
+
+from . import workers_channel as wc
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.fixture
+async def comms(cluster):
+    """``await comms(n)``: n more communicators of the cluster in this loop (c<i>:0)."""
+    made: list = []
+
+    async def make(n: int):
+        for _ in range(n):
+            made.append(await cluster.connect(f"c{len(made)}:0").start())
+        return made[-n:]
+
+    yield make
+    async with asyncio.timeout(30):
+        for comm in made:
+            await comm.aclose()
+
+
+async def _handles(comms, name: str, n: int, **options) -> list[Channel]:
+    return [await comm.channel(name, timeout=10, **options) for comm in await comms(n)]
+
+
+async def _join(handles: list[Channel], **get_options) -> list[rlinf.Work]:
+    """Each handle starts a get, in order; returns once the server has seen each one."""
+    works = []
+    for h in handles:
+        works.append(h.async_get(**get_options))
+        await h.stats(timeout=10)          # answered after the get, on the same link
+    return works
+
+
+# -- correctness under concurrency -------------------------------------------------------------
+async def test_many_producers_many_consumers_no_loss_no_duplicates(cluster, driver):
+    n = 250
+    async with asyncio.timeout(90):
+        ch = await driver.create_channel("many")
+        consumers = await cluster.spawn(wc.consume_all, "cons", 2, args=("many",))
+        for address in consumers.addresses:
+            assert await driver.recv(address, tag=4) == "attached"
+        producers = await cluster.spawn(wc.produce, "prod", 3, args=("many", n))
+        assert await producers.join(timeout=60) == [n] * 3
+        await ch.close(timeout=10)
+        results = await consumers.join(timeout=60)
+    everything = [item for got in results for item in got]
+    ids = [(src, i) for src, i, _key in everything]
+    assert len(ids) == len(set(ids)) == 3 * n                       # no loss, no duplicate
+    for got in results:                                              # each consumer sees each
+        for src in producers.addresses:                              # producer's items in order
+            mine = [i for s, i, _ in got if s == src]
+            assert mine == sorted(mine)
+
+
+async def test_per_key_order_and_keys_are_separate(cluster, driver):
+    async with asyncio.timeout(60):
+        ch = await driver.create_channel("keys", in_process=True)
+        producer = await cluster.spawn(wc.produce, "kp", 1, args=("keys", 300, ("a", "b", ("c", 1))))
+        await producer.join(timeout=30)
+        with pytest.raises(rlinf.CommTimeoutError):
+            await ch.get(timeout=0.2)                               # the default key is empty
+        for key in ("b", ("c", 1), "a"):
+            got = await ch.get_batch(key=key, timeout=10)
+            assert [i for _, i, _ in got] == list(range(["a", "b", ("c", 1)].index(key), 300, 3))
+            assert {k for _, _, k in got} == {key}
+
+
+async def test_prefetching_consumers_get_everything_once(cluster, driver):
+    async with asyncio.timeout(60):
+        ch = await driver.create_channel("pre", in_process=True)
+        consumers = await cluster.spawn(wc.consume_all, "pc", 2, args=("pre", 8))
+        for address in consumers.addresses:
+            assert await driver.recv(address, tag=4) == "attached"
+        for i in range(400):
+            ch.put_nowait(i)
+        await ch.close(timeout=10)
+        results = await consumers.join(timeout=30)
+    assert sorted(results[0] + results[1]) == list(range(400))
+    assert results[0] == sorted(results[0]) and results[1] == sorted(results[1])
+
+
+# -- faults ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["plain", "ack", "prefetch"])
+async def test_killed_consumer_items_are_requeued(cluster, driver, mode):
+    """A consumer takes one item (round robin gives it half of them), then is killed."""
+    ack = mode == "ack"
+    async with asyncio.timeout(60):
+        ch = await driver.create_channel("kill", policy="round_robin", in_process=True)
+        victim = await cluster.spawn(wc.take_one_and_hang, "victim", 1,
+                                     args=("kill", ack, 3 if mode == "prefetch" else 0))
+        assert await driver.recv("victim:0", tag=5) == "joined"
+        (first,) = await _join([ch])
+        for i in range(10):
+            await ch.put(i)
+        taken_by_victim = await driver.recv("victim:0", tag=6)
+        assert taken_by_victim == 0                                  # it joined first
+        await victim.kill()
+        got = [await first] + [await ch.get(timeout=10) for _ in range(9 if ack else 8)]
+        with pytest.raises(rlinf.CommTimeoutError):
+            await ch.get(timeout=0.3)
+        stats = await ch.stats()
+    expected = list(range(10)) if ack else list(range(1, 10))
+    assert sorted(got) == expected                                   # no loss, no duplicate
+    assert stats.requeued >= 4 and [c.name for c in stats.consumers] == ["driver:0"]
+
+
+async def test_producer_killed_mid_put_leaves_no_half_item(cluster, driver):
+    """Kill a producer flooding large items while they are being consumed."""
+    size = 3 << 20
+    async with asyncio.timeout(60):
+        ch = await driver.create_channel("half", maxsize=4, in_process=True)
+        producer = await cluster.spawn(wc.flood_large, "flood", 1, args=("half", size))
+        seen = []
+
+        def check(item):
+            assert item["data"].shape == (size,)
+            assert int(item["data"].min()) == int(item["data"].max()) == item["i"] % 251
+            seen.append(item["i"])
+
+        for _ in range(6):
+            check(await ch.get(timeout=30))
+        await producer.kill()
+        await ch.close(timeout=10)
+        async for item in ch:
+            check(item)
+    assert seen == list(range(len(seen)))              # a prefix: nothing lost, nothing torn
+
+
+async def test_channel_process_killed_fails_pending_calls(cluster, driver):
+    async with asyncio.timeout(60):
+        ch = await driver.create_channel("doomed", maxsize=1)
+        pid = next(w.pid for w in await driver.peers() if w.address == "channel.doomed:0")
+        await ch.put("fills it")
+        blocked_put = ch.async_put("waits for space")
+        pending_get = ch.async_get(key="other")
+        await ch.stats(timeout=10)
+        assert not blocked_put.done() and not pending_get.done()
+        loop = asyncio.get_running_loop()
+        os.kill(pid, signal.SIGKILL)
+        start = loop.time()
+        for work in (pending_get, blocked_put):
+            with pytest.raises(rlinf.PeerLostError):
+                await work
+        assert loop.time() - start < 3.0
+        with pytest.raises(rlinf.PeerLostError):
+            await ch.put("after")
+        with pytest.raises(rlinf.PeerLostError):
+            await ch.get(timeout=5)
+
+
+async def test_channel_process_exits_when_its_creator_is_killed(cluster, driver):
+    async with asyncio.timeout(60):
+        events = driver.events()
+        creator = await cluster.spawn(wc.create_and_hang, "creator", 1, args=("orphan",))
+        assert await driver.recv("creator:0", tag=5) == "created"
+        pid = next(w.pid for w in await driver.peers() if w.address == "channel.orphan:0")
+        await creator.kill()
+        async for event in events:                       # its parent pipe closed: it leaves
+            if event.address == "channel.orphan:0" and event.kind in ("left", "lost"):
+                break
+        for _ in range(100):                             # and its process is gone (reaped by init)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail(f"channel process {pid} still runs")
+
+
+async def test_detach_gives_back_prefetched_and_unfinished_items(driver, comms):
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("detach", in_process=True)
+        first, second = await _handles(comms, "detach", 2)
+        second_prefetching = await (await comms(1))[0].channel("detach", prefetch=4)
+        for i in range(6):
+            await ch.put(i)
+        held = await second_prefetching.get(ack=True, timeout=5)     # 0, and 1-4 prefetched
+        assert held == 0
+        await second_prefetching.stats(timeout=5)
+        await second_prefetching.detach()
+        with pytest.raises(rlinf.ClosedError):
+            await second_prefetching.get()
+        got = []
+        while len(got) < 6:
+            got += await first.get_batch(timeout=5)
+        assert sorted(got) == [0, 1, 2, 3, 4, 5]
+        with pytest.raises(rlinf.CommTimeoutError):
+            await second.get(timeout=0.2)
+
+
+# -- flow control, close, batches ----------------------------------------------------------------
+async def test_maxsize_backpressure(cluster, driver, comms):
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("bp", maxsize=2, in_process=True)
+        (consumer,) = await _handles(comms, "bp", 1)
+        await ch.put(0)
+        await ch.put(1)
+        with pytest.raises(rlinf.WouldBlock):
+            ch.put_nowait(2)
+        with pytest.raises(rlinf.CommTimeoutError):
+            await ch.put(2, timeout=0.2)                 # withdrawn: never enters the channel
+        later = ch.async_put(3)
+        assert (await ch.stats()).length == 2 and not later.done()
+        assert await consumer.get(timeout=5) == 0        # frees one slot: the blocked put goes in
+        await later
+        assert [await consumer.get(timeout=5) for _ in range(2)] == [1, 3]
+        await ch.put(4, timeout=5)
+        await ch.flush(timeout=5)                        # leases granted meanwhile have arrived
+        ch.put_nowait(5)
+        with pytest.raises(rlinf.WouldBlock):
+            ch.put_nowait(6)                             # full (4, 5)
+        assert await consumer.get_batch(timeout=5) == [4, 5]
+        await ch.flush(timeout=5)
+        ch.put_nowait(7)                                 # the refused put_nowait asked for space
+
+
+async def test_close_drain_then_end_of_channel_and_process_exit(cluster, driver):
+    async with asyncio.timeout(60):
+        events = driver.events()
+        ch = await driver.create_channel("fin", policy="shortest_queue")
+        info = next(w for w in await driver.peers() if w.address == "channel.fin:0")
+        assert info.meta["kind"] == "channel" and info.meta["channel"] == "fin"
+        for i in range(5):
+            await ch.put(i)
+        waiting = ch.async_get(key="nothing-here")
+        await ch.close(timeout=10)
+        with pytest.raises(rlinf.ClosedError):
+            await ch.put(99)
+        with pytest.raises(rlinf.ClosedError):
+            ch.put_nowait(99)
+        with pytest.raises(rlinf.EndOfChannel):
+            await waiting
+        assert [item async for item in ch] == [0, 1, 2, 3, 4]
+        with pytest.raises(rlinf.EndOfChannel):
+            await ch.get()
+        with pytest.raises(rlinf.ClosedError):
+            await ch.stats(timeout=5)                    # drained: its server is exiting
+        await ch.flush(timeout=5)                        # every put was processed
+        async for event in events:                       # drained: the process leaves
+            if event.address == "channel.fin:0" and event.kind in ("left", "lost"):
+                assert event.kind == "left"
+                break
+
+
+async def test_get_batch_edge_cases(driver):
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("batch", in_process=True)
+        with pytest.raises(rlinf.CommTimeoutError):
+            await ch.get_batch(target_weight=1.0, timeout=0.2)     # empty: times out
+        for i, w in enumerate([5.0, 1.0, 1.0, 3.0, 0.5]):
+            await ch.put(i, weight=w)
+        assert await ch.get_batch(target_weight=2.0, timeout=5) == [0]       # heavier than target
+        assert await ch.get_batch(target_weight=2.0, timeout=5) == [1, 2]
+        assert await ch.get_batch(max_items=1, timeout=5) == [3]
+        assert await ch.get_batch(timeout=5) == [4]
+        with pytest.raises(ValueError):
+            await ch.get_batch(target_weight=-1)
+        with pytest.raises(ValueError):
+            await ch.get_batch(max_items=0)
+        with pytest.raises(ValueError):
+            await ch.put(1, weight=float("nan"))
+        with pytest.raises(ValueError):
+            await ch.put(1, weight=-0.5)
+        with pytest.raises(TypeError):
+            await ch.put(1, key=1.5)
+
+
+async def test_cancelled_gets_and_puts_lose_nothing(driver):
+    got = []
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("cancel", in_process=True)
+        for i in range(100):
+            work = ch.async_get()
+            if i % 2:
+                await asyncio.sleep(0)
+            await ch.put(i)
+            for _ in range(i % 4):
+                await asyncio.sleep(0)
+            work.cancel()
+            try:
+                got.append(await work)
+            except asyncio.CancelledError:
+                pass
+            try:
+                got.append(await ch.get(timeout=0.001 * (i % 3)))
+            except rlinf.CommTimeoutError:
+                pass
+        while True:
+            try:
+                got.append(await ch.get(timeout=0.3))
+            except rlinf.CommTimeoutError:
+                break
+    assert sorted(got) == list(range(100))
+
+
+# -- policies on crafted consumer states in a live channel ----------------------------------------
+async def test_fifo_first_waiting_consumer_wins(driver, comms):
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("p-fifo", in_process=True)
+        a, b = await _handles(comms, "p-fifo", 2)
+        wb, wa = await _join([b, a])
+        await ch.put("x")
+        await ch.put("y")
+        assert (await wb, await wa) == ("x", "y")
+
+
+async def test_round_robin_in_join_order(driver, comms):
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("p-rr", policy="round_robin", in_process=True)
+        cs = await _handles(comms, "p-rr", 3)
+        works = await _join(cs)
+        for i in range(6):
+            await ch.put(i)
+        assert [await w for w in works] == [0, 1, 2]
+        assert [await c.get(timeout=5) for c in cs] == [3, 4, 5]
+
+
+async def test_weighted_round_robin_equal_total_weight(driver, comms):
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("p-wrr", policy="weighted_round_robin", in_process=True)
+        a, b = await _handles(comms, "p-wrr", 2)
+        wa, wb = await _join([a, b])
+        for i, w in enumerate([4, 1, 1, 1, 1]):
+            await ch.put(i, weight=w)
+        assert (await wa, await wb) == (0, 1)
+        assert await b.get_batch(max_items=3, timeout=5) == [2, 3, 4]
+        with pytest.raises(rlinf.CommTimeoutError):
+            await a.get(timeout=0.2)
+
+
+async def test_shortest_queue_counts_unfinished_work(driver, comms):
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("p-sq", policy="shortest_queue", in_process=True)
+        a, b = await _handles(comms, "p-sq", 2)
+        wa, wb = await _join([a, b], ack=True)
+        await ch.put("heavy", weight=5)          # tie: a; a holds it unfinished (ack)
+        assert await wa == "heavy"
+        for i in range(6):
+            await ch.put(i, weight=1)            # b until its pending weight reaches 5
+        assert await wb == 0
+        stats = await ch.stats()
+        assert stats.consumer("c0:0").pending_count == 2      # heavy + item 5 (tie -> fewer items)
+        assert stats.consumer("c1:0").pending_count == 5
+        assert stats.consumer("c0:0").unacked == 1
+
+
+async def test_performance_aware_follows_measured_speed(driver, comms):
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("p-pa", policy="performance_aware", in_process=True)
+        slow, fast = await _handles(comms, "p-pa", 2)
+        clocks = {slow: [0.0], fast: [0.0]}
+        for h in (slow, fast):
+            h._clock = lambda c=clocks[h]: c[0]
+        works = await _join([slow, fast], ack=True)
+        await ch.put("s", weight=1)
+        await ch.put("f", weight=1)
+        for h, work, seconds in ((slow, works[0], 1.0), (fast, works[1], 0.25)):
+            item = await work
+            clocks[h][0] += seconds
+            h.task_done(item)
+            await h.stats(timeout=5)
+        for i in range(10):
+            await ch.put(i, weight=1)
+        stats = await ch.stats()
+        assert stats.consumer("c0:0").speed == pytest.approx(1.0)
+        assert stats.consumer("c1:0").speed == pytest.approx(4.0)
+        assert (stats.consumer("c0:0").pending_count, stats.consumer("c1:0").pending_count) == (2, 8)
+
+
+async def test_most_free_memory_and_a_user_policy(driver, comms):
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("p-mem", policy="most_free_memory", in_process=True)
+        cs = [await comm.channel("p-mem", free_memory=lambda gib=gib: gib << 30)
+              for comm, gib in zip(await comms(2), (1, 8))]
+        works = await _join(cs)
+        for i in range(3):
+            await ch.put(i)
+        assert await works[1] == 0
+        assert (await ch.stats()).consumer("c1:0").free_device_memory == 8 << 30
+        assert await cs[1].get_batch(timeout=5) == [1, 2]
+
+        user = await driver.create_channel("p-user", policy=wc.ToLastJoined)
+        cs = [await comm.channel("p-user") for comm in await comms(3)]
+        works = await _join(cs)
+        for i in range(2):
+            await user.put(i)
+        assert await works[2] == 0 and await cs[2].get(timeout=5) == 1
+        assert (await user.stats()).policy == "ToLastJoined"
+
+
+# -- lifecycle, API surface ------------------------------------------------------------------------
+async def test_work_api_iteration_stats_and_acks(driver):
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("api", in_process=True)
+        get_work = ch.async_get(ack=True)
+        put_works = [ch.async_put(np.arange(i + 1), weight=i) for i in range(3)]
+        for w in put_works:
+            assert await w is None
+        first = await get_work
+        assert np.array_equal(first, [0]) and ch.unacked == 1
+        with pytest.raises(ValueError):
+            ch.task_done(np.arange(1))                  # not the object get returned
+        ch.task_done(first)
+        assert ch.unacked == 0
+        stats = await ch.stats()
+        assert stats.get_count == 1 and stats.length == 2 and stats.put_count == 3
+        assert stats.bytes_in == 8 * (1 + 2 + 3)
+        assert "api" in str(stats) and "driver:0" in str(stats)
+        await ch.flush(timeout=5)
+        await ch.close()
+        await ch.close()                                # idempotent
+        assert [len(a) async for a in ch] == [2, 3]
+
+
+async def test_open_missing_or_duplicate_channel(driver):
+    async with asyncio.timeout(30):
+        with pytest.raises(rlinf.CommTimeoutError):
+            await driver.channel("nobody", timeout=0.3)
+        await driver.create_channel("dup", in_process=True)
+        with pytest.raises(ValueError):
+            await driver.create_channel("dup")
+        with pytest.raises(ValueError):
+            await driver.create_channel("bad:name")
+        with pytest.raises(ValueError):
+            await driver.create_channel("x", policy="no-such-policy")
+
+
+async def test_cluster_create_channel_is_stopped_with_the_cluster():
+    async with asyncio.timeout(60):
+        async with rlinf.Cluster() as cluster:
+            ch = await cluster.create_channel("owned", policy="round_robin")
+            await ch.put({"a": 1})
+            assert await ch.get(timeout=5) == {"a": 1}
+            async with cluster.connect("probe:0") as probe:
+                pid = next(w.pid for w in await probe.peers() if w.address == "channel.owned:0")
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

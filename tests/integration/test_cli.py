@@ -1,0 +1,266 @@
+"""The ``rlinf`` command: --help everywhere, ``top`` against live clusters, ``bench``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import rlinf
+from rlinf import cli, top
+
+from . import workers
+
+pytestmark = pytest.mark.multiproc
+
+SUBCOMMANDS = ("manager", "top", "bench", "demo")
+
+
+async def _run(*args: str, timeout: float = 60, env: dict | None = None) -> tuple[int, str, str]:
+    """Run ``python -m rlinf ARGS`` without blocking the loop (an embedded manager may
+    live on it); returns (status, stdout, stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rlinf", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, **(env or {})})
+    try:
+        async with asyncio.timeout(timeout):
+            out, err = await proc.communicate()
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    return proc.returncode, out.decode(), err.decode()
+
+
+# ----------------------------------------------------------------------------- --help
+def test_console_script_help():
+    """The installed ``rlinf`` entry point works and lists every subcommand."""
+    import subprocess
+
+    exe = shutil.which("rlinf", path=os.path.dirname(sys.executable)) or shutil.which("rlinf")
+    if exe is None:
+        pytest.skip("the rlinf console script is not installed in this environment")
+    out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for name in SUBCOMMANDS:
+        assert name in out.stdout
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_subcommand_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: rlinf {command}")
+    assert "--" in out   # lists its options
+
+
+def test_no_subcommand_prints_help(capsys):
+    assert cli.main([]) == 2
+    assert "manager" in capsys.readouterr().out
+
+
+async def test_python_dash_m_works():
+    status, out, err = await _run("--version")
+    assert status == 0, err
+    assert out.strip() == f"rlinf {rlinf.__version__}"
+
+
+# ----------------------------------------------------------------------------- top
+def test_rates_come_from_consecutive_reports():
+    """msgs/s and bytes/s are counter differences over the reporting worker's uptime."""
+    tracker = top.RateTracker()
+
+    def snap(uptime, msgs_out, bytes_out):
+        return {"workers": [{"address": "a:0", "incarnation": "x", "stats": {
+            "uptime": uptime, "msgs_out": msgs_out, "bytes_out": bytes_out, "msgs_in": 0, "bytes_in": 0}}]}
+
+    assert tracker.update(snap(1.0, 10, 1000))["a:0"].msgs_out == 0.0   # one report: no rate yet
+    rates = tracker.update(snap(3.0, 110, 5000))
+    assert rates["a:0"].msgs_out == pytest.approx(50.0)
+    assert rates["a:0"].bytes_out == pytest.approx(2000.0)
+    # the same report again (the worker has not reported since): the rate is kept
+    assert tracker.update(snap(3.0, 110, 5000))["a:0"].msgs_out == pytest.approx(50.0)
+
+
+def test_render_shows_workers_channels_and_new_events():
+    from rich.console import Console
+
+    view = top.View()
+    base = {"manager": "tcp://127.0.0.1:1", "version": 1, "events": [{"kind": "joined", "address": "a:0"}],
+            "workers": [{"address": "a:0", "incarnation": "x", "node_id": "n1", "pid": 7, "age": 5.0,
+                         "devices": [{"kind": "cuda", "index": 0}], "silence": 0.1, "meta": {}, "stats": {}},
+                        {"address": "ch:0", "incarnation": "y", "node_id": "n1", "pid": 8, "age": 4.0,
+                         "devices": [], "silence": 9.0, "meta": {"kind": "channel", "channel": "rollouts"},
+                         "stats": {"channel": {"length": 3, "weight": 12.5, "consumers": [
+                             {"name": "a:0", "pending_count": 2, "speed": 4.0, "busy_fraction": 0.5}]}}}]}
+    view.update(base)
+    view.update({**base, "version": 2, "events": base["events"] + [{"kind": "lost", "address": "b:0"}]})
+    console = Console(width=200, record=True)
+    console.print(top.render(view))
+    text = console.export_text()
+    for expected in ("a:0", "cuda:0", "silent 9.0s", "rollouts", "pending 2", "busy 50%", "lost", "b:0"):
+        assert expected in text, expected
+    assert view.event_times[0] is None and view.event_times[1] is not None   # only the new one is stamped
+
+
+async def test_top_once_json_reports_workers_and_channel(cluster, driver):
+    async with asyncio.timeout(90):
+        group = await cluster.spawn(workers.idle, "idle", 2)
+        for _ in group.addresses:
+            await driver.recv_any(tag=7)
+        channel = None
+        try:
+            from rlinf.channel import client as _client  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            channel = await driver.create_channel("top-test")
+            await channel.put({"x": 1}, weight=2.0)
+        # wait until the workers' heartbeats carry counters that include the "up" messages
+        wanted = {"driver:0", *group.addresses}
+
+        def reported(w):
+            return w["stats"].get("msgs_in" if w["address"] == "driver:0" else "msgs_out", 0) >= 1
+
+        while not all(reported(w) for w in cluster.manager.snapshot()["workers"] if w["address"] in wanted):
+            await asyncio.sleep(0.1)
+        status, out, err = await _run("top", "--manager", cluster.manager_address, "--token", cluster.token,
+                                      "--once", "--json")
+        assert status == 0, err
+        snap = json.loads(out)
+        by_address = {w["address"]: w for w in snap["workers"]}
+        assert wanted <= set(by_address)
+        assert by_address["idle:0"]["pid"] == group.pids[0]
+        assert by_address["idle:1"]["stats"]["msgs_out"] >= 1      # it sent "up"
+        assert by_address["driver:0"]["stats"]["msgs_in"] >= 2
+        assert [e for e in snap["events"] if e["kind"] == "joined" and e["address"] == "idle:1"]
+        if channel is not None:
+            assert [c for c in snap["channels"] if c["name"] == "top-test"], snap["channels"]
+            await channel.close()
+        # the same through the rich view, once
+        status, out, err = await _run("top", "--manager", cluster.manager_address, "--token", cluster.token,
+                                      "--once", env={"COLUMNS": "200"})
+        assert status == 0, err
+        assert "idle:1" in out and "workers" in out
+
+
+async def test_top_with_a_wrong_token_fails_cleanly(cluster):
+    async with asyncio.timeout(30):
+        status, out, err = await _run("top", "--manager", cluster.manager_address, "--token", "not-the-token",
+                                      "--once", "--json", "--timeout", "3")
+        assert status == 1
+        assert "rlinf top:" in err and out == ""
+
+
+async def test_manager_command_serves_workers():
+    """``rlinf manager`` prints where to join; a worker joins it and ``top`` sees it."""
+    token = "cli-test-token"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rlinf", "manager", "--bind", "tcp://127.0.0.1:0", "--token", token,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        async with asyncio.timeout(60):
+            line = (await proc.stdout.readline()).decode()
+            assert line.startswith("rlinf manager listening on tcp://127.0.0.1:"), line
+            address = line.split()[-1]
+            rest = b""
+            while b"rlinf top" not in rest:
+                rest += await proc.stdout.readline()
+            assert f"RLINF_MANAGER={address}".encode() in rest
+            async with rlinf.connect("joiner:0", manager=address, token=token):
+                status, out, err = await _run("top", "--manager", address, "--token", token, "--once", "--json")
+                assert status == 0, err
+                assert [w["address"] for w in json.loads(out)["workers"]] == ["joiner:0"]
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(2)   # Ctrl-C: a clean stop
+            try:
+                async with asyncio.timeout(10):
+                    await proc.wait()
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+    assert proc.returncode == 0
+
+
+# ----------------------------------------------------------------------------- bench
+_FAKE_ROWS = textwrap.dedent('''
+    from dataclasses import dataclass
+
+    @dataclass
+    class Row:
+        metric: str
+        rlinf: float
+        baseline: str
+        baseline_value: float | None
+        unit: str
+        higher_is_better: bool = False
+        target: str = ""
+
+    def run(quick=False):
+        assert quick
+        return [Row("X1 thing", 0.002, "raw", 0.004, "s", target=">= 1.5x"),
+                Row("X1 thing", 0.002, "ray", None, "s"),
+                {"metric": "X2 rate", "rlinf": 2e5, "baseline": "zmq", "baseline_value": 1e5,
+                 "unit": "msg/s", "higher_is_better": True, "target": ">= 3x"}]
+''')
+
+
+def test_bench_runs_scripts_by_path_and_prints_one_table(tmp_path: Path):
+    import subprocess
+
+    (tmp_path / "fake.py").write_text(_FAKE_ROWS)
+    (tmp_path / "needs_ray.py").write_text("import ray_is_not_installed_here\ndef run(quick=False):\n    return []\n")
+    (tmp_path / "broken.py").write_text("def run(quick=False):\n    raise RuntimeError('kaboom')\n")
+    (tmp_path / "_helper.py").write_text("def run(quick=False):\n    raise AssertionError('not a benchmark')\n")
+    out = subprocess.run([sys.executable, "-m", "rlinf", "bench", "--quick", "--dir", str(tmp_path), "--markdown"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr          # "broken" failed
+    table = out.stdout
+    assert "| X1 thing | 2.00 ms | raw | 4.00 ms | 2.00x | >= 1.5x ok |" in table
+    assert "| X1 thing | 2.00 ms | ray | skipped | - | - |" in table
+    assert "| X2 rate | 200k msg/s | zmq | 100k msg/s | 2.00x | >= 3x MISS |" in table
+    assert "| needs_ray | skipped |" in table and "ray_is_not_installed_here" in table
+    assert "| broken | error |" in table and "kaboom" in table
+    assert "_helper" not in table and "kaboom" in out.stderr
+
+
+def test_bench_quick_subset():
+    """The real runner on a real, fast benchmark (the balance simulation)."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "rlinf", "bench", "--quick", "--only", "balance_sim"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    for policy in ("fifo", "round_robin", "shortest_queue", "performance_aware"):
+        assert f"Q3 imbalance, {policy}" in out.stdout
+    assert "unknown benchmark" in subprocess.run(
+        [sys.executable, "-m", "rlinf", "bench", "--only", "nope"], capture_output=True, text=True,
+        timeout=60).stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.skipif(os.environ.get("RLINF_SLOW_TESTS") != "1", reason="set RLINF_SLOW_TESTS=1 (takes minutes)")
+def test_bench_quick_all_rows():
+    """``rlinf bench --quick``: every benchmark completes and prints its rows."""
+    import subprocess
+
+    from rlinf import bench
+
+    found = bench.find_benchmarks(bench.default_dir())
+    out = subprocess.run([sys.executable, "-m", "rlinf", "bench", "--quick", "--json"],
+                         capture_output=True, text=True, timeout=1700)
+    assert out.returncode == 0, out.stderr[-4000:]
+    results = json.loads(out.stdout)["results"]
+    assert set(results) == set(found)
+    for name, result in results.items():
+        assert result.get("rows") or "skipped" in result, (name, result)
