@@ -225,6 +225,7 @@ async def test_maxsize_backpressure(cluster, driver, comms):
         ch.put_nowait(5)
         with pytest.raises(rlinf.WouldBlock):
             ch.put_nowait(6)                             # full (4, 5)
+        await ch.flush(timeout=5)                        # 5 is in before the consumer asks
         assert await consumer.get_batch(timeout=5) == [4, 5]
         await ch.flush(timeout=5)
         ch.put_nowait(7)                                 # the refused put_nowait asked for space
