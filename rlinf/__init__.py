@@ -7,7 +7,9 @@ Importing rlinf has no side effects: no sockets, no CUDA, no threads. See
 from __future__ import annotations
 
 from .channel import policies
+from .channel.client import Channel
 from .channel.policies import ConsumerInfo, ItemInfo, LoadBalancePolicy
+from .channel.stats import ChannelStats
 from .cluster import Cluster, WorkerGroup
 from .comm import Communicator, connect
 from .facade import SyncCommunicator, init, shutdown
@@ -36,6 +38,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AuthenticationError",
+    "Channel",
+    "ChannelStats",
     "ClosedError",
     "Cluster",
     "CommStats",
