@@ -34,8 +34,12 @@ _MAX_CONTROL = 16 << 20
 
 
 def default_peer_timeout() -> float:
-    """Seconds of silence before a peer is lost (``RLINF_PEER_TIMEOUT``, default 1.5)."""
-    return float(os.environ.get("RLINF_PEER_TIMEOUT", "1.5"))
+    """Seconds of silence before a remote peer is lost (``RLINF_PEER_TIMEOUT``, default 2.5).
+
+    Workers on the manager's own machine are judged by their process instead (see
+    ``Manager``), so a busy but live process is never declared lost.
+    """
+    return float(os.environ.get("RLINF_PEER_TIMEOUT", "2.5"))
 
 
 def heartbeat_interval() -> float:

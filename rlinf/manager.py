@@ -68,6 +68,8 @@ class Manager:
         self._keys = ClusterKeys(self.token)
         self._bind = bind
         self.peer_timeout = peer_timeout if peer_timeout is not None else control.default_peer_timeout()
+        #: Silence after which a live process on the manager's own machine counts as lost.
+        self.local_backstop = max(10.0, 4 * self.peer_timeout)
         self._check_interval = check_interval
         self._roster: dict[str, WorkerInfo] = {}
         self._identity: dict[str, bytes] = {}       # address -> ROUTER identity
@@ -305,8 +307,15 @@ class Manager:
                     self._last_seen[address] += stall
             self._on_readable()   # judge silence only after reading the heartbeats that queued up
             for address, info in list(self._roster.items()):
-                local = info.meta.get("machine") == self._machine and info.pid
-                if now - self._last_seen.get(address, now) > self.peer_timeout or (local and _process_gone(info.pid)):
+                silent = now - self._last_seen.get(address, now)
+                if info.meta.get("machine") == self._machine and info.pid:
+                    # On our machine liveness is observable: a dead process is lost at once,
+                    # while silence from a live one means it is busy (e.g. a C extension
+                    # holding the GIL), judged only after a long backstop.
+                    lost = _process_gone(info.pid) or silent > self.local_backstop
+                else:
+                    lost = silent > self.peer_timeout
+                if lost:
                     self._remove(info, "lost")
             if self._sweep:
                 self._sweep_gone()
