@@ -26,6 +26,7 @@ from typing import Any
 from rlinf.info import DeviceInfo
 
 __all__ = [
+    "process_gone",
     "BufferInfo",
     "node_id",
     "discover_devices",
@@ -398,3 +399,19 @@ def _describe_torch(t: Any) -> BufferInfo:
     if kind == "cpu":
         return BufferInfo(device="cpu", nbytes=nbytes, shared=bool(t.is_shared()))
     raise TypeError(f"rlinf moves CPU and CUDA tensors only; this one is on {t.device} (call .cpu() first)")
+
+
+def process_gone(pid: int) -> bool:
+    """True when ``pid`` does not run on this machine (missing or a zombie).
+
+    Used by the manager (liveness of local workers) and the shared-memory sweeper.
+    """
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    # the state is the field after the parenthesised command name
+    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] in (b"Z", b"X")

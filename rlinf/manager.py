@@ -30,6 +30,7 @@ import msgpack
 import zmq
 
 from . import control
+from .devices import process_gone
 from .errors import ProtocolError
 from .info import MembershipEvent, WorkerInfo
 from .security import ClusterKeys, ZapHandler, generate_token
@@ -37,19 +38,6 @@ from .security import ClusterKeys, ZapHandler, generate_token
 __all__ = ["Manager", "main"]
 
 log = logging.getLogger("rlinf.manager")
-
-
-def _process_gone(pid: int) -> bool:
-    """True when ``pid`` no longer runs on this machine (missing or a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    # state is the field after the parenthesised command name
-    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] in (b"Z", b"X")
 
 
 class Manager:
@@ -274,7 +262,7 @@ class Manager:
         ``kill -9`` leaves its ``/dev/shm/rlinf-<pid>-*`` segments behind)."""
         from .transports.shm import sweep   # the manager never needs numpy otherwise
 
-        for pid in [p for p in self._sweep if _process_gone(p)]:
+        for pid in [p for p in self._sweep if process_gone(p)]:
             self._sweep.discard(pid)
             if sweep(pid):
                 log.info("rlinf manager: removed the shared memory of lost process %d", pid)
@@ -312,7 +300,7 @@ class Manager:
                     # On our machine liveness is observable: a dead process is lost at once,
                     # while silence from a live one means it is busy (e.g. a C extension
                     # holding the GIL), judged only after a long backstop.
-                    lost = _process_gone(info.pid) or silent > self.local_backstop
+                    lost = process_gone(info.pid) or silent > self.local_backstop
                 else:
                     lost = silent > self.peer_timeout
                 if lost:

@@ -59,6 +59,7 @@ import msgpack
 import numpy as np
 
 from .. import wire
+from ..devices import process_gone
 from ..errors import ClosedError, ProtocolError, RlinfError, TransportUnavailableError
 from .base import Link, Listener, Received, Transport
 
@@ -131,18 +132,6 @@ def sweep(pid: int, directory: str = SHM_DIR) -> int:
             except OSError as exc:
                 log.warning("rlinf: cannot remove %s/%s: %s", directory, name, exc)
     return count
-
-
-def process_gone(pid: int) -> bool:
-    """True when ``pid`` does not run on this machine (missing or a zombie)."""
-    try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] in (b"Z", b"X")
 
 
 def _slot_size(n: int) -> int:
