@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
+import shutil
 import tempfile
 import time
 
@@ -99,6 +100,16 @@ async def _rlinf_p2p(quick: bool, encrypt: bool) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------- raw baselines
+def _ipc_dir() -> str:
+    """A private directory for a baseline's socket file, removed when the run ends."""
+    d = _ipc_dir()
+    _DIRS.append(d)
+    return d
+
+
+_DIRS: list[str] = []
+
+
 def _raw_echo_blocking(endpoint, n):
     s = zmq.Context().socket(zmq.DEALER)
     s.connect(endpoint)
@@ -107,7 +118,7 @@ def _raw_echo_blocking(endpoint, n):
 
 
 def _raw_rtt_blocking(n) -> list[float]:
-    d = tempfile.mkdtemp(prefix="rlinf-bench-")
+    d = _ipc_dir()
     ep = f"ipc://{d}/rtt"
     s = zmq.Context().socket(zmq.DEALER)
     s.bind(ep)
@@ -137,7 +148,7 @@ def _raw_echo_async(endpoint, n):
 async def _raw_rtt_async(n) -> list[float]:
     import zmq.asyncio
 
-    d = tempfile.mkdtemp(prefix="rlinf-bench-")
+    d = _ipc_dir()
     ep = f"ipc://{d}/rtt"
     s = zmq.asyncio.Context().socket(zmq.DEALER)
     s.bind(ep)
@@ -169,7 +180,7 @@ def _raw_push(endpoint, n, size):
 async def _raw_rate_async(n) -> float:
     import zmq.asyncio
 
-    d = tempfile.mkdtemp(prefix="rlinf-bench-")
+    d = _ipc_dir()
     ep = f"ipc://{d}/rate"
     s = zmq.asyncio.Context().socket(zmq.PULL)
     s.bind(ep)
@@ -214,6 +225,14 @@ def _raw_tcp(obj_arrays: list[np.ndarray], reps: int) -> float:
 
 
 def run(quick: bool = False) -> list[Row]:
+    try:
+        return _run(quick)
+    finally:
+        for d in _DIRS:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _run(quick: bool) -> list[Row]:
     n = 2000 if quick else 20000
     reps = 3 if quick else 7
     rl = run_loop(_rlinf_p2p(quick, encrypt=True))
