@@ -102,7 +102,7 @@ async def _rlinf_p2p(quick: bool, encrypt: bool) -> dict[str, float]:
 # ----------------------------------------------------------------------------- raw baselines
 def _ipc_dir() -> str:
     """A private directory for a baseline's socket file, removed when the run ends."""
-    d = _ipc_dir()
+    d = tempfile.mkdtemp(prefix="rlinf-bench-")
     _DIRS.append(d)
     return d
 
