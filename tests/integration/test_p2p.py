@@ -13,6 +13,7 @@ import torch
 
 import rlinf
 
+from .same import assert_same
 from . import workers
 
 pytestmark = pytest.mark.multiproc
@@ -35,27 +36,6 @@ def _nested():
     }
 
 
-def _assert_same(a, b):
-    assert type(a) is type(b) or (isinstance(a, np.ndarray) and isinstance(b, np.ndarray))
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
-    elif isinstance(a, dict):
-        assert list(a) == list(b)
-        for k in a:
-            _assert_same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _assert_same(x, y)
-    elif dataclasses.is_dataclass(a):
-        for f in dataclasses.fields(a):
-            _assert_same(getattr(a, f.name), getattr(b, f.name))
-    else:
-        assert a == b
-
-
 async def test_nested_round_trip(cluster, driver):
     async with asyncio.timeout(60):
         group = await cluster.spawn(workers.echo, "echo", 1, args=("driver:0", 2))
@@ -63,7 +43,7 @@ async def test_nested_round_trip(cluster, driver):
         for _ in range(2):
             await driver.send(obj, "echo:0")
             back = await driver.recv("echo:0")
-            _assert_same(obj, back)
+            assert_same(obj, back)
         back["obs"] += 1          # received arrays are writable
         back["big"][0] = -1.0
         assert await group.join() == [2]

@@ -11,6 +11,7 @@ import torch
 
 import rlinf
 
+from .same import assert_same
 from . import workers_shm
 from .workers_shm import shm_state
 
@@ -47,19 +48,6 @@ def _nested(scale: int = 1) -> dict:
     }
 
 
-def _assert_same(a, b) -> None:
-    if isinstance(a, dict):
-        assert list(a) == list(b)
-        for k in a:
-            _assert_same(a[k], b[k])
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and np.array_equal(a, b)
-    else:
-        assert a == b
-
-
 async def test_large_nested_objects_go_through_shm_both_ways(cluster, driver):
     async with asyncio.timeout(60):
         group = await cluster.spawn(workers_shm.echo, "echo", 1, args=("driver:0", 3))
@@ -67,7 +55,7 @@ async def test_large_nested_objects_go_through_shm_both_ways(cluster, driver):
         for _ in range(3):
             await driver.send(obj, "echo:0")
             back = await driver.recv("echo:0")
-            _assert_same(obj, back)
+            assert_same(obj, back)
         back["tensors"]["big"][0] = -1.0          # views are writable
         back["actions"][:] = 0
         assert driver.stats().transports["shm"].msgs == 3
@@ -82,7 +70,7 @@ async def test_small_messages_stay_inline(cluster, driver):
         group = await cluster.spawn(workers_shm.echo, "echo", 1, args=("driver:0", 1))
         small = {"tensors": {"big": torch.ones(100)}}
         await driver.send(small, "echo:0")
-        _assert_same(small, await driver.recv("echo:0"))
+        assert_same(small, await driver.recv("echo:0"))
         assert "shm" not in driver.stats().transports
         await driver.send("done", "echo:0", tag=99)
         assert (await group.join())[0]["shm_msgs"] == 0
@@ -138,7 +126,7 @@ async def test_copy_out_by_environment(cluster, driver):
                                     env={"RLINF_SHM_VIEWS": "0"})
         obj = _nested()
         await driver.send(obj, "echo:0")
-        _assert_same(obj, await driver.recv("echo:0"))
+        assert_same(obj, await driver.recv("echo:0"))
         await driver.send("done", "echo:0", tag=99)
         assert (await group.join())[0]["shm_msgs"] == 1
 
