@@ -38,8 +38,12 @@ _DOMAIN = b"rlinf"
 
 
 def generate_token() -> str:
-    """A fresh random cluster token (URL-safe text, 256 bits)."""
-    return secrets.token_urlsafe(32)
+    """A fresh random cluster token (256 bits as hex text).
+
+    Hex, not URL-safe base64: a token that starts with ``-`` would be read as an
+    option when pasted after ``--token`` on a command line.
+    """
+    return secrets.token_hex(32)
 
 
 def tcp_encryption_enabled() -> bool:

@@ -132,7 +132,7 @@ async def test_top_once_json_reports_workers_and_channel(cluster, driver):
 
         while not all(reported(w) for w in cluster.manager.snapshot()["workers"] if w["address"] in wanted):
             await asyncio.sleep(0.1)
-        status, out, err = await _run("top", "--manager", cluster.manager_address, "--token", cluster.token,
+        status, out, err = await _run("top", "--manager", cluster.manager_address, f"--token={cluster.token}",
                                       "--once", "--json")
         assert status == 0, err
         snap = json.loads(out)
@@ -146,7 +146,7 @@ async def test_top_once_json_reports_workers_and_channel(cluster, driver):
             assert [c for c in snap["channels"] if c["name"] == "top-test"], snap["channels"]
             await channel.close()
         # the same through the rich view, once
-        status, out, err = await _run("top", "--manager", cluster.manager_address, "--token", cluster.token,
+        status, out, err = await _run("top", "--manager", cluster.manager_address, f"--token={cluster.token}",
                                       "--once", env={"COLUMNS": "200"})
         assert status == 0, err
         assert "idle:1" in out and "workers" in out
@@ -164,7 +164,7 @@ async def test_manager_command_serves_workers():
     """``rlinf manager`` prints where to join; a worker joins it and ``top`` sees it."""
     token = "cli-test-token"
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "rlinf", "manager", "--bind", "tcp://127.0.0.1:0", "--token", token,
+        sys.executable, "-m", "rlinf", "manager", "--bind", "tcp://127.0.0.1:0", f"--token={token}",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
         async with asyncio.timeout(60):
@@ -176,7 +176,7 @@ async def test_manager_command_serves_workers():
                 rest += await proc.stdout.readline()
             assert f"RLINF_MANAGER={address}".encode() in rest
             async with rlinf.connect("joiner:0", manager=address, token=token):
-                status, out, err = await _run("top", "--manager", address, "--token", token, "--once", "--json")
+                status, out, err = await _run("top", "--manager", address, f"--token={token}", "--once", "--json")
                 assert status == 0, err
                 assert [w["address"] for w in json.loads(out)["workers"]] == ["joiner:0"]
     finally:
