@@ -116,7 +116,7 @@ class ControlClient:
         self._on_event = on_event
         self._stats = stats
         self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future] = {}
+        self._pending: dict[int, tuple[asyncio.Future, Callable | None]] = {}
         self._known: dict[str, WorkerInfo] = {}
         self._version = 0
         self._loop = asyncio.get_running_loop()
@@ -142,8 +142,15 @@ class ControlClient:
         self.manager_reachable = False
 
     # -- requests ----------------------------------------------------------------------
-    async def request(self, op: str, *, timeout: float | None, **fields: Any) -> dict[str, Any]:
+    async def request(self, op: str, *, timeout: float | None,
+                      on_reply: Callable[[dict[str, Any]], None] | None = None, **fields: Any) -> dict[str, Any]:
         """Send a request and wait for its reply.
+
+        ``on_reply(reply)`` runs as the reply is read, before any message the manager
+        sent after it: a roster in a reply is then applied exactly between the events
+        that precede and follow it (applied later, when the waiting task resumes, a
+        roster would be stale against the events read meanwhile, and a peer that joined
+        in between would be reported lost).
 
         Raises:
             CommTimeoutError: no reply within ``timeout``.
@@ -153,7 +160,7 @@ class ControlClient:
             raise ClosedError("control connection is closed")
         request_id = next(self._ids)
         fut = self._loop.create_future()
-        self._pending[request_id] = fut
+        self._pending[request_id] = (fut, on_reply)
         try:
             self._send(pack({"op": op, "id": request_id, **fields}))
             done, _ = await asyncio.wait({fut, self._auth_failed}, timeout=timeout,
@@ -176,10 +183,10 @@ class ControlClient:
         up as the other workers re-register: report only joins now, and reconcile losses
         once every live worker has had time to come back.
         """
-        reply = await self.request("register", timeout=timeout, info=self.info.to_wire())
+        reply = await self.request("register", timeout=timeout, info=self.info.to_wire(),
+                                   on_reply=lambda r: self._resync_from(r, report_lost=not rebuilding))
         self.manager_reachable = True
         roster = [WorkerInfo.from_wire(w) for w in reply["roster"]]
-        self._resync(roster, reply["version"], report_lost=not rebuilding)
         if rebuilding:
             grace = 2 * default_peer_timeout() + heartbeat_interval()
             self._loop.call_later(grace, lambda: self._closed or self._loop.create_task(self._refresh()))
@@ -224,8 +231,10 @@ class ControlClient:
     def _dispatch(self, message: dict[str, Any]) -> None:
         op = message["op"]
         if op == "reply":
-            fut = self._pending.get(message.get("id"))
+            fut, on_reply = self._pending.get(message.get("id"), (None, None))
             if fut is not None and not fut.done():
+                if on_reply is not None:
+                    on_reply(message)
                 fut.set_result(message)
         elif op == "event":
             info = WorkerInfo.from_wire(message["info"]) if message.get("info") else None
@@ -242,6 +251,16 @@ class ControlClient:
             if self._known[event.address].incarnation == event.incarnation or not event.incarnation:
                 del self._known[event.address]
         self._on_event(event, bye_sent)
+
+    def _resync_from(self, reply: dict[str, Any], *, report_lost: bool = True) -> None:
+        """Apply the roster of a ``register`` or ``roster`` reply, as it is read."""
+        try:
+            roster = [WorkerInfo.from_wire(w) for w in reply["roster"]]
+            version = reply["version"]
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("rlinf: bad roster from the manager: %s", exc)
+            return
+        self._resync(roster, version, report_lost=report_lost)
 
     def _resync(self, roster: list[WorkerInfo], version: int, *, report_lost: bool = True) -> None:
         """Reconcile our view with a full roster: synthesise the events we missed."""
@@ -290,10 +309,9 @@ class ControlClient:
 
     async def _refresh(self) -> None:
         try:
-            reply = await self.request("roster", timeout=5.0)
+            await self.request("roster", timeout=5.0, on_reply=self._resync_from)
         except (CommTimeoutError, ClosedError):
-            return
-        self._resync([WorkerInfo.from_wire(w) for w in reply["roster"]], reply["version"])
+            pass
 
     def _heartbeat_thread(self, context: zmq.Context, keys: ClusterKeys, stop: threading.Event) -> None:
         """Heartbeats come from a thread with its own socket, so a busy event loop (a long
@@ -373,7 +391,7 @@ class ControlClient:
                     pass   # best effort: the manager will notice us gone anyway
         finally:
             self._closed = True
-            for fut in self._pending.values():
+            for fut, _ in self._pending.values():
                 if not fut.done():
                     fut.set_exception(ClosedError("control connection closed"))
                     fut.exception()   # the requester (if any) still sees it; nobody else must

@@ -82,9 +82,6 @@ def test_torch_port_differs_in_two_lines():
 
 @needs_init
 @pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun is not installed")
-@pytest.mark.skipif(os.environ.get("RLINF_SLOW_TESTS") != "1",
-                    reason="intermittent false 'lost' of a rank under torchrun is being investigated "
-                           "(issue 7); set RLINF_SLOW_TESTS=1 to run it")
 def test_torch_port_under_torchrun():
     out = _run([TORCHRUN, "--standalone", "--nproc-per-node", "3", os.path.join(EXAMPLES, "torch_port_rlinf.py")],
                timeout=180)
