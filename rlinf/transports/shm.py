@@ -23,8 +23,9 @@ Design (see ``docs/transports.md`` for the whole picture):
   one from a peer it was not sent to, or for an older use of the slot, is ignored.
 * **Several readers** (multicast): the slot carries a reader count and is mapped
   copy-on-write (``MAP_PRIVATE``) by each reader, so one reader's writes stay its own.
-  On release the reader drops its private pages (``MADV_DONTNEED``) so the next use of
-  the slot reads the new data.
+  On release the reader drops the pages it wrote (its private copies, found through
+  ``/proc/self/pagemap``; ``MADV_DONTNEED``) so the next use of the slot reads the new
+  data; pages it only read stay mapped and already show it.
 * **Cleanup.** Closing unlinks the pool's files (after the readers of in-flight slots
   confirmed they mapped them, bounded by a timeout). A reader that leaves or dies
   makes the sender retire the slots it held (unlinked, never reused: a departed
@@ -61,6 +62,7 @@ import numpy as np
 from .. import wire
 from ..devices import process_gone
 from ..errors import ClosedError, ProtocolError, RlinfError, TransportUnavailableError
+from ._pagemap import written_runs
 from .base import Link, Listener, Received, Transport
 
 __all__ = ["ShmPool", "ShmReader", "ShmSession", "ShmTransport", "ShmLink", "ShmListener", "Recycler",
@@ -196,6 +198,18 @@ class Recycler:
             elif n:
                 whole[off:off + n] = v if v.format == "B" and v.ndim == 1 else v.cast("B")
         return [whole[o:o + n] for o, n in zip(offsets, sizes)]
+
+
+def _drop_written(mm: mmap.mmap, offset: int, size: int) -> None:
+    """Drop the pages of ``mm[offset:offset + size]`` this process wrote (its private
+    copies), so they show the file's bytes again. Pages only read are left mapped: they
+    already show the file, and faulting them in again would cost ~0.9 µs each."""
+    start = offset - offset % _PAGE
+    length = -(-(offset + size - start) // _PAGE) * _PAGE
+    base = np.frombuffer(mm, _U8, 0).ctypes.data if len(mm) else 0
+    runs = written_runs(base + start, length) if base else None
+    for off, n in [(0, length)] if runs is None else runs:
+        mm.madvise(mmap.MADV_DONTNEED, start + off, n)
 
 
 def copy_out(buffers: Sequence[Any]) -> list:
@@ -503,7 +517,7 @@ class ShmReader:
     def _released(self, src: str, slot: wire.SlotRef, private_map: mmap.mmap | None) -> None:
         if private_map is not None:
             try:   # drop this reader's copy-on-write pages: the next use reads fresh data
-                private_map.madvise(mmap.MADV_DONTNEED, slot.offset, slot.size)
+                _drop_written(private_map, slot.offset, slot.size)
             except (OSError, ValueError):
                 log.warning("rlinf: cannot reset private pages of %s", slot.segment)
                 return   # never release a slot we could not reset: it would show stale data

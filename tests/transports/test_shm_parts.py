@@ -146,6 +146,44 @@ def test_private_readers_do_not_see_each_other_and_reset_on_release(pool, releas
             r.close()
 
 
+@pytest.mark.parametrize("pagemap", [True, False], ids=["pagemap", "no-pagemap"])
+def test_a_private_reader_drops_exactly_its_written_pages(pool, released, monkeypatch, pagemap):
+    """Pages a multicast reader wrote are reset on release; pages it only read stay
+    mapped (no re-fault on the next use) and show the next message's bytes."""
+    from rlinf.transports import _pagemap
+
+    if not pagemap:   # e.g. /proc unavailable: every page is dropped, still correct
+        monkeypatch.setattr(_pagemap, "written_runs", lambda address, length: None)
+        monkeypatch.setattr(shm, "written_runs", _pagemap.written_runs)
+    page, pages = shm._PAGE, 32
+    reader = shm.ShmReader(lambda *a: released.append(a))
+    try:
+        slot, sizes = _export(pool, [b"\x01" * (page * pages)], readers={"a:0": 1, "b:0": 1}, private=True)
+        view = reader.open("s:0", slot.ref(), sizes)[0]
+        arr = np.frombuffer(view, np.uint8)
+        assert int(arr[::page].sum()) == pages               # read every page
+        arr[3 * page] = 7                                    # write pages 3, 10 and 11
+        arr[10 * page:12 * page] = 9
+        base = arr.ctypes.data
+        if pagemap:
+            runs = _pagemap.written_runs(base, page * pages)
+            if runs is None:
+                pytest.skip("/proc/self/pagemap is not readable here")
+            assert runs == [(3 * page, page), (10 * page, 2 * page)]
+        del view, arr
+        gc.collect()
+        for r in ("a:0", "b:0"):
+            assert pool.release(r, slot.name, slot.generation)
+        slot2, _ = _export(pool, [b"\x02" * (page * pages)], readers={"a:0": 1}, private=True)
+        assert slot2 is slot
+        again = np.frombuffer(reader.open("s:0", slot2.ref(), sizes)[0], np.uint8)
+        assert (again[::page] == 2).all() and (again[10 * page:12 * page] == 2).all()
+        if pagemap:
+            assert again.ctypes.data == base and _pagemap.written_runs(base, page * pages) == []
+    finally:
+        reader.close()
+
+
 def test_reader_refuses_foreign_missing_or_short_segments(pool, reader):
     slot, sizes = _export(pool, [b"x" * 10])
     with pytest.raises(ProtocolError, match="another process"):
