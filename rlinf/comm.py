@@ -348,9 +348,17 @@ class Communicator:
             nbytes += b.nbytes if type(b) is memoryview else memoryview(b).nbytes
         if nbytes >= self._routing.shm_threshold and nbytes and self._shm is not None \
                 and outbox.info is not None and self._shm_route(outbox.info):
-            export = self._shm.export(buffers, [memoryview(b).nbytes for b in buffers], {outbox.address: 1})
+            sizes = [memoryview(b).nbytes for b in buffers]
+            relays = self._shm.relay.plan(buffers, sizes, outbox.address) if self._shm.reader.relayable else None
+            if relays is not None:   # views of another process's slot: forwarded by reference
+                places, relays = relays
+                sizes = [0 if i in places else n for i, n in enumerate(sizes)]
+            export = self._shm.export(buffers, sizes, {outbox.address: 1}) if any(sizes) else (None, sizes, None)
             if export is not None:
-                return self._queue_slot(outbox, kind, tag, codec_header, export, nbytes, need_future)
+                return self._queue_slot(outbox, kind, tag, codec_header, export, nbytes, need_future,
+                                        relays and (places, relays))
+            if relays is not None:
+                self._shm.relay.cancel(outbox.address, relays)
         if nbytes < SMALL_MESSAGE:
             # copy now (the caller may reuse its buffers); coalesced into one frame later
             frames, counts, large = [bytes(b) for b in buffers], None, False
@@ -381,13 +389,28 @@ class Communicator:
         return route
 
     def _queue_slot(self, outbox: Outbox, kind: int, tag: Any, codec_header: bytes, export: tuple,
-                    nbytes: int, need_future: bool) -> asyncio.Future | None:
-        """Queue a message whose buffers sit in a shared-memory slot (a descriptor on the wire)."""
+                    nbytes: int, need_future: bool, relayed: tuple | None = None) -> asyncio.Future | None:
+        """Queue a message whose buffers sit in shared memory: a slot of ours (``export``:
+        ``(slot or None, layout, copying)``) and/or, when ``relayed`` (``(places,
+        relays)``), other processes' slots forwarded by reference (descriptors on the wire)."""
         slot, layout, copying = export
-        entry = [kind, tag, codec_header, layout, slot.to_wire()]
-        session = self._shm
+        session, dst = self._shm, outbox.address
+        if relayed is None:
+            entry = [kind, tag, codec_header, layout, slot.to_wire()]
+            discard = lambda: session.discard(slot, copying, dst)   # noqa: E731
+        else:
+            places, relays = relayed
+            layout = list(layout)
+            for i, place in places.items():
+                layout[i] = place
+            entry = [kind, tag, codec_header, layout, slot and slot.to_wire(), relays]
+
+            def discard() -> None:
+                session.relay.cancel(dst, relays)
+                if slot is not None:
+                    session.discard(slot, copying, dst)
         msg = OutMessage(entry, [], nbytes + len(codec_header), None, False, transport=routing.SHM,
-                         copying=copying, discard=lambda: session.discard(slot, copying, outbox.address))
+                         copying=copying, discard=discard)
         if copying is None and not need_future:
             outbox.put(msg, self._loop)
             return None
@@ -554,15 +577,25 @@ class Communicator:
         blob = (frames[0] if frames else _NO_BYTES) if packed else None
         for entry in entries:
             buffers, nbytes, error = [], 0, None
-            in_slot = None
-            if entry.slot is not None:
+            in_slot = relayed = None
+            if entry.slot is not None or entry.relays is not None:
                 try:
-                    in_slot = iter(self._open_slot(src, entry))
+                    if entry.slot is not None:
+                        in_slot = iter(self._open_slot(src, entry))
+                    if entry.relays is not None:
+                        relayed = iter(self._open_relayed(src, entry))
                 except (ProtocolError, ClosedError) as exc:
                     self._counters.dropped_frames += 1
                     log.warning("rlinf %s: bad shared-memory slot from %s: %r", self.address, src, exc)
                     error = DecodeError(f"message from {src} cannot be read from shared memory: {exc}")
+                    in_slot = relayed = None
             for count in entry.frame_counts:
+                if type(count) is list:   # forwarded by reference from another process's slot
+                    if relayed is not None:
+                        buf = next(relayed)
+                        buffers.append(buf)
+                        nbytes += buf.nbytes
+                    continue
                 if count < 0:    # in the entry's shared-memory slot
                     if in_slot is None:
                         continue
@@ -582,7 +615,7 @@ class Communicator:
             if entry.kind == wire.USER:
                 self._counters.received(src, nbytes + len(entry.codec_header))
                 self._mailbox.deliver(Message(src, incarnation, entry.tag, entry.codec_header, buffers, 0, nbytes,
-                                              in_slot is not None, error))
+                                              in_slot is not None or relayed is not None, error))
             elif error is not None:
                 log.warning("rlinf %s: dropped system message %r: %s", self.address, entry.tag, error)
             elif entry.tag == "bye":
@@ -602,6 +635,12 @@ class Communicator:
             raise ProtocolError("shared memory is not enabled in this process")
         info = self._roster.get(src)
         return self._shm.open(src, entry.slot, entry.frame_counts, info.pid if info is not None else None)
+
+    def _open_relayed(self, src: str, entry: wire.Entry) -> list:
+        if self._shm is None:
+            raise ProtocolError("shared memory is not enabled in this process")
+        info = self._roster.get(src)
+        return self._shm.open_relayed(src, entry.relays, entry.frame_counts, info.pid if info is not None else None)
 
     def _send_shm_notice(self, dst: str, obj: Any) -> None:
         """Queue a SYSTEM "shm" notice (releases, mappings) — also while closing, so

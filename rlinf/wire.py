@@ -25,6 +25,16 @@ slot instead of the frames: it holds ``-layout[i]`` bytes, placed in the slot by
 :func:`slot_layout` (in buffer order, each at a :data:`SLOT_ALIGN`-byte boundary).
 Only the descriptor travels through ZeroMQ; see ``rlinf/transports/shm.py``.
 
+An entry may carry a sixth item, *relays*: places in other slots that this sender
+forwards by reference (see ``rlinf/transports/_relay.py``); the fifth item is then the
+entry's own slot or nil::
+
+    [kind, tag, codec_header, layout, slot_or_nil, [[segment, offset, size, relay_id], ...]]
+
+A layout item ``[r, offset, nbytes]`` marks a buffer carried by relay ``r`` at
+``offset`` within it. A relay names a segment of the sender (a link to the owner's file)
+and is mapped copy-on-write; it is released with ``[segment, relay_id]``.
+
 Entries are in send order.
 
 Every size and count is checked before anything is allocated; a bad header raises
@@ -72,8 +82,9 @@ class Entry:
     kind: int
     tag: Any
     codec_header: bytes
-    frame_counts: list[int]
+    frame_counts: list
     slot: SlotRef | None = None
+    relays: list[SlotRef] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +145,28 @@ def _unpack_slot(raw: Any) -> SlotRef:
     return SlotRef(segment, pid, offset, size, generation, private)
 
 
+def _unpack_relays(raw: Any) -> list[SlotRef]:
+    if not (isinstance(raw, list) and 0 < len(raw) <= MAX_ENTRIES):
+        raise ProtocolError("malformed relay list")
+    relays = []
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 4):
+            raise ProtocolError("malformed relay")
+        segment, offset, size, relay_id = item
+        slot = _unpack_slot([segment, offset, size, relay_id, True])
+        relays.append(slot)
+    return relays
+
+
+def _relayed_place(item: list, relays: list[SlotRef] | None) -> None:
+    """Check a ``[r, offset, nbytes]`` layout item against the entry's relays."""
+    if relays is None or len(item) != 3 or not all(type(v) is int for v in item):
+        raise ProtocolError("bad relayed buffer layout")
+    r, offset, nbytes = item
+    if not (0 <= r < len(relays) and offset >= 0 and nbytes > 0 and offset + nbytes <= relays[r].size):
+        raise ProtocolError("relayed buffer outside its relay")
+
+
 def pack_header(src: str, incarnation: str, entries: list[list], packed: bool = False) -> bytes:
     """Pack a frame-set header. ``entries`` are ``[kind, tag, codec_header, layout]``,
     optionally followed by a slot descriptor (see the module docstring)."""
@@ -172,16 +205,20 @@ def unpack_header(data, frames: list) -> tuple[str, str, list[Entry], bool]:
     limit = MAX_HEADER if packed else MAX_FRAMES
     low = 0 if packed else 1
     for raw in raw_entries:
-        if not (isinstance(raw, list) and 4 <= len(raw) <= 5):
+        if not (isinstance(raw, list) and 4 <= len(raw) <= 6):
             raise ProtocolError("malformed message entry")
         kind, tag, codec_header, counts = raw[:4]
         if kind not in (USER, SYSTEM) or not isinstance(codec_header, bytes) or not isinstance(counts, list):
             raise ProtocolError("malformed message entry")
         if not isinstance(tag, (int, str)) or isinstance(tag, bool):
             raise ProtocolError("message tag must be an int or str")
-        slot = _unpack_slot(raw[4]) if len(raw) == 5 else None
+        slot = _unpack_slot(raw[4]) if len(raw) >= 5 and (len(raw) == 5 or raw[4] is not None) else None
+        relays = _unpack_relays(raw[5]) if len(raw) == 6 else None
         in_slot = 0
         for c in counts:
+            if type(c) is list:
+                _relayed_place(c, relays)
+                continue
             if type(c) is not int or c > limit:
                 raise ProtocolError("bad buffer layout")
             if c >= low:
@@ -192,7 +229,7 @@ def unpack_header(data, frames: list) -> tuple[str, str, list[Entry], bool]:
                 raise ProtocolError("bad buffer layout")
         if slot is not None and not 0 < in_slot <= slot.size:
             raise ProtocolError(f"slot of {slot.size} bytes cannot hold the {in_slot} bytes announced")
-        entries.append(Entry(kind, tag, codec_header, counts, slot))
+        entries.append(Entry(kind, tag, codec_header, counts, slot, relays))
     if packed:
         have = len(frames) and memoryview(frames[0]).nbytes
         if len(frames) > 1 or total != have:

@@ -345,6 +345,9 @@ class HandleBase:
                 self._on_ops(ops)
             except (ValueError, TypeError, KeyError, IndexError) as exc:
                 log.warning("channel %s: dropped a malformed message: %r", self.name, exc)
+            # not kept while we wait for the next message: the items' buffers (shared
+            # memory of their producer) must go once the caller drops what get() returned
+            del ops
 
     def _on_ops(self, ops: list) -> None:
         for op in ops:

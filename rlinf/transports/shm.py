@@ -63,9 +63,10 @@ from .. import wire
 from ..devices import process_gone
 from ..errors import ClosedError, ProtocolError, RlinfError, TransportUnavailableError
 from ._pagemap import written_runs
+from ._relay import Relay
 from .base import Link, Listener, Received, Transport
 
-__all__ = ["ShmPool", "ShmReader", "ShmSession", "ShmTransport", "ShmLink", "ShmListener", "Recycler",
+__all__ = ["ShmPool", "ShmReader", "ShmSession", "ShmTransport", "ShmLink", "ShmListener", "Recycler", "Relay",
            "available", "sweep", "default_cap", "copy_out", "SHM_DIR"]
 
 log = logging.getLogger("rlinf.transports.shm")
@@ -262,6 +263,7 @@ class ShmPool:
         self._generations = itertools.count(1)
         self._free: dict[int, list[_Slot]] = {}
         self._busy: dict[str, _Slot] = {}
+        self.links: set[str] = set()   # paths of our names for other processes' segments
         self.mapped = 0
         self.created = 0      # segments ever created (the rest of the exports reused one)
         self.exports = 0
@@ -437,6 +439,28 @@ class ShmPool:
             self._drop(slot)
         self._busy.clear()
         self._free.clear()
+        for path in list(self.links):
+            self.unlink_link(path)
+
+    def link(self, segment: str) -> tuple[str, str]:
+        """A second name of ours for another process's ``segment`` (a hard link, so the
+        file outlives the owner's name; see :mod:`._relay`). Unlinked with the pool.
+
+        Raises:
+            OSError: the segment is gone (or links are not possible here).
+        """
+        name = f"{self._prefix}{next(self._seq)}"
+        path = os.path.join(self._dir, name)
+        os.link(os.path.join(self._dir, segment), path)
+        self.links.add(path)
+        return name, path
+
+    def unlink_link(self, path: str) -> None:
+        self.links.discard(path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 class ShmReader:
@@ -457,6 +481,9 @@ class ShmReader:
         self._shared: dict[str, mmap.mmap] = {}
         self._private: dict[str, mmap.mmap] = {}
         self._by_peer: dict[str, set[str]] = collections.defaultdict(set)
+        #: slots with live views, for :meth:`locate`: key -> (start address, SlotRef)
+        self._live: dict[int, tuple[int, wire.SlotRef]] = {}
+        self._keys = itertools.count()
         self.closed = False
 
     def __repr__(self) -> str:
@@ -471,6 +498,25 @@ class ShmReader:
         Raises:
             ProtocolError: the slot is not ``src``'s, missing, or outside its segment.
         """
+        offsets, end = wire.slot_layout(sizes)
+        if end > slot.size:
+            raise ProtocolError("buffers do not fit their slot")
+        whole = self._export(src, slot, pid)
+        return [whole[o:o + n] for o, n in zip(offsets, sizes)]
+
+    def open_at(self, src: Hashable, slot: wire.SlotRef, places: Sequence[tuple[int, int]],
+                pid: int | None = None) -> list[memoryview]:
+        """Like :meth:`open`, for buffers at explicit ``(offset, nbytes)`` places in the
+        slot (a relayed slot: see :mod:`._relay`)."""
+        for offset, n in places:
+            if offset + n > slot.size:
+                raise ProtocolError("buffers do not fit their slot")
+        whole = self._export(src, slot, pid)
+        return [whole[o:o + n] for o, n in places]
+
+    def _export(self, src: Hashable, slot: wire.SlotRef, pid: int | None) -> memoryview:
+        """A view of the whole slot; when the last view derived from it is gone, the
+        slot is released to ``src``."""
         if self.closed:
             raise ClosedError("shared-memory reader is closed")
         if pid is not None and slot.pid != pid:
@@ -484,14 +530,26 @@ class ShmReader:
                 self._on_map(src, slot.segment)
         if slot.offset + slot.size > len(mm):
             raise ProtocolError(f"slot beyond the end of segment {slot.segment}")
-        offsets, end = wire.slot_layout(sizes)
-        if end > slot.size:
-            raise ProtocolError("buffers do not fit their slot")
         exporter = np.frombuffer(mm, _U8, slot.size, slot.offset)
-        done = weakref.finalize(exporter, self._released, src, slot, mm if slot.private else None)
+        key = next(self._keys)
+        if not slot.private:
+            self._live[key] = (exporter.ctypes.data, slot)
+        done = weakref.finalize(exporter, self._released, src, slot, mm if slot.private else None, key)
         done.atexit = False
-        whole = memoryview(exporter)
-        return [whole[o:o + n] for o, n in zip(offsets, sizes)]
+        return memoryview(exporter)
+
+    @property
+    def relayable(self) -> bool:
+        """Whether any slot has live views that :meth:`locate` could find."""
+        return bool(self._live)
+
+    def locate(self, address: int, nbytes: int) -> tuple[wire.SlotRef, int] | None:
+        """The shared (not copy-on-write) slot with live views that holds the ``nbytes``
+        at ``address``, and their offset in it; None if no such slot does."""
+        for start, slot in list(self._live.values()):
+            if start <= address and address + nbytes <= start + slot.size:
+                return slot, address - start
+        return None
 
     def _map(self, slot: wire.SlotRef) -> mmap.mmap:
         path = os.path.join(self._dir, slot.segment)
@@ -514,13 +572,17 @@ class ShmReader:
         finally:
             os.close(fd)
 
-    def _released(self, src: str, slot: wire.SlotRef, private_map: mmap.mmap | None) -> None:
+    def _released(self, src: str, slot: wire.SlotRef, private_map: mmap.mmap | None, key: int) -> None:
+        self._live.pop(key, None)
         if private_map is not None:
             try:   # drop this reader's copy-on-write pages: the next use reads fresh data
                 _drop_written(private_map, slot.offset, slot.size)
             except (OSError, ValueError):
                 log.warning("rlinf: cannot reset private pages of %s", slot.segment)
                 return   # never release a slot we could not reset: it would show stale data
+            if self._private.get(slot.segment) is private_map \
+                    and not os.path.exists(os.path.join(self._dir, slot.segment)):
+                self._private.pop(slot.segment, None)   # retired: nobody can send it again
         if not self.closed:
             self._on_release(src, slot.segment, slot.generation)
 
@@ -542,6 +604,7 @@ class ShmReader:
         self._shared.clear()
         self._private.clear()
         self._by_peer.clear()
+        self._live.clear()
 
 
 class ShmSession:
@@ -560,6 +623,7 @@ class ShmSession:
                  views: bool = True, cap: int | None = None) -> None:
         self.pool = ShmPool(cap)
         self.reader = ShmReader(self._released, self._mapped)
+        self.relay = Relay(self.reader.locate, self.pool)
         self.views = views
         self._recycler = Recycler()
         self.offload = offload_threshold()
@@ -606,9 +670,22 @@ class ShmSession:
             copying.add_done_callback(lambda _: self.pool.release(reader, name, generation))
 
     # -- receiving -------------------------------------------------------------------------
-    def open(self, src: str, slot: wire.SlotRef, counts: Sequence[int], pid: int | None) -> list[memoryview]:
+    def open(self, src: str, slot: wire.SlotRef, counts: Sequence[Any], pid: int | None) -> list[memoryview]:
         """Views of an entry's slot buffers (``counts``: its layout); see :meth:`ShmReader.open`."""
-        return self.reader.open(src, slot, [-c for c in counts if c < 0], pid)
+        return self.reader.open(src, slot, [-c for c in counts if type(c) is int and c < 0], pid)
+
+    def open_relayed(self, src: str, relays: list[wire.SlotRef], counts: Sequence[Any],
+                     pid: int | None) -> list[memoryview]:
+        """Views of an entry's relayed buffers (its ``[r, offset, nbytes]`` layout items),
+        in layout order; one release per relay, once all of its views are gone."""
+        places: dict[int, list[tuple[int, int]]] = {}
+        order = []
+        for c in counts:
+            if type(c) is list:
+                places.setdefault(c[0], []).append((c[1], c[2]))
+                order.append(c[0])
+        views = {r: iter(self.reader.open_at(src, relays[r], p, pid)) for r, p in places.items()}
+        return [next(views[r]) for r in order]
 
     def owned(self, buffers: list) -> list:
         """Copy-out: owned copies of a received message's buffers, in recycled private
@@ -657,8 +734,10 @@ class ShmSession:
             return
         for segment in obj[1]:
             self.pool.confirm(src, segment)
+            self.relay.confirm(src, segment)
         for item in obj[0]:
-            if not (isinstance(item, list) and len(item) == 2 and self.pool.release(src, *item)):
+            if not (isinstance(item, list) and len(item) == 2
+                    and (self.pool.release(src, *item) or self.relay.release(src, *item))):
                 log.debug("rlinf: ignored a release from %s that matches no slot sent to it: %r", src, item)
         if self._changed is not None:
             self._changed.set()
@@ -668,6 +747,7 @@ class ShmSession:
         """``address`` left or died: retire what it held, forget its segments, and sweep
         them when its process is gone from this machine."""
         self.pool.reader_gone(address)
+        self.relay.reader_gone(address)
         self._owed -= sum(map(len, self._pending.pop(address, ((), ()))))
         for pid in self.reader.peer_gone(address):
             if pid != os.getpid() and process_gone(pid):
@@ -683,7 +763,7 @@ class ShmSession:
         deadline = loop.time() + timeout
         self._changed = asyncio.Event()
         try:
-            while self.pool.unconfirmed() and loop.time() < deadline:
+            while (self.pool.unconfirmed() or self.relay.unconfirmed()) and loop.time() < deadline:
                 self._changed.clear()
                 try:
                     async with asyncio.timeout(deadline - loop.time()):
@@ -692,7 +772,7 @@ class ShmSession:
                     break
         finally:
             self._changed = None
-        late = self.pool.unconfirmed()
+        late = sorted({*self.pool.unconfirmed(), *self.relay.unconfirmed()})
         if late:
             log.warning("rlinf: closing before %s mapped their shared memory; those messages are lost", late)
 
@@ -701,6 +781,7 @@ class ShmSession:
         if not self.reader.closed:
             self.flush()
         self.reader.close()
+        self.relay.close()
         self.pool.close()
 
 

@@ -452,3 +452,31 @@ async def test_cluster_create_channel_is_stopped_with_the_cluster():
                 pid = next(w.pid for w in await probe.peers() if w.address == "channel.owned:0")
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+async def test_a_large_item_is_written_once_and_only_its_descriptor_passes_the_server(cluster, driver, comms):
+    """Same node: the producer writes the item into its shared memory once; the channel
+    process forwards a reference to it (no copy of its own); the consumer maps the
+    producer's bytes; the producer's slot comes back once the consumer drops the item."""
+    async with asyncio.timeout(60):
+        await driver.create_channel("relayed")
+        (consumer,) = await comms(1)
+        out = await driver.channel("relayed")
+        into = await consumer.channel("relayed")
+        item = {"obs": np.arange(1 << 20, dtype=np.float32), "step": 7}
+        await out.put(item, weight=2.0)
+        await out.flush()
+        got = await into.get(timeout=30)
+        assert got["step"] == 7 and np.array_equal(got["obs"], item["obs"])
+        server = next(p for p in await driver.peers() if p.address == "channel.relayed:0")
+        reader = consumer._shm.reader
+        assert any(n.startswith(f"rlinf-{server.pid}-") for n in reader._private), reader._private
+        assert not any(n.startswith(f"rlinf-{server.pid}-") for n in reader._shared), reader._shared
+        assert driver._shm.pool.busy == 1                       # held for the consumer
+        del got
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while driver._shm.pool.busy:                            # release: consumer -> server -> producer
+            assert loop.time() < deadline, "the producer's slot did not come back"
+            await asyncio.sleep(0.02)
+        await out.close()

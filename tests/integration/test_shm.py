@@ -254,3 +254,47 @@ async def test_bad_slot_descriptor_is_a_decode_error(cluster, driver):
         finally:
             s.close(0)
             ctx.term()
+
+
+@pytest.mark.parametrize("orders", ["read", "write"])
+async def test_a_forwarded_view_is_relayed_by_reference_not_copied(cluster, driver, orders):
+    """driver -> relay:0 -> sink:0 on one node: relay:0 forwards the views it received as
+    references to the driver's slot (no copy, no slot of its own); sink:0 maps it
+    copy-on-write; the driver's slot is free again once sink:0 dropped its views."""
+    n, nbytes = 4, 3 << 20
+    async with asyncio.timeout(90):
+        relay = await cluster.spawn(workers_shm.relayer, "relay", 1, args=("driver:0", "sink:0", n))
+        sink = await cluster.spawn(workers_shm.relay_sink, "sink", 1, args=("relay:0", n, orders))
+        for i in range(n):
+            await driver.send({"x": np.full(nbytes, i + 1, np.uint8), "i": i}, "relay:0")
+            total, index = await driver.recv("sink:0", tag=20)
+            assert (total, index) == (7.0 * (i + 1), i)
+        await _until(lambda: driver._shm.pool.busy == 0, what="the driver's slots to come back")
+        await driver.send(None, "sink:0", tag=22)
+        seen = (await sink.join(timeout=60))[0]
+        state = (await relay.join(timeout=60))[0]
+    assert state["exports"] == 0 and state["created"] == 0, state      # nothing copied by the relay
+    assert state["relay_holds"] == 0
+    assert all(m and all(name.startswith(f"rlinf-{relay.pids[0]}-") for name in m) for _, _, m in seen), seen
+    assert driver._shm.pool.exports == n
+
+
+
+async def test_a_relayed_item_survives_its_producers_death(cluster, driver):
+    """A producer killed (and swept) after its message reached the relaying process:
+    the relay still delivers the bytes (its own mapping outlives the file)."""
+    async with asyncio.timeout(90):
+        relay = await cluster.spawn(workers_shm.relayer, "relay", 1, args=("prod:0", "driver:0", 1, True))
+        producer = await cluster.spawn(workers_shm.send_and_wait, "prod", 1, args=("relay:0", 2 << 20))
+        await driver.recv("prod:0", tag=6)
+        await driver.recv("relay:0", tag=24)     # the relay holds the producer's message
+        pid = producer.pids[0]
+        await producer.kill(0)
+        await _until(lambda: not _segments(pid), what="the producer's segments to be swept")
+        await driver.send("go", "relay:0", tag=23)
+        obj = await driver.recv("relay:0")
+        assert obj["x"].shape == (512 << 10,) and bool((obj["x"] == 1).all())
+        del obj
+        await driver.send(None, "relay:0", tag=21)
+        state = (await relay.join(timeout=60))[0]
+    assert state["relay_holds"] == 0

@@ -64,3 +64,36 @@ async def multicast_reader(comm, root: str):
         del obj, arr
         await comm.recv(root, tag=13, timeout=60)
     return "done"
+
+
+async def relayer(comm, src: str, dst: str, n: int, wait_go: bool = False):
+    """Forward ``n`` messages from ``src`` to ``dst`` (by reference, when it can), each
+    after telling the driver it has it (tag 24) and the driver's go (tag 23) if
+    ``wait_go``; then report our shared-memory state
+    once ``dst`` says it is done (tag 21)."""
+    for _ in range(n):
+        obj = await comm.recv(src, timeout=60)
+        if wait_go:
+            await comm.send("got it", "driver:0", tag=24, timeout=60)
+            await comm.recv("driver:0", tag=23, timeout=60)
+        await comm.send(obj, dst, timeout=60)
+        del obj
+    await comm.recv(dst, tag=21, timeout=60)
+    return {**shm_state(comm), "relay_holds": comm._shm.relay.holds}
+
+
+async def relay_sink(comm, src: str, n: int, orders: str):
+    """Receive ``n`` relayed messages; per message, report the segments its views are
+    from, the values it sees, and (orders "write") scribble over its own copy."""
+    seen = []
+    for _ in range(n):
+        obj = await comm.recv(src, timeout=60)
+        mapped = sorted(comm._shm.reader._private)
+        seen.append((float(obj["x"][:7].astype(np.float64).sum()), int(obj["i"]), mapped))
+        if orders == "write":
+            obj["x"][:] = 255                   # copy-on-write: the producer's bytes stay
+        await comm.send(seen[-1][:2], "driver:0", tag=20, timeout=60)
+        del obj
+    await comm.recv("driver:0", tag=22, timeout=60)
+    await comm.send(None, src, tag=21, timeout=60)
+    return seen

@@ -271,3 +271,43 @@ async def test_a_dropped_multicast_message_releases_only_its_reader():
         assert session.pool.busy == 0
     finally:
         session.close()
+
+
+def test_a_relay_link_outlives_the_owners_name_and_goes_when_released(released):
+    """A relayed slot is named by a link of the relaying process: the owner's pool may
+    close (unlinking its name) and the receiver still maps the bytes; the link goes
+    once the receiver released it."""
+    owner, relayer_pool = shm.ShmPool(cap=8 << 20), shm.ShmPool(cap=8 << 20)
+    middle = shm.ShmReader(lambda *a: released.append(("middle", *a)))
+    receiver = shm.ShmReader(lambda *a: released.append(("receiver", *a)))
+    relay = shm.Relay(middle.locate, relayer_pool)
+    try:
+        slot, sizes = _export(owner, [b"\x05" * 5000, b"\x06" * 70_000])
+        views = middle.open("owner:0", slot.ref(), sizes)
+        assert middle.relayable
+        planned = relay.plan(views, [v.nbytes for v in views], "receiver:0")
+        assert planned is not None
+        places, relays = planned
+        assert sorted(places) == [0, 1] and len(relays) == 1
+        assert relay.plan(views, [v.nbytes for v in views], "receiver:0") is None   # not twice at once
+        owner.close()                                         # the owner's name is gone
+        link_name = relays[0][0]
+        assert link_name.startswith(f"rlinf-{os.getpid()}-") and os.path.exists(f"/dev/shm/{link_name}")
+        ref = wire.SlotRef(link_name, os.getpid(), relays[0][1], relays[0][2], relays[0][3], True)
+        got = receiver.open_at("middle:0", ref, [(p[1], p[2]) for p in places.values()])
+        assert bytes(got[0][:3]) == b"\x05\x05\x05" and bytes(got[1][-2:]) == b"\x06\x06"
+        del got
+        gc.collect()
+        assert ("receiver", "middle:0", link_name, relays[0][3]) in released
+        assert relay.release("receiver:0", link_name, relays[0][3])
+        assert not relay.release("receiver:0", link_name, relays[0][3])          # once only
+        assert not os.path.exists(f"/dev/shm/{link_name}") and relay.holds == 0
+        del views
+        gc.collect()
+        assert any(r[0] == "middle" for r in released)       # then the relay's own release
+    finally:
+        relay.close()
+        for r in (middle, receiver):
+            r.close()
+        for p in (owner, relayer_pool):
+            p.close()

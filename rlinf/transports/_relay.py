@@ -1,0 +1,178 @@
+"""Forwarding received shared memory by reference (relaying).
+
+A process that received buffers as views of another process's slot (say a channel
+server holding a producer's item) and sends them on to a third process on the same
+node (the consumer) need not copy them into a slot of its own: it sends a reference to
+the place in the original slot, and the receiver maps that. The data is written once,
+by its producer; only descriptors pass through the relaying process.
+
+How it stays safe:
+
+* **Lifetime.** The relaying process keeps its own views (a *hold*) until the receiver
+  releases the relayed slot; only then can its own release reach the owner, so the
+  owner never rewrites a slot that anyone still reads.
+* **Owner death.** The relaying process names the owner's segment file by a hard link
+  of its own (``rlinf-<its pid>-...``, like its pool's segments), so the file outlives
+  the owner's sweep until nobody needs it; the link goes once no hold needs it and the
+  owner's name is gone, when the receiver is gone, or when the relaying process closes.
+* **Isolation.** The receiver maps a relayed slot copy-on-write (``MAP_PRIVATE``): its
+  writes stay its own, so an item that goes back to the queue (its consumer died) is
+  still the producer's bytes.
+* Only slots mapped shared (one reader) are relayed; a copy-on-write view may hold this
+  process's own writes, which the file does not have. The same slot is never relayed
+  twice to the same receiver at once (its releases could not be told apart).
+
+On the wire, a relayed buffer's layout item is ``[r, offset, nbytes]``: the place in the
+entry's relay ``r``, ``[segment, slot_offset, slot_size, relay_id]``
+(see :mod:`rlinf.wire`). The receiver's release names ``[segment, relay_id]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+__all__ = ["Relay"]
+
+log = logging.getLogger("rlinf.transports.shm")
+
+
+class _Link:
+    __slots__ = ("name", "path", "original", "holds")
+
+    def __init__(self, name: str, path: str, original: str) -> None:
+        self.name, self.path, self.original = name, path, original
+        self.holds = 0
+
+
+class Relay:
+    """The relaying side: which buffers can go by reference, and the holds.
+
+    Args:
+        locate: ``locate(address, nbytes) -> (SlotRef, offset) | None`` (the reader's).
+        names: this process's pool: ``link(segment) -> (name, path)`` makes a name of
+            ours for a segment, ``unlink_link(path)`` removes it (see ``ShmPool``).
+    """
+
+    def __init__(self, locate: Callable[[int, int], Any], names: Any) -> None:
+        self._locate = locate
+        self._names = names
+        self._links: dict[str, _Link] = {}                       # owner's segment -> our link
+        self._holds: dict[tuple[str, int], tuple[_Link, tuple[str, int], list]] = {}
+        self._inflight: set[tuple[str, str, int]] = set()       # (receiver, segment, slot offset)
+        self._unconfirmed: set[tuple[str, str]] = set()
+        self._ids = 0
+
+    def __repr__(self) -> str:
+        return f"<Relay links={len(self._links)} holds={len(self._holds)}>"
+
+    @property
+    def holds(self) -> int:
+        return len(self._holds)
+
+    def plan(self, buffers: Sequence[Any], sizes: Sequence[int], dst: str) -> tuple[dict[int, list], list] | None:
+        """Which of ``buffers`` go to ``dst`` by reference.
+
+        Returns:
+            ``(places, relays)``: ``places[i] = [r, offset, nbytes]`` for each relayed
+            buffer ``i`` and the entry's ``relays`` list; None when none can be relayed.
+            The holds are taken: the caller must send the entry, or :meth:`cancel` it.
+        """
+        places: dict[int, list] = {}
+        relays: list[list] = []
+        index: dict[tuple[str, int], int] = {}
+        for i, (b, n) in enumerate(zip(buffers, sizes)):
+            if not n:
+                continue
+            found = self._locate(np.frombuffer(b, np.uint8, 0).ctypes.data if n else 0, n)
+            if found is None:
+                continue
+            slot, offset = found
+            key = (slot.segment, slot.offset)
+            r = index.get(key)
+            if r is None:
+                if (dst, *key) in self._inflight:
+                    continue
+                link = self._link(slot.segment)
+                if link is None:
+                    continue
+                r = index[key] = len(relays)
+                self._ids += 1
+                relays.append([link.name, slot.offset, slot.size, self._ids])
+                link.holds += 1
+                self._inflight.add((dst, *key))
+                self._unconfirmed.add((dst, link.name))
+                self._holds[(dst, self._ids)] = (link, key, [])
+            self._holds[(dst, relays[r][3])][2].append(b)
+            places[i] = [r, offset, n]
+        return (places, relays) if relays else None
+
+    def _link(self, segment: str) -> _Link | None:
+        link = self._links.get(segment)
+        if link is None:
+            try:
+                name, path = self._names.link(segment)
+            except OSError as exc:   # the owner's name is gone already: send a copy instead
+                log.debug("rlinf: cannot relay %s: %s", segment, exc)
+                return None
+            link = self._links[segment] = _Link(name, path, os.path.join(os.path.dirname(path), segment))
+        return link
+
+    def cancel(self, dst: str, relays: list) -> None:
+        """The entry planned for ``dst`` was not sent: drop its holds."""
+        for relay in relays:
+            self.release(dst, relay[0], relay[3])
+
+    def release(self, reader: str, segment: Any, relay_id: Any) -> bool:
+        """``reader`` released relay ``relay_id``; False if it matches no hold of ours."""
+        held = self._holds.pop((reader, relay_id), None) if type(relay_id) is int else None
+        if held is None or held[0].name != segment:
+            if held is not None:   # not its relay: put it back
+                self._holds[(reader, relay_id)] = held
+            return False
+        link, key, _views = held   # the views go now: our own release may follow
+        self._inflight.discard((reader, *key))
+        link.holds -= 1
+        self._tidy(link)
+        return True
+
+    def confirm(self, reader: str, segment: Any) -> None:
+        """``reader`` mapped link ``segment`` (it no longer needs the file)."""
+        self._unconfirmed.discard((reader, segment))
+
+    def unconfirmed(self) -> list[str]:
+        """Receivers still to map a relayed file (what closing waits for)."""
+        held = {(dst, link.name) for (dst, _), (link, _, _) in self._holds.items()}
+        return sorted({dst for dst, name in self._unconfirmed if (dst, name) in held})
+
+    def reader_gone(self, reader: str) -> None:
+        """``reader`` left or died: drop what we held for it."""
+        for dst, relay_id in [k for k in self._holds if k[0] == reader]:
+            link, key, _ = self._holds.pop((dst, relay_id))
+            self._inflight.discard((dst, *key))
+            link.holds -= 1
+        self._unconfirmed = {u for u in self._unconfirmed if u[0] != reader}
+        for link in list(self._links.values()):
+            self._tidy(link)
+
+    def _tidy(self, link: _Link) -> None:
+        """Unlink our name once nothing is held through it and the owner's name is gone
+        (while the owner's name exists, keeping ours costs nothing: same file)."""
+        if link.holds == 0 and not os.path.exists(link.original):
+            self._unlink(link)
+
+    def _unlink(self, link: _Link) -> None:
+        self._links.pop(os.path.basename(link.original), None)
+        self._names.unlink_link(link.path)
+
+    def close(self) -> None:
+        """Drop every hold and unlink every link (mapped views stay valid). Idempotent."""
+        self._holds.clear()
+        self._inflight.clear()
+        self._unconfirmed.clear()
+        for link in list(self._links.values()):
+            self._unlink(link)
+
