@@ -311,3 +311,31 @@ def test_a_relay_link_outlives_the_owners_name_and_goes_when_released(released):
             r.close()
         for p in (owner, relayer_pool):
             p.close()
+
+
+def test_relayed_places_are_validated_against_their_relays():
+    relay = ["rlinf-7-ab-3", 0, 8192, 5]
+    entries = wire.unpack_header(
+        wire.pack_header("x:0", "i", [[0, 0, b"", [[0, 64, 100], 0, [0, 4096, 4096]], None, [relay]]], True), [])[2]
+    (entry,) = entries
+    assert entry.slot is None and entry.relays[0].pid == 7 and entry.relays[0].generation == 5
+    assert entry.relays[0].private                                  # relayed slots are mapped copy-on-write
+    own = ["rlinf-7-ab-0", 0, 4096, 1, False]
+    both = wire.unpack_header(
+        wire.pack_header("x:0", "i", [[0, 0, b"", [-10, [0, 0, 10]], own, [relay]]], True), [])[2][0]
+    assert both.slot.segment == "rlinf-7-ab-0" and both.relays[0].segment == "rlinf-7-ab-3"
+    bad = [
+        [[0, 0, b"", [[0, 0, 10]]]],                                      # a place without relays
+        [[0, 0, b"", [[1, 0, 10]], None, [relay]]],                       # no relay 1
+        [[0, 0, b"", [[0, 8190, 10]], None, [relay]]],                    # beyond the relay
+        [[0, 0, b"", [[0, 0, 0]], None, [relay]]],                        # empty place
+        [[0, 0, b"", [[0, -1, 10]], None, [relay]]],
+        [[0, 0, b"", [[0, 0]], None, [relay]]],
+        [[0, 0, b"", [[0, 0, 10]], None, []]],                            # empty relay list
+        [[0, 0, b"", [[0, 0, 10]], None, [["../x", 0, 8192, 5]]]],        # not a segment name
+        [[0, 0, b"", [[0, 0, 10]], None, [["rlinf-7-ab-3", 10, 8192, 5]]]],   # unaligned
+        [[0, 0, b"", [[0, 0, 10]], None, [["rlinf-7-ab-3", 0, 8192]]]],
+    ]
+    for entries in bad:
+        with pytest.raises(ProtocolError):
+            wire.unpack_header(wire.pack_header("x:0", "i", entries, True), [])
