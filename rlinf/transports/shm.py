@@ -617,15 +617,17 @@ class ShmSession:
             raise an :class:`~rlinf.errors.RlinfError` when ``dst`` is gone.
         views: receivers keep zero-copy views (else :meth:`owned` copies out).
         cap: the pool's cap (default :func:`default_cap`).
+        recycler: private memory for copy-outs (shared with the communicator's other
+            receive paths; a new one by default).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, send_notice: Callable[[str, Any], None], *,
-                 views: bool = True, cap: int | None = None) -> None:
+                 views: bool = True, cap: int | None = None, recycler: Recycler | None = None) -> None:
         self.pool = ShmPool(cap)
         self.reader = ShmReader(self._released, self._mapped)
         self.relay = Relay(self.reader.locate, self.pool)
         self.views = views
-        self._recycler = Recycler()
+        self._recycler = recycler if recycler is not None else Recycler()
         self.offload = offload_threshold()
         self._loop = loop
         self._loop_thread = threading.get_ident()
