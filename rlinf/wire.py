@@ -167,6 +167,36 @@ def _relayed_place(item: list, relays: list[SlotRef] | None) -> None:
         raise ProtocolError("relayed buffer outside its relay")
 
 
+def _unpack_entry(raw: Any, limit: int, low: int) -> tuple[Entry, int]:
+    """An entry with a slot and/or relays (or a malformed one): the entry, and the
+    payload bytes/frames it announces."""
+    if not (isinstance(raw, list) and 4 <= len(raw) <= 6):
+        raise ProtocolError("malformed message entry")
+    kind, tag, codec_header, counts = raw[:4]
+    if kind not in (USER, SYSTEM) or not isinstance(codec_header, bytes) or not isinstance(counts, list):
+        raise ProtocolError("malformed message entry")
+    if not isinstance(tag, (int, str)) or isinstance(tag, bool):
+        raise ProtocolError("message tag must be an int or str")
+    slot = _unpack_slot(raw[4]) if len(raw) >= 5 and (len(raw) == 5 or raw[4] is not None) else None
+    relays = _unpack_relays(raw[5]) if len(raw) == 6 else None
+    total = in_slot = 0
+    for c in counts:
+        if type(c) is list:
+            _relayed_place(c, relays)
+            continue
+        if type(c) is not int or c > limit:
+            raise ProtocolError("bad buffer layout")
+        if c >= low:
+            total += c
+        elif c < 0 and slot is not None and c >= -MAX_SLOT:
+            in_slot += (-c + SLOT_ALIGN - 1) & ~(SLOT_ALIGN - 1)
+        else:
+            raise ProtocolError("bad buffer layout")
+    if slot is not None and not 0 < in_slot <= slot.size:
+        raise ProtocolError(f"slot of {slot.size} bytes cannot hold the {in_slot} bytes announced")
+    return Entry(kind, tag, codec_header, counts, slot, relays), total
+
+
 def pack_header(src: str, incarnation: str, entries: list[list], packed: bool = False) -> bytes:
     """Pack a frame-set header. ``entries`` are ``[kind, tag, codec_header, layout]``,
     optionally followed by a slot descriptor (see the module docstring)."""
@@ -201,35 +231,26 @@ def unpack_header(data, frames: list) -> tuple[str, str, list[Entry], bool]:
             or not isinstance(packed, bool)):
         raise ProtocolError("data header has fields of the wrong type")
     entries = []
+    append = entries.append
     total = 0
     limit = MAX_HEADER if packed else MAX_FRAMES
     low = 0 if packed else 1
     for raw in raw_entries:
-        if not (isinstance(raw, list) and 4 <= len(raw) <= 6):
-            raise ProtocolError("malformed message entry")
-        kind, tag, codec_header, counts = raw[:4]
-        if kind not in (USER, SYSTEM) or not isinstance(codec_header, bytes) or not isinstance(counts, list):
-            raise ProtocolError("malformed message entry")
-        if not isinstance(tag, (int, str)) or isinstance(tag, bool):
-            raise ProtocolError("message tag must be an int or str")
-        slot = _unpack_slot(raw[4]) if len(raw) >= 5 and (len(raw) == 5 or raw[4] is not None) else None
-        relays = _unpack_relays(raw[5]) if len(raw) == 6 else None
-        in_slot = 0
-        for c in counts:
-            if type(c) is list:
-                _relayed_place(c, relays)
-                continue
-            if type(c) is not int or c > limit:
-                raise ProtocolError("bad buffer layout")
-            if c >= low:
+        if type(raw) is list and len(raw) == 4:   # the common entry: no shared memory
+            kind, tag, codec_header, counts = raw
+            if (kind != USER and kind != SYSTEM) or type(codec_header) is not bytes or type(counts) is not list:
+                raise ProtocolError("malformed message entry")
+            if type(tag) is not int and type(tag) is not str:
+                raise ProtocolError("message tag must be an int or str")
+            for c in counts:
+                if type(c) is not int or c < low or c > limit:
+                    raise ProtocolError("bad buffer layout")
                 total += c
-            elif c < 0 and slot is not None and c >= -MAX_SLOT:
-                in_slot += (-c + SLOT_ALIGN - 1) & ~(SLOT_ALIGN - 1)
-            else:
-                raise ProtocolError("bad buffer layout")
-        if slot is not None and not 0 < in_slot <= slot.size:
-            raise ProtocolError(f"slot of {slot.size} bytes cannot hold the {in_slot} bytes announced")
-        entries.append(Entry(kind, tag, codec_header, counts, slot, relays))
+            append(Entry(kind, tag, codec_header, counts))
+        else:
+            entry, n = _unpack_entry(raw, limit, low)
+            total += n
+            append(entry)
     if packed:
         have = len(frames) and memoryview(frames[0]).nbytes
         if len(frames) > 1 or total != have:
