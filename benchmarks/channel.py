@@ -15,13 +15,18 @@ Q3: 4 consumer processes with speeds 1, 1, 2, 4 (weight units per second, scaled
     seeded); a consumer "works" an item for weight / speed (time.sleep) and gets one item
     at a time (prefetch=0). Per step: imbalance = (max busy - min busy) / mean busy and
     the step time; medians over the steps, per policy.
+
+``--quick`` (what ``rlinf bench --quick`` and the test suite run) sends fewer items,
+times fewer Q2 items and Q3 steps (3 steps of 128 items, ~0.2 s), makes Q2's object of
+numpy arrays instead of torch tensors, so its processes need not import torch (seconds
+per process on a small machine), and leaves out the ray.util.queue baseline (starting
+Ray takes ~10 s).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing as mp
 import os
 import random
 import statistics
@@ -32,12 +37,12 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Row, nested_object, print_rows, touch  # noqa: E402
+from _common import Row, baseline_context, nested_object, print_rows, touch  # noqa: E402
 
 import rlinf  # noqa: E402
 from rlinf.control import run as run_loop  # noqa: E402
 
-ctx = mp.get_context("spawn")
+ctx = baseline_context()
 SPEEDS = (1.0, 1.0, 2.0, 4.0)
 POLICIES = ("fifo", "round_robin", "weighted_round_robin", "shortest_queue", "performance_aware")
 ITEM = b"x" * 1024
@@ -69,11 +74,12 @@ async def _q1_consumer(comm, name: str, prefetch: int):
 async def _q1_rlinf(producers: int, consumers: int, n: int, tag: str) -> float:
     async with rlinf.Cluster() as cluster, cluster.connect("driver:0") as comm:
         name = f"q1-{tag}"
-        ch = await comm.create_channel(name)
-        cons = await cluster.spawn(_q1_consumer, "cons", consumers, args=(name, 256))
+        # the channel and every process start at once; producers wait for the "go"
+        ch, cons, prods = await asyncio.gather(
+            comm.create_channel(name), cluster.spawn(_q1_consumer, "cons", consumers, args=(name, 256)),
+            cluster.spawn(_q1_producer, "prod", producers, args=(name, n)))
         for address in cons.addresses:
             await comm.recv(address, tag=2)
-        prods = await cluster.spawn(_q1_producer, "prod", producers, args=(name, n))
         t0 = time.perf_counter()
         for address in prods.addresses:
             await comm.send("go", address, tag=1)
@@ -144,7 +150,8 @@ def _ray_queue_rate(n: int) -> float | None:
     except ImportError:
         return None
 
-    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
+    # a private local instance: never a Ray cluster that happens to run on this machine
+    ray.init(address="local", num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
     try:
         q = Queue()
 
@@ -164,9 +171,9 @@ def _ray_queue_rate(n: int) -> float | None:
 
 
 # ------------------------------------------------------------------------------------ Q2
-async def _q2_producer(comm, name: str, reps: int):
+async def _q2_producer(comm, name: str, reps: int, torch_tensors: bool = True):
     ch = await comm.channel(name, timeout=60)
-    obj = nested_object(40 << 20)
+    obj = nested_object(40 << 20, torch_tensors=torch_tensors)
     await comm.recv("driver:0", tag=1)
     for _ in range(reps):
         await ch.put(obj)
@@ -175,7 +182,7 @@ async def _q2_producer(comm, name: str, reps: int):
 
 async def _q2_consumer(comm, name: str, reps: int, prefetch: int = 1):
     ch = await comm.channel(name, timeout=60, prefetch=prefetch)
-    nbytes = sum(t.nbytes for t in nested_object(40 << 20)["tensors"].values())
+    nbytes = sum(t.nbytes for t in nested_object(40 << 20, torch_tensors=False)["tensors"].values())
     memcpy = [_memcpy_time(nbytes, 5)]               # the baseline, in this process, before
     await comm.send("attached", "driver:0", tag=2)
     times = []
@@ -188,12 +195,12 @@ async def _q2_consumer(comm, name: str, reps: int, prefetch: int = 1):
     return times, statistics.median(memcpy), nbytes
 
 
-async def _q2_rlinf(reps: int) -> tuple[float, float, int]:
+async def _q2_rlinf(reps: int, torch_tensors: bool = True) -> tuple[float, float, int]:
     async with rlinf.Cluster() as cluster, cluster.connect("driver:0") as comm:
         ch = await comm.create_channel("q2", maxsize=2)
         cons = await cluster.spawn(_q2_consumer, "cons", 1, args=("q2", reps))
         await comm.recv("cons:0", tag=2)
-        prod = await cluster.spawn(_q2_producer, "prod", 1, args=("q2", reps))
+        prod = await cluster.spawn(_q2_producer, "prod", 1, args=("q2", reps, torch_tensors))
         await comm.send("go", "prod:0", tag=1)
         ((times, memcpy, nbytes),) = await cons.join(timeout=600)
         await prod.join(timeout=60)
@@ -248,11 +255,12 @@ async def _q3_rlinf(steps: int, items: int, seed: int, step_seconds: float) -> d
     out = {}
     names = [f"q3-{p}" for p in POLICIES]
     async with rlinf.Cluster() as cluster, cluster.connect("driver:0") as comm:
-        group = None
-        for policy, name in zip(POLICIES, names):
-            ch = await comm.create_channel(name, policy=policy)
-            if group is None:
-                group = await cluster.spawn(_q3_consumer, "learner", len(SPEEDS), args=(names, scale))
+        # the channel processes and the learners all start at once, before anything is timed
+        # (a learner waits for each channel by name)
+        channels, group = await asyncio.gather(
+            asyncio.gather(*(comm.create_channel(name, policy=policy) for policy, name in zip(POLICIES, names))),
+            cluster.spawn(_q3_consumer, "learner", len(SPEEDS), args=(names, scale)))
+        for policy, ch in zip(POLICIES, channels):
             out[policy] = await _q3_run(comm, ch, group, weights, scale)
         await group.join(timeout=120)
     return out
@@ -284,10 +292,10 @@ async def _q3_run(comm, ch, group, weights, scale) -> dict:
 
 # ------------------------------------------------------------------------------------ main
 def run(quick: bool = False, only: str = "q1,q2,q3") -> list[Row]:
-    n = 5000 if quick else 20000
+    n = 2000 if quick else 20000
     rows = []
     if "q1" in only:
-        rows += _run_q1(n)
+        rows += _run_q1(n, None if quick else min(n, 2000))
     if "q2" in only:
         rows += _run_q2(quick)
     if "q3" in only:
@@ -295,7 +303,7 @@ def run(quick: bool = False, only: str = "q1,q2,q3") -> list[Row]:
     return rows
 
 
-def _run_q1(n: int) -> list[Row]:
+def _run_q1(n: int, ray_items: int | None) -> list[Row]:
     rows = []
     raw11 = _q1_raw(1, 1, n)
     rl11 = run_loop(_q1_rlinf(1, 1, n, "11"))
@@ -303,8 +311,11 @@ def _run_q1(n: int) -> list[Row]:
     rl42 = run_loop(_q1_rlinf(4, 2, n // 2, "42"))
     print(f"Q1 1->1 rlinf {rl11:.0f}/s raw {raw11:.0f}/s; 4->2 rlinf {rl42:.0f}/s raw {raw42:.0f}/s",
           file=sys.stderr)
-    ray_rate = _ray_queue_rate(min(n, 2000))
-    note = "" if ray_rate else "ray not installed"
+    if ray_items is None:     # --quick: starting Ray alone takes ~10 s on a small machine
+        ray_rate, note = None, "not run with --quick (Ray's start-up takes ~10 s)"
+    else:
+        ray_rate = _ray_queue_rate(ray_items)
+        note = "" if ray_rate else "ray not installed"
     rows += [
         Row("Q1 1 KiB put->get rate, 1->1", rl11, "raw pyzmq PUSH/PULL", raw11, "msg/s", True, ">= 0.3x"),
         Row("Q1 1 KiB put->get rate, 4->2", rl42, "raw pyzmq PUSH/PULL", raw42, "msg/s", True, ">= 0.3x"),
@@ -314,7 +325,7 @@ def _run_q1(n: int) -> list[Row]:
 
 
 def _run_q2(quick: bool) -> list[Row]:
-    item, memcpy, nbytes = run_loop(_q2_rlinf(8 if quick else 16))
+    item, memcpy, nbytes = run_loop(_q2_rlinf(5, torch_tensors=False) if quick else _q2_rlinf(16))
     print(f"Q2 rlinf {item * 1e3:.1f} ms/item, memcpy {memcpy * 1e3:.1f} ms", file=sys.stderr)
     return [Row("Q2 40 MiB nested object, same node", nbytes / item / 1e9, "memcpy (paged-in)",
                 nbytes / memcpy / 1e9, "GB/s", True, ">= 0.4x")]
@@ -322,7 +333,7 @@ def _run_q2(quick: bool) -> list[Row]:
 
 def _run_q3(quick: bool) -> list[Row]:
     rows = []
-    q3 = run_loop(_q3_rlinf(4 if quick else 10, 256, 20240601, 0.5))
+    q3 = run_loop(_q3_rlinf(3, 128, 20240601, 0.2) if quick else _q3_rlinf(10, 256, 20240601, 0.5))
     for policy in POLICIES:
         r = q3[policy]
         print(f"Q3 {policy}: imbalance {r['imbalance']:.1%} (steps {[f'{x:.0%}' for x in r['imbalances']]}), "

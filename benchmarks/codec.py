@@ -151,12 +151,12 @@ def run(quick: bool = False) -> list[dict]:
     row), note, and sizes / best-round medians."""
     codec = Codec()
     methods = _methods(codec)
-    rounds = 5 if quick else 15
+    rounds = 3 if quick else 15
     rows = []
     for label, total in SIZES:
         obj = make_nested(total)
-        slow_n = 1 if total > (1 << 20) else (10 if quick else 40)
-        fast_n = 200 if quick else 1000
+        slow_n = 1 if total > (1 << 20) else (5 if quick else 40)
+        fast_n = 100 if quick else 1000
         per_round = {"rlinf": fast_n, "msgpack+raw": fast_n}
         for name, (fn, _) in methods.items():
             fn(obj)  # warm up (imports, caches)

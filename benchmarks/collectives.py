@@ -14,20 +14,25 @@ others as spawned workers; gloo runs 4 spawned processes (``init_process_group("
 over loopback TCP). Medians over the timed rounds (after warm-up rounds);
 ratio = gloo time / rlinf time. Ray's collective library is not measured (Ray is not
 installed on the development machine).
+
+``--quick`` (what ``rlinf bench --quick`` and the test suite run) times 3 rounds instead
+of 15 and has rlinf's processes exchange numpy arrays instead of torch tensors, so they
+need not import torch (seconds per process on a small machine); gloo keeps torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import socket
 import statistics
 import sys
 import time
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Row, print_rows, touch  # noqa: E402
+from _common import Row, baseline_context, print_rows, touch  # noqa: E402
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,7 +40,7 @@ if __package__ in (None, ""):
 import rlinf  # noqa: E402
 from rlinf.control import run as run_loop  # noqa: E402
 
-ctx = mp.get_context("spawn")
+ctx = baseline_context("torch", "torch.distributed")
 # Failure detection is not what is measured here; on a loaded 2-vCPU VM a heartbeat can
 # be late by more than the default 1.5 s, which would end the run with PeerLostError.
 os.environ.setdefault("RLINF_PEER_TIMEOUT", "10")
@@ -56,11 +61,18 @@ async def _rl_bcast_member(comm, members: list[str], rounds: int) -> None:
         await group.barrier(timeout=120)
 
 
-async def _rl_a2a_member(comm, members: list[str], rounds: int) -> None:
-    import torch
+def _full(value: float, nbytes: int, torch_tensors: bool):
+    """A float32 tensor (or numpy array) of ``nbytes`` filled with ``value``."""
+    if torch_tensors:
+        import torch
 
+        return torch.full((nbytes // 4,), value)
+    return np.full(nbytes // 4, value, dtype=np.float32)
+
+
+async def _rl_a2a_member(comm, members: list[str], rounds: int, torch_tensors: bool = True) -> None:
     group = comm.group(members)
-    objs = [torch.full((A2A_BYTES // 4,), float(group.rank)) for _ in members]
+    objs = [_full(float(group.rank), A2A_BYTES, torch_tensors) for _ in members]
     for _ in range(rounds):
         out = await group.all_to_all(objs, timeout=120)
         touch(out)
@@ -69,19 +81,24 @@ async def _rl_a2a_member(comm, members: list[str], rounds: int) -> None:
 
 
 async def _rlinf(quick: bool) -> dict[str, float]:
-    import torch
-
-    rounds = WARMUP + (5 if quick else 15)
+    rounds = WARMUP + (3 if quick else 15)
+    torch_tensors = not quick
     out = {}
     async with rlinf.Cluster() as cluster, cluster.connect("driver:0") as comm:
         for name, target in (("bcast", _rl_bcast_member), ("a2a", _rl_a2a_member)):
             members = ["driver:0"] + [f"{name}:{i}" for i in range(PROCS - 1)]
-            workers = await cluster.spawn(target, name, PROCS - 1, args=(members, rounds))
+            args = (members, rounds) if name == "bcast" else (members, rounds, torch_tensors)
+            workers = await cluster.spawn(target, name, PROCS - 1, args=args)
             group = comm.group(members)
             if name == "bcast":
-                payload = torch.rand(BCAST_BYTES // 4)
+                if torch_tensors:
+                    import torch
+
+                    payload = torch.rand(BCAST_BYTES // 4)
+                else:
+                    payload = np.random.default_rng(0).random(BCAST_BYTES // 4, dtype=np.float32)
             else:
-                payload = [torch.full((A2A_BYTES // 4,), float(group.rank)) for _ in members]
+                payload = [_full(float(group.rank), A2A_BYTES, torch_tensors) for _ in members]
             times = []
             try:
                 for _ in range(rounds):
@@ -141,7 +158,7 @@ def _free_port() -> int:
 
 
 def _gloo(quick: bool) -> dict[str, float]:
-    rounds = WARMUP + (5 if quick else 15)
+    rounds = WARMUP + (3 if quick else 15)
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_gloo_member, args=(r, port, rounds, results)) for r in range(PROCS)]
@@ -159,8 +176,6 @@ def _gloo(quick: bool) -> dict[str, float]:
 
 def _memcpy_ms() -> float:
     """One 64 MiB copy into memory already paged in: how loaded the machine is (~3 ms quiet)."""
-    import numpy as np
-
     src, dst = np.ones(BCAST_BYTES, np.uint8), np.zeros(BCAST_BYTES, np.uint8)
     times = []
     for _ in range(5):

@@ -9,13 +9,17 @@ P3: 40 MiB nested 10-tensor object over TCP (different RLINF_NODE_IDs) vs pyzmq
 P4: one 128 MiB tensor over TCP vs one raw pyzmq frame.
 TCP rows are measured with CURVE encryption (the default) and with
 RLINF_TCP_ENCRYPTION=0 (PLAIN authentication, the raw baseline's conditions).
+
+``--quick`` (what ``rlinf bench --quick`` and the test suite run) takes fewer messages
+and repeats, and sends numpy arrays instead of torch tensors in P3/P4 (the raw baseline's
+payload), so rlinf's receivers need not import torch (seconds per process on a small
+machine).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -28,12 +32,12 @@ import numpy as np
 import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Row, nested_object, print_rows, touch  # noqa: E402
+from _common import Row, baseline_context, nested_object, print_rows, touch  # noqa: E402
 
 import rlinf  # noqa: E402
 from rlinf.control import run as run_loop  # noqa: E402
 
-ctx = mp.get_context("spawn")
+ctx = baseline_context()
 
 
 # ----------------------------------------------------------------------------- rlinf side
@@ -64,7 +68,7 @@ async def _rlinf_p2p(quick: bool, encrypt: bool) -> dict[str, float]:
     os.environ["RLINF_TCP_ENCRYPTION"] = "1" if encrypt else "0"
     async with rlinf.Cluster() as cluster, cluster.connect("driver:0") as comm:
         if encrypt:   # same-node rows once
-            n = 2000 if quick else 20000
+            n = 1000 if quick else 20000
             await cluster.spawn(_rl_echo, "echo", 1, args=(n,))
             lat = []
             for _ in range(n):
@@ -74,18 +78,21 @@ async def _rlinf_p2p(quick: bool, encrypt: bool) -> dict[str, float]:
                 lat.append(time.perf_counter() - t0)
             lat = sorted(lat[n // 10:])
             out["rtt_p50"], out["rtt_p99"] = lat[len(lat) // 2], lat[int(len(lat) * 0.99)]
-            m = 20000 if quick else 200000
+            m = 10000 if quick else 200000
             await cluster.spawn(_rl_flood, "flood", 1, args=(m, 1024))
             await comm.send("go", "flood:0")
             t0 = time.perf_counter()
             for _ in range(m):
                 await comm.recv("flood:0")
             out["rate"] = m / (time.perf_counter() - t0)
-        reps = 3 if quick else 7
-        nested = nested_object(40 << 20)
-        import torch
+        reps = 2 if quick else 7
+        nested = nested_object(40 << 20, torch_tensors=not quick)
+        if quick:
+            big = np.ones((128 << 20) // 4, dtype=np.float32)
+        else:
+            import torch
 
-        big = torch.ones((128 << 20) // 4)
+            big = torch.ones((128 << 20) // 4)
         for name, obj in (("nested", nested), ("big", big)):
             group = await cluster.spawn(_rl_sink, f"sink-{name}", 1, args=(reps + 1,), env=env_tcp)
             dst = group.addresses[0]
@@ -233,13 +240,13 @@ def run(quick: bool = False) -> list[Row]:
 
 
 def _run(quick: bool) -> list[Row]:
-    n = 2000 if quick else 20000
-    reps = 3 if quick else 7
+    n = 1000 if quick else 20000
+    reps = 2 if quick else 7
     rl = run_loop(_rlinf_p2p(quick, encrypt=True))
     rl_plain = run_loop(_rlinf_p2p(quick, encrypt=False))
     blocking = _raw_rtt_blocking(n)
     asyncio_lat = run_loop(_raw_rtt_async(n))
-    rate = run_loop(_raw_rate_async(20000 if quick else 200000))
+    rate = run_loop(_raw_rate_async(10000 if quick else 200000))
     nested = nested_object(40 << 20, torch_tensors=False)
     nested_arrays = list(nested["tensors"].values())
     raw_nested = _raw_tcp(nested_arrays, reps)

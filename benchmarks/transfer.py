@@ -16,6 +16,11 @@ multipart over ipc (msgpack header + raw frames, ``copy=False``; the receiver re
 the same dict of torch tensors over the frames, without copying), a
 torch.multiprocessing Queue with tensors already shared and with fresh tensors, and
 torch.distributed gloo send/recv per tensor.
+
+``--quick`` (what ``rlinf bench --quick`` and the test suite run) takes fewer repeats and
+sends numpy arrays instead of torch tensors to rlinf's and raw pyzmq's receivers, so
+those receivers need not import torch (seconds per process on a small machine); the
+torch.multiprocessing and gloo baselines keep torch tensors.
 """
 
 from __future__ import annotations
@@ -35,12 +40,12 @@ import numpy as np
 import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Row, nested_object, print_rows, touch  # noqa: E402
+from _common import Row, baseline_context, nested_object, print_rows, touch  # noqa: E402
 
 import rlinf  # noqa: E402
 from rlinf.control import run as run_loop  # noqa: E402
 
-ctx = mp.get_context("spawn")
+ctx = baseline_context("torch")
 # A loaded 2-core machine can starve a heartbeat thread for over the 1.5 s default.
 os.environ.setdefault("RLINF_PEER_TIMEOUT", "10")
 SIZES = {"40 MiB": 40 << 20, "400 KiB": 400 << 10}
@@ -80,12 +85,12 @@ async def _rl_sink(comm, n: int, stream: int):
         await comm.send(b"ok", "driver:0", tag=1)
 
 
-async def _rlinf(total: int, reps: int, stream: int, env: dict) -> tuple[float, float | None]:
+async def _rlinf(total: int, reps: int, stream: int, env: dict, torch_tensors: bool = True) -> tuple[float, float | None]:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)            # the driver (sender) reads RLINF_SHM_OFFLOAD at start
     try:
         async with rlinf.Cluster() as cluster, cluster.connect("driver:0") as comm:
-            obj = nested_object(total)
+            obj = nested_object(total, torch_tensors=torch_tensors)
             await cluster.spawn(_rl_sink, "sink", 1, args=(reps + 1, stream), env=env)
             times = []
             for _ in range(reps + 1):
@@ -111,8 +116,11 @@ async def _rlinf(total: int, reps: int, stream: int, env: dict) -> tuple[float, 
 
 
 # ----------------------------------------------------------------------------- raw pyzmq
-def _zmq_sink(endpoint: str, n: int, stream: int) -> None:
-    import torch
+def _zmq_sink(endpoint: str, n: int, stream: int, torch_tensors: bool = True) -> None:
+    if torch_tensors:
+        from torch import from_numpy
+    else:
+        from_numpy = np.asarray
 
     s = zmq.Context().socket(zmq.DEALER)
     s.connect(endpoint)
@@ -120,7 +128,7 @@ def _zmq_sink(endpoint: str, n: int, stream: int) -> None:
     def one() -> None:   # rebuild the same object rlinf delivers: a dict of torch tensors
         frames = s.recv_multipart(copy=False)
         meta = msgpack.unpackb(frames[0].bytes)
-        tensors = {name: torch.from_numpy(np.frombuffer(f.buffer, np.float32).reshape(shape))
+        tensors = {name: from_numpy(np.frombuffer(f.buffer, np.float32).reshape(shape))
                    for f, name, shape in zip(frames[1:], meta["names"], meta["shapes"])}
         obj = {k: v for k, v in meta.items() if k not in ("names", "shapes")}
         obj["tensors"] = tensors
@@ -135,14 +143,14 @@ def _zmq_sink(endpoint: str, n: int, stream: int) -> None:
         s.send(b"ok")
 
 
-def _raw_zmq(total: int, reps: int, stream: int) -> tuple[float, float | None]:
-    obj = nested_object(total)
-    arrays = [t.numpy() for t in _tensors(obj)]
+def _raw_zmq(total: int, reps: int, stream: int, torch_tensors: bool = True) -> tuple[float, float | None]:
+    obj = nested_object(total, torch_tensors=torch_tensors)
+    arrays = [np.asarray(t) for t in _tensors(obj)]
     d = tempfile.mkdtemp(prefix="rlinf-bench-")
     endpoint = f"ipc://{d}/s"
     s = zmq.Context().socket(zmq.DEALER)
     s.bind(endpoint)
-    p = ctx.Process(target=_zmq_sink, args=(endpoint, reps + 1, stream))
+    p = ctx.Process(target=_zmq_sink, args=(endpoint, reps + 1, stream, torch_tensors))
     p.start()
     header = {k: v for k, v in obj.items() if k != "tensors"}
     header.update(names=list(obj["tensors"]), shapes=[a.shape for a in arrays])
@@ -181,7 +189,7 @@ def _queue_sink(q, acks, n: int) -> None:
 def _torch_queue(total: int, reps: int, shared: bool) -> float:
     import torch.multiprocessing as tmp
 
-    tctx = tmp.get_context("spawn")
+    tctx = tmp.get_context(ctx.get_start_method())
     q, acks = tctx.Queue(), tctx.Queue()
     p = tctx.Process(target=_queue_sink, args=(q, acks, reps + 1))
     p.start()
@@ -253,12 +261,13 @@ def run(quick: bool = False, sizes: list[str] | None = None) -> list[Row]:
         if sizes and label not in sizes:
             continue
         small = total < (1 << 20)
-        reps = (20 if quick else 100) if small else (5 if quick else 15)
-        stream = (STREAM // 4 if quick else STREAM) if small else 0
+        reps = (8 if quick else 100) if small else (3 if quick else 15)
+        stream = (STREAM // 10 if quick else STREAM) if small else 0
+        torch_tensors = not quick
         memcpy = _memcpy(total, reps)
-        views, views_stream = run_loop(_rlinf(total, reps, stream, {}))
-        copy, _ = run_loop(_rlinf(total, reps, 0, {"RLINF_SHM_VIEWS": "0"}))
-        raw, raw_stream = _raw_zmq(total, reps, stream)
+        views, views_stream = run_loop(_rlinf(total, reps, stream, {}, torch_tensors))
+        copy, _ = run_loop(_rlinf(total, reps, 0, {"RLINF_SHM_VIEWS": "0"}, torch_tensors))
+        raw, raw_stream = _raw_zmq(total, reps, stream, torch_tensors)
         shared_q = _torch_queue(total, reps, shared=True)
         fresh_q = _torch_queue(total, reps, shared=False)
         gloo = _gloo(total, reps)
@@ -274,7 +283,7 @@ def run(quick: bool = False, sizes: list[str] | None = None) -> list[Row]:
                 Row(f"{label} receiver owns a copy", copy, "raw pyzmq multipart ipc", raw, "s"),
             ]
         else:
-            on_loop, _ = run_loop(_rlinf(total, reps, 0, {"RLINF_SHM_OFFLOAD": "1T"}))
+            on_loop, _ = run_loop(_rlinf(total, reps, 0, {"RLINF_SHM_OFFLOAD": "1T"}, torch_tensors))
             rows += [
                 Row(f"S1 {label} views", views, "memcpy", memcpy, "s", target=">= 0.75x"),
                 Row(f"S1 {label} views", views, "torch.mp Queue, pre-shared", shared_q, "s", target=">= 2.5x"),

@@ -6,7 +6,8 @@ Each script in ``benchmarks/`` exposes ``run(quick) -> list[row]``, where a row 
 script runs in its own child process, which imports it by path: benchmarks set
 environment variables and start worker processes, and one failing must not take the
 others down. A baseline that is not installed shows as "skipped"; so does a whole
-script whose optional dependency is missing.
+script whose optional dependency is missing (an ``ImportError``) or that cannot run on
+this machine (it raises ``unittest.SkipTest("why")``, e.g. no CUDA device).
 
     rlinf bench [--quick] [--only codec,p2p] [--markdown | --json]
 """
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import time
 import traceback
+import unittest
 from pathlib import Path
 from typing import Any
 
@@ -159,16 +161,14 @@ def _child(path: str, quick: bool, out: str) -> int:
         # registered under its name so worker processes it spawns can unpickle its functions
         sys.modules[path_.stem] = module
         spec.loader.exec_module(module)
+        rows = module.run(quick)
+        result = {"rows": [normalize(r, path_.stem) for r in rows]}
     except ImportError as exc:
         result = {"skipped": f"needs {exc.name or exc}"}
-    else:
-        try:
-            rows = module.run(quick)
-            result = {"rows": [normalize(r, path_.stem) for r in rows]}
-        except ImportError as exc:
-            result = {"skipped": f"needs {exc.name or exc}"}
-        except Exception:
-            result = {"error": traceback.format_exc()}
+    except unittest.SkipTest as exc:
+        result = {"skipped": str(exc) or "skipped"}
+    except Exception:
+        result = {"error": traceback.format_exc()}
     Path(out).write_text(json.dumps(result))
     return 0
 

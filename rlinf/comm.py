@@ -112,6 +112,7 @@ class Communicator:
         self._system_handlers: dict[str, Callable[[str, Any], None]] = {}
         self._gone_hooks: list[Callable[[str, str], None]] = []
         self._closers: list[Callable[[], Any]] = []
+        self._stats_providers: dict[str, Callable[[], dict]] = {}
         self._subscribers: list[asyncio.Queue] = []
         self._counters = Counters(address)
         self._identity = f"{address}|{self.incarnation}".encode()
@@ -178,7 +179,7 @@ class Communicator:
                 meta={"machine": control.machine_id(), **self._meta},
             )
             self._control = control.ControlClient(self._context, self._keys, self.manager_address, self.info,
-                                                  self._on_event, stats=lambda: self.stats().to_dict())
+                                                  self._on_event, stats=self._heartbeat_stats)
             await self._control.register(timeout=self._connect_timeout)
         except BaseException:
             await self._teardown(deregister=False)
@@ -840,6 +841,30 @@ class Communicator:
     def add_closer(self, closer: Callable[[], Any]) -> None:
         """Run ``closer()`` (sync or async) when the communicator closes, newest first."""
         self._closers.append(closer)
+
+    def add_stats_provider(self, name: str, provider: Callable[[], dict]) -> None:
+        """Report ``provider()`` under ``name`` in the stats sent with heartbeats.
+
+        The manager keeps the latest report per worker and ``rlinf top`` shows it (a
+        channel server reports its ``ChannelStats`` as ``"channel"``). ``provider`` runs
+        on the loop thread about once a second and must return plain values (dict, list,
+        str, int, float, bool, None).
+
+        Raises:
+            ValueError: ``name`` is taken (by another provider or a built-in counter).
+        """
+        if name in self._stats_providers or name in self.stats().to_dict():
+            raise ValueError(f"stats name {name!r} is already reported by {self.address}")
+        self._stats_providers[name] = provider
+
+    def _heartbeat_stats(self) -> dict:
+        report = self.stats().to_dict()
+        for name, provider in self._stats_providers.items():
+            try:
+                report[name] = provider()
+            except Exception:   # one broken provider must not stop the worker's reports
+                log.exception("rlinf %s: stats provider %r failed", self.address, name)
+        return report
 
     # -- helpers -----------------------------------------------------------------------
     async def _wait(self, future: asyncio.Future, timeout: float | None, what: str) -> Any:

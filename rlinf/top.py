@@ -8,7 +8,9 @@ registering as a worker) and shows:
   bytes/s in and out — rates computed from the traffic counters each worker sends with
   its heartbeats (about once a second), between consecutive reports;
 * channels: roster entries registered with ``meta["kind"] == "channel"``, with the
-  channel statistics the server reports (when it reports them) or its traffic;
+  :class:`~rlinf.channel.stats.ChannelStats` the server sends with its heartbeats
+  (``stats["channel"]``: length, total weight, and per consumer pending items, measured
+  speed and busy share), or its traffic until the first report;
 * recent membership events (joined / left / lost).
 
 ``rlinf top --once --json`` prints one snapshot as JSON for scripts.
@@ -17,6 +19,7 @@ registering as a worker) and shows:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -28,6 +31,7 @@ import zmq
 import zmq.utils.monitor
 
 from . import control
+from .channel.stats import ConsumerStats
 from .errors import AuthenticationError, CommTimeoutError
 from .security import ClusterKeys
 
@@ -180,15 +184,18 @@ class RateTracker:
 
 
 def channels(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
-    """The roster entries that serve a data channel (``meta["kind"] == "channel"``)."""
+    """The roster entries that serve a data channel (``meta["kind"] == "channel"``):
+    name, address, meta, ``channel`` (its last reported ``ChannelStats.to_dict()``, {}
+    before the first report) and ``stats`` (its traffic counters)."""
     out = []
     for w in snapshot.get("workers", ()):
         meta = w.get("meta") or {}
         if meta.get("kind") == "channel":
             stats = w.get("stats") or {}
+            traffic = {k: v for k, v in stats.items() if k != "channel"}
             out.append({"name": meta.get("channel") or meta.get("name") or w.get("address"),
                         "address": w.get("address"), "meta": meta,
-                        "channel": stats.get("channel") or {}, "stats": stats})
+                        "channel": stats.get("channel") or {}, "stats": traffic})
     return out
 
 
@@ -238,22 +245,24 @@ def _state(w: dict, heartbeat: float) -> str:
 
 def _channel_cells(ch: dict, rates: Rates) -> tuple[str, str, str]:
     """(length, weight, consumers) cells. The channel figures are ``ChannelStats`` fields
-    (consumers as dicts or as positional rows, as on the wire), when the server reports
-    them with its heartbeats; otherwise the consumers cell shows the server's traffic."""
+    (``ChannelStats.to_dict()``: consumers as dicts; positional rows, as on the channel's
+    wire, are read too); until the server's first report the consumers cell shows its
+    traffic."""
     cs = ch["channel"]
     parts = []
     for c in cs.get("consumers") or ():
         if isinstance(c, (list, tuple)):
-            c = dict(zip(_consumer_fields(), c))
+            c = dict(zip(_CONSUMER_FIELDS, c))
         if not isinstance(c, dict):
             continue
         bits = [str(c.get("name", "?"))]
         if c.get("pending_count") is not None:
-            bits.append(f"pending {c['pending_count']}")
+            weight = c.get("pending_weight")
+            bits.append(f"pending {c['pending_count']}" + ("" if weight is None else f" (w {weight:.4g})"))
         if c.get("consumed_count") is not None:
             bits.append(f"done {c['consumed_count']}")
-        if c.get("speed") is not None:
-            bits.append(f"speed {c['speed']:.3g}")
+        if "speed" in c:     # None until the channel has measured it
+            bits.append("speed -" if c["speed"] is None else f"speed {c['speed']:.3g}")
         if c.get("busy_fraction") is not None:
             bits.append(f"busy {c['busy_fraction']:.0%}")
         parts.append(" ".join(bits))
@@ -263,15 +272,8 @@ def _channel_cells(ch: dict, rates: Rates) -> tuple[str, str, str]:
     return ("-" if length is None else str(length), "-" if weight is None else f"{weight:.4g}", "; ".join(parts))
 
 
-def _consumer_fields() -> list[str]:
-    """Field order of a consumer row on the channel's wire (``ChannelStats.from_dict``)."""
-    try:
-        import dataclasses as _dc
-
-        from .channel.stats import ConsumerStats
-    except ImportError:
-        return []
-    return [f.name for f in _dc.fields(ConsumerStats)]
+#: Field order of a consumer row on the channel's wire (``ChannelStats.from_dict``).
+_CONSUMER_FIELDS = tuple(f.name for f in dataclasses.fields(ConsumerStats))
 
 
 @dataclass

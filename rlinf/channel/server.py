@@ -2,7 +2,8 @@
 
 :class:`ChannelServer` joins the cluster with its own :class:`~rlinf.comm.Communicator`
 (meta ``{"kind": "channel", "channel": name}``, so it shows in the roster and in
-``rlinf top``), receives the operations of every client handle, feeds them to the state
+``rlinf top``; its :class:`~rlinf.channel.stats.ChannelStats` go with its heartbeats as
+``"channel"``), receives the operations of every client handle, feeds them to the state
 machine (:class:`~rlinf.channel._core.ChannelCore`) and sends the answers back, batched
 per handle once per loop iteration. It ends once the channel is closed and drained.
 
@@ -34,6 +35,7 @@ from ..errors import (
 )
 from ._core import ChannelCore, Handle
 from ._wire import decode_ops, encode_ops
+from .stats import ChannelStats
 
 __all__ = ["ChannelServer", "ServerProcess", "server_address", "check_name", "REQUEST_TAG", "reply_tag"]
 
@@ -106,6 +108,7 @@ class ChannelServer:
         self.done = asyncio.Event()
         await self.comm.start()
         self.comm.on_peer_gone(self._on_gone)
+        self.comm.add_stats_provider("channel", lambda: ChannelStats.from_dict(self.core.stats()).to_dict())
         self._task = self._loop.create_task(self._serve(), name=f"rlinf-channel-{self.name}")
         return self
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,11 +108,20 @@ class ChannelStats:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ChannelStats:
-        """Build from the server's reply (plain values)."""
-        keys = tuple(KeyStats(*k) for k in d["keys"])
-        consumers = tuple(ConsumerStats(*c) for c in d["consumers"])
+        """Build from plain values: the server's reply (keys and consumers as positional
+        rows) or :meth:`to_dict`'s output (as dicts)."""
+        keys = tuple(_row(KeyStats, k) for k in d["keys"])
+        consumers = tuple(_row(ConsumerStats, c) for c in d["consumers"])
         fields = {k: v for k, v in d.items() if k not in ("keys", "consumers")}
         return cls(keys=keys, consumers=consumers, **fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values with named fields (keys and consumers as dicts); what a channel
+        server reports with its heartbeats and ``rlinf top --once --json`` prints."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["keys"] = [dataclasses.asdict(k) for k in self.keys]
+        out["consumers"] = [dataclasses.asdict(c) for c in self.consumers]
+        return out
 
     def __str__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -136,6 +146,10 @@ class ChannelStats:
                          f"{c.consumed_count:>8}{c.consumed_weight:>10.4g}{speed:>9}"
                          f"{c.busy_fraction:>6.0%}  {mem}{wait}")
         return "\n".join(lines)
+
+
+def _row(cls: type, row: Any) -> Any:
+    return cls(**row) if isinstance(row, dict) else cls(*row)
 
 
 def _bytes(n: int) -> str:

@@ -56,7 +56,7 @@ def test_api_reference_is_current():
 @pytest.mark.multiproc
 def test_readme_example_runs(tmp_path):
     readme = (ROOT / "README.md").read_text()
-    code = re.search(r"## A short example\n\n```python\n(.*?)```", readme, re.S).group(1)
+    code = re.search(r"## A short example\n\n(?:<!-- runnable -->\n)?```python\n(.*?)```", readme, re.S).group(1)
     script = tmp_path / "example.py"
     script.write_text(code)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
