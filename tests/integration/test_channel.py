@@ -475,7 +475,7 @@ async def test_a_large_item_is_written_once_and_only_its_descriptor_passes_the_s
         assert driver._shm.pool.busy == 1                       # held for the consumer
         del got
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + 10
+        deadline = loop.time() + 30
         while driver._shm.pool.busy:                            # release: consumer -> server -> producer
             assert loop.time() < deadline, "the producer's slot did not come back"
             await asyncio.sleep(0.02)
