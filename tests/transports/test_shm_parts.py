@@ -150,11 +150,11 @@ def test_private_readers_do_not_see_each_other_and_reset_on_release(pool, releas
 def test_a_private_reader_drops_exactly_its_written_pages(pool, released, monkeypatch, pagemap):
     """Pages a multicast reader wrote are reset on release; pages it only read stay
     mapped (no re-fault on the next use) and show the next message's bytes."""
-    from rlinf.transports import _pagemap
+    from rlinf.transports import _pagemap, _shm_reader
 
     if not pagemap:   # e.g. /proc unavailable: every page is dropped, still correct
         monkeypatch.setattr(_pagemap, "written_runs", lambda address, length: None)
-        monkeypatch.setattr(shm, "written_runs", _pagemap.written_runs)
+        monkeypatch.setattr(_shm_reader, "written_runs", _pagemap.written_runs)
     page, pages = shm._PAGE, 32
     reader = shm.ShmReader(lambda *a: released.append(a))
     try:

@@ -1,0 +1,92 @@
+"""Shared-memory settings and helpers used by every part of :mod:`.shm`."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import sys
+
+import numpy as np
+
+
+log = logging.getLogger("rlinf.transports.shm")
+
+SHM_DIR = "/dev/shm"
+#: Smallest slot (smaller payloads are rounded up to it).
+MIN_SLOT = 64 << 10
+#: Copies of at least this many bytes run in an executor thread (``RLINF_SHM_OFFLOAD``).
+DEFAULT_OFFLOAD = 16 << 20
+_PAGE = mmap.PAGESIZE
+_MADV_POPULATE_WRITE = 23
+_U8 = np.uint8
+_NUMPY_COPY = 1 << 20
+_POPULATE_MAX = 256 << 20
+
+
+def available(directory: str = SHM_DIR) -> bool:
+    """True when shared memory can be used here (Linux with a writable ``/dev/shm``)."""
+    return sys.platform.startswith("linux") and os.path.isdir(directory) and os.access(directory, os.W_OK)
+
+
+def _parse_bytes(text: str, name: str) -> int:
+    text = text.strip().lower().removesuffix("b").removesuffix("i")
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}.get(text[-1:], 1)
+    try:
+        value = int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        raise ValueError(f"{name} must be a byte count like 4294967296 or 4G, got {text!r}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {text!r}")
+    return value
+
+
+def default_cap(directory: str = SHM_DIR) -> int:
+    """``RLINF_SHM_CAP`` (bytes, or with a K/M/G suffix), else min(4 GiB, half of ``/dev/shm``)."""
+    raw = os.environ.get("RLINF_SHM_CAP", "").strip()
+    if raw:
+        return _parse_bytes(raw, "RLINF_SHM_CAP")
+    try:
+        st = os.statvfs(directory)
+        return min(4 << 30, st.f_frsize * st.f_blocks // 2)
+    except OSError:
+        return 0
+
+
+def offload_threshold() -> int:
+    """Copies of this many bytes or more go to an executor (``RLINF_SHM_OFFLOAD``)."""
+    raw = os.environ.get("RLINF_SHM_OFFLOAD", "").strip()
+    return _parse_bytes(raw, "RLINF_SHM_OFFLOAD") if raw else DEFAULT_OFFLOAD
+
+
+def sweep(pid: int, directory: str = SHM_DIR) -> int:
+    """Unlink every segment of process ``pid`` (call only once it is gone). Returns the count."""
+    prefix, count = f"rlinf-{int(pid)}-", 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(directory, name))
+                count += 1
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("rlinf: cannot remove %s/%s: %s", directory, name, exc)
+    return count
+
+
+def _slot_size(n: int) -> int:
+    """Size class for ``n`` bytes: eighth-of-a-power-of-two steps (<= 12.5% waste)."""
+    n = max(n, MIN_SLOT)
+    step = max(_PAGE, 1 << ((n - 1).bit_length() - 4))
+    return -(-n // step) * step
+
+
+def _prefault(mm: mmap.mmap, size: int) -> None:
+    try:
+        mm.madvise(_MADV_POPULATE_WRITE)
+    except (OSError, ValueError):   # kernels before 5.14: touch every page instead
+        np.frombuffer(mm, _U8, size)[::_PAGE] = 0

@@ -1,0 +1,176 @@
+"""The receiver's side of :mod:`.shm`: mappings of senders' segments and views of their slots."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import mmap
+import os
+import weakref
+from typing import Callable, Hashable, Sequence
+
+import numpy as np
+
+from .. import wire
+from ..errors import ClosedError, ProtocolError
+from ._pagemap import written_runs
+from ._shm_common import SHM_DIR, _PAGE, _POPULATE_MAX, _U8
+
+log = logging.getLogger("rlinf.transports.shm")
+
+
+def _drop_written(mm: mmap.mmap, offset: int, size: int) -> None:
+    """Drop the pages of ``mm[offset:offset + size]`` this process wrote (its private
+    copies), so they show the file's bytes again. Pages only read are left mapped: they
+    already show the file, and faulting them in again would cost ~0.9 µs each."""
+    start = offset - offset % _PAGE
+    length = -(-(offset + size - start) // _PAGE) * _PAGE
+    base = np.frombuffer(mm, _U8, 0).ctypes.data if len(mm) else 0
+    runs = written_runs(base + start, length) if base else None
+    for off, n in [(0, length)] if runs is None else runs:
+        mm.madvise(mmap.MADV_DONTNEED, start + off, n)
+
+
+class ShmReader:
+    """The receiver's mappings of senders' segments (see the module docstring).
+
+    Args:
+        on_release: ``on_release(src, segment, generation)``, called once the last view
+            of a slot is garbage-collected — on whatever thread collected it.
+        on_map: ``on_map(src, segment)``, called (loop thread) when a segment is mapped.
+        directory: where segments live.
+    """
+
+    def __init__(self, on_release: Callable[[Hashable, str, int], None],
+                 on_map: Callable[[Hashable, str], None] | None = None, *, directory: str = SHM_DIR) -> None:
+        self._on_release = on_release
+        self._on_map = on_map
+        self._dir = directory
+        self._shared: dict[str, mmap.mmap] = {}
+        self._private: dict[str, mmap.mmap] = {}
+        self._by_peer: dict[str, set[str]] = collections.defaultdict(set)
+        #: slots with live views, for :meth:`locate`: key -> (start address, SlotRef)
+        self._live: dict[int, tuple[int, wire.SlotRef]] = {}
+        self._keys = itertools.count()
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return f"<ShmReader mapped={len(self._shared) + len(self._private)}{' closed' if self.closed else ''}>"
+
+    def open(self, src: Hashable, slot: wire.SlotRef, sizes: Sequence[int], pid: int | None = None) -> list[memoryview]:
+        """Writable views of the buffers of ``sizes`` bytes in ``slot``, from ``src``.
+
+        Args:
+            pid: the sender's pid when known: the segment must be its own.
+
+        Raises:
+            ProtocolError: the slot is not ``src``'s, missing, or outside its segment.
+        """
+        offsets, end = wire.slot_layout(sizes)
+        if end > slot.size:
+            raise ProtocolError("buffers do not fit their slot")
+        whole = self._export(src, slot, pid)
+        return [whole[o:o + n] for o, n in zip(offsets, sizes)]
+
+    def open_at(self, src: Hashable, slot: wire.SlotRef, places: Sequence[tuple[int, int]],
+                pid: int | None = None) -> list[memoryview]:
+        """Like :meth:`open`, for buffers at explicit ``(offset, nbytes)`` places in the
+        slot (a relayed slot: see :mod:`._relay`)."""
+        for offset, n in places:
+            if offset + n > slot.size:
+                raise ProtocolError("buffers do not fit their slot")
+        whole = self._export(src, slot, pid)
+        return [whole[o:o + n] for o, n in places]
+
+    def _export(self, src: Hashable, slot: wire.SlotRef, pid: int | None) -> memoryview:
+        """A view of the whole slot; when the last view derived from it is gone, the
+        slot is released to ``src``."""
+        if self.closed:
+            raise ClosedError("shared-memory reader is closed")
+        if pid is not None and slot.pid != pid:
+            raise ProtocolError(f"{src} described a segment of another process ({slot.segment})")
+        cache = self._private if slot.private else self._shared
+        mm = cache.get(slot.segment)
+        if mm is None:
+            mm = cache[slot.segment] = self._map(slot)
+            self._by_peer[src].add(slot.segment)
+            if self._on_map is not None:
+                self._on_map(src, slot.segment)
+        if slot.offset + slot.size > len(mm):
+            raise ProtocolError(f"slot beyond the end of segment {slot.segment}")
+        exporter = np.frombuffer(mm, _U8, slot.size, slot.offset)
+        key = next(self._keys)
+        if not slot.private:
+            self._live[key] = (exporter.ctypes.data, slot)
+        done = weakref.finalize(exporter, self._released, src, slot, mm if slot.private else None, key)
+        done.atexit = False
+        return memoryview(exporter)
+
+    @property
+    def relayable(self) -> bool:
+        """Whether any slot has live views that :meth:`locate` could find."""
+        return bool(self._live)
+
+    def locate(self, address: int, nbytes: int) -> tuple[wire.SlotRef, int] | None:
+        """The shared (not copy-on-write) slot with live views that holds the ``nbytes``
+        at ``address``, and their offset in it; None if no such slot does."""
+        for start, slot in list(self._live.values()):
+            if start <= address and address + nbytes <= start + slot.size:
+                return slot, address - start
+        return None
+
+    def _map(self, slot: wire.SlotRef) -> mmap.mmap:
+        path = os.path.join(self._dir, slot.segment)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise ProtocolError(f"cannot open shared-memory segment {slot.segment}: {exc}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if slot.offset + slot.size > size:   # touching past the end would be a SIGBUS
+                raise ProtocolError(f"slot beyond the end of segment {slot.segment}")
+            if slot.private:   # copy-on-write; populating a writable private map would copy it
+                return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE)
+            # Pre-faulting is a one-time cost per segment, but it runs on the loop: above
+            # _POPULATE_MAX the pages fault in where the receiver first touches them.
+            populate = getattr(mmap, "MAP_POPULATE", 0) if size <= _POPULATE_MAX else 0
+            return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
+        except OSError as exc:
+            raise ProtocolError(f"cannot map shared-memory segment {slot.segment}: {exc}") from exc
+        finally:
+            os.close(fd)
+
+    def _released(self, src: str, slot: wire.SlotRef, private_map: mmap.mmap | None, key: int) -> None:
+        self._live.pop(key, None)
+        if private_map is not None:
+            try:   # drop this reader's copy-on-write pages: the next use reads fresh data
+                _drop_written(private_map, slot.offset, slot.size)
+            except (OSError, ValueError):
+                log.warning("rlinf: cannot reset private pages of %s", slot.segment)
+                return   # never release a slot we could not reset: it would show stale data
+            if self._private.get(slot.segment) is private_map \
+                    and not os.path.exists(os.path.join(self._dir, slot.segment)):
+                self._private.pop(slot.segment, None)   # retired: nobody can send it again
+        if not self.closed:
+            self._on_release(src, slot.segment, slot.generation)
+
+    def peer_gone(self, src: Hashable) -> set[int]:
+        """Forget ``src``'s segments (views already handed out stay valid).
+
+        Returns:
+            The pids that created them (for a sweep once they are gone).
+        """
+        names = self._by_peer.pop(src, ())
+        for name in names:
+            self._shared.pop(name, None)
+            self._private.pop(name, None)
+        return {wire.parse_segment_name(name) for name in names}
+
+    def close(self) -> None:
+        """Stop reporting releases and drop the mappings' cache. Idempotent."""
+        self.closed = True
+        self._shared.clear()
+        self._private.clear()
+        self._by_peer.clear()
+        self._live.clear()

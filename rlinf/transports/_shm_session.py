@@ -1,0 +1,199 @@
+"""A communicator's shared-memory state (see :mod:`.shm`): pool, reader, relay and notices."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from typing import Any, Callable, Sequence
+
+from .. import wire
+from ..devices import process_gone
+from ..errors import RlinfError
+from ._relay import Relay
+from ._shm_common import offload_threshold, sweep
+from ._shm_pool import Recycler, ShmPool, _Slot
+from ._shm_reader import ShmReader
+
+log = logging.getLogger("rlinf.transports.shm")
+
+
+class ShmSession:
+    """A communicator's shared-memory state: its pool, its reader, and the notices
+    (releases, first mappings) it owes each sender, batched per loop iteration.
+
+    Args:
+        loop: the communicator's loop (notices are sent from it).
+        send_notice: ``send_notice(dst, obj)`` sends a SYSTEM ``"shm"`` message; it may
+            raise an :class:`~rlinf.errors.RlinfError` when ``dst`` is gone.
+        views: receivers keep zero-copy views (else :meth:`owned` copies out).
+        cap: the pool's cap (default :func:`default_cap`).
+        recycler: private memory for copy-outs (shared with the communicator's other
+            receive paths; a new one by default).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, send_notice: Callable[[str, Any], None], *,
+                 views: bool = True, cap: int | None = None, recycler: Recycler | None = None) -> None:
+        self.pool = ShmPool(cap)
+        self.reader = ShmReader(self._released, self._mapped)
+        self.relay = Relay(self.reader.locate, self.pool)
+        self.views = views
+        self._recycler = recycler if recycler is not None else Recycler()
+        self.offload = offload_threshold()
+        self._loop = loop
+        self._loop_thread = threading.get_ident()
+        self._send_notice = send_notice
+        self._pending: dict[str, tuple[list, list]] = {}
+        self._owed = 0
+        self._changed: asyncio.Event | None = None
+
+    def __repr__(self) -> str:
+        return f"<ShmSession {self.pool!r} {self.reader!r} views={self.views}>"
+
+    # -- sending ---------------------------------------------------------------------------
+    def export(self, buffers: Sequence[Any], sizes: Sequence[int], readers: dict[str, int],
+               *, private: bool = False) -> tuple[_Slot, list[int], asyncio.Future | None] | None:
+        """Copy the non-empty ``buffers`` into a slot for ``readers``.
+
+        Returns:
+            ``(slot, layout, copying)``, where ``layout`` is the entry layout (negative:
+            in the slot; 0: an empty buffer, inline) and ``copying`` a future of the copy
+            when it runs in the executor (the slot may not be announced before it is
+            done), else None. None when the pool cannot serve it: send inline.
+        """
+        full = [b for b, n in zip(buffers, sizes) if n]
+        offsets, end = wire.slot_layout([n for n in sizes if n])
+        slot = self.pool.acquire(end, readers, private=private)
+        if slot is None:
+            return None
+        copying = None
+        if end >= self.offload:
+            copying = self._loop.run_in_executor(None, ShmPool.fill, slot, full, offsets)
+        else:
+            ShmPool.fill(slot, full, offsets)
+        return slot, [-n if n else 0 for n in sizes], copying
+
+    def discard(self, slot: _Slot, copying: asyncio.Future | None, reader: str) -> None:
+        """``reader``'s message in ``slot`` was dropped unsent: count it as released
+        (once the copy into the slot finished; other readers of it are unaffected)."""
+        name, generation = slot.name, slot.generation
+        if copying is None or copying.done():
+            self.pool.release(reader, name, generation)
+        else:
+            copying.add_done_callback(lambda _: self.pool.release(reader, name, generation))
+
+    # -- receiving -------------------------------------------------------------------------
+    def open(self, src: str, slot: wire.SlotRef, counts: Sequence[Any], pid: int | None) -> list[memoryview]:
+        """Views of an entry's slot buffers (``counts``: its layout); see :meth:`ShmReader.open`."""
+        return self.reader.open(src, slot, [-c for c in counts if type(c) is int and c < 0], pid)
+
+    def open_relayed(self, src: str, relays: list[wire.SlotRef], counts: Sequence[Any],
+                     pid: int | None) -> list[memoryview]:
+        """Views of an entry's relayed buffers (its ``[r, offset, nbytes]`` layout items),
+        in layout order; one release per relay, once all of its views are gone."""
+        places: dict[int, list[tuple[int, int]]] = {}
+        order = []
+        for c in counts:
+            if type(c) is list:
+                places.setdefault(c[0], []).append((c[1], c[2]))
+                order.append(c[0])
+        views = {r: iter(self.reader.open_at(src, relays[r], p, pid)) for r, p in places.items()}
+        return [next(views[r]) for r in order]
+
+    def owned(self, buffers: list) -> list:
+        """Copy-out: owned copies of a received message's buffers, in recycled private
+        memory (dropping the views then releases the slot). Thread-safe."""
+        return self._recycler.copy(buffers)
+
+    def _released(self, src: str, segment: str, generation: int) -> None:
+        if threading.get_ident() == self._loop_thread:
+            self._note(src, segment, generation)
+        elif not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._note, src, segment, generation)
+
+    def _mapped(self, src: str, segment: str) -> None:
+        self._note(src, segment, None)
+
+    def _note(self, src: str, segment: str, generation: int | None) -> None:
+        if self.reader.closed:
+            return
+        if not self._pending:
+            self._loop.call_soon(self.flush)
+        self._owed += 1
+        releases, mapped = self._pending.setdefault(src, ([], []))
+        if generation is None:
+            mapped.append(segment)
+        else:
+            releases.append([segment, generation])
+
+    @property
+    def owed(self) -> int:
+        """How many notices are waiting to be sent."""
+        return self._owed
+
+    def flush(self) -> None:
+        """Send the notices collected so far, one message per sender."""
+        pending, self._pending, self._owed = self._pending, {}, 0
+        for src, (releases, mapped) in pending.items():
+            try:
+                self._send_notice(src, [releases, mapped])
+            except RlinfError as exc:   # the sender is gone: it retires or sweeps its slots
+                log.debug("rlinf: shared-memory notice to %s not sent: %r", src, exc)
+
+    def on_notice(self, src: str, obj: Any) -> None:
+        """A SYSTEM ``"shm"`` message from ``src``: ``[[[segment, generation], ...], [segment, ...]]``."""
+        if not (isinstance(obj, list) and len(obj) == 2 and isinstance(obj[0], list) and isinstance(obj[1], list)):
+            log.warning("rlinf: malformed shared-memory notice from %s", src)
+            return
+        for segment in obj[1]:
+            self.pool.confirm(src, segment)
+            self.relay.confirm(src, segment)
+        for item in obj[0]:
+            if not (isinstance(item, list) and len(item) == 2
+                    and (self.pool.release(src, *item) or self.relay.release(src, *item))):
+                log.debug("rlinf: ignored a release from %s that matches no slot sent to it: %r", src, item)
+        if self._changed is not None:
+            self._changed.set()
+
+    # -- membership and lifecycle ----------------------------------------------------------
+    def peer_gone(self, address: str) -> None:
+        """``address`` left or died: retire what it held, forget its segments, and sweep
+        them when its process is gone from this machine."""
+        self.pool.reader_gone(address)
+        self.relay.reader_gone(address)
+        self._owed -= sum(map(len, self._pending.pop(address, ((), ()))))
+        for pid in self.reader.peer_gone(address):
+            if pid != os.getpid() and process_gone(pid):
+                sweep(pid)
+        if self._changed is not None:
+            self._changed.set()
+
+    async def drain(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until every reader of a busy slot has mapped its
+        file, so that closing may unlink it. Call before saying goodbye."""
+        self.flush()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        self._changed = asyncio.Event()
+        try:
+            while (self.pool.unconfirmed() or self.relay.unconfirmed()) and loop.time() < deadline:
+                self._changed.clear()
+                try:
+                    async with asyncio.timeout(deadline - loop.time()):
+                        await self._changed.wait()
+                except TimeoutError:
+                    break
+        finally:
+            self._changed = None
+        late = sorted({*self.pool.unconfirmed(), *self.relay.unconfirmed()})
+        if late:
+            log.warning("rlinf: closing before %s mapped their shared memory; those messages are lost", late)
+
+    def close(self) -> None:
+        """Send what is owed, stop reporting, and unlink the pool. Idempotent."""
+        if not self.reader.closed:
+            self.flush()
+        self.reader.close()
+        self.relay.close()
+        self.pool.close()
