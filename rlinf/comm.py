@@ -24,7 +24,8 @@ import zmq
 
 from . import control, devices, routing, wire
 from .codec import Codec, is_device_buffer
-from .errors import ClosedError, CommTimeoutError, DecodeError, PeerLostError, ProtocolError
+from .errors import ClosedError, CommTimeoutError, PeerLostError, ProtocolError
+from .inbound import FrameReader
 from .info import MembershipEvent, WorkerInfo, parse_address
 from .mailbox import Mailbox, Message
 from .outbox import SMALL_MESSAGE, OutMessage, Outbox, split_frames
@@ -165,13 +166,14 @@ class Communicator:
             self._transport = ZmqTransport(self._context, self._keys, tcp_host=bind, advertise_host=advertise,
                                            encrypt_tcp=tcp_encryption_enabled())
             self._listener = await self._transport.listen()
-            self._listener.set_handler(self._on_frames)
             transports = (routing.INLINE,)
             if routing.SHM not in self._routing.disabled and shm.available():
                 self._shm = shm.ShmSession(self._loop, self._send_shm_notice, views=self._shm_views,
                                            recycler=self._recycler)
                 self.on_system("shm", self._shm.on_notice)
                 transports += (routing.SHM,)
+            self._inbound = FrameReader(self._shm, self._recycler, self._pid_of, self._counters.dropped)
+            self._listener.set_handler(self._on_frames)
             self.info = WorkerInfo(
                 address=self.address, incarnation=self.incarnation, node_id=devices.node_id(),
                 host=socket.gethostname(), pid=os.getpid(), endpoints=dict(self._listener.endpoints),
@@ -570,55 +572,17 @@ class Communicator:
             if received.peer != f"{src}|{incarnation}".encode():
                 raise ProtocolError("frame set claims a source other than its connection's")
         except ProtocolError as exc:
-            self._counters.dropped_frames += 1
+            self._counters.dropped()
             log.warning("rlinf %s: dropped a bad frame set: %r", self.address, exc)
             return
         if (src, incarnation) in self._dead:
-            self._counters.dropped_frames += 1
+            self._counters.dropped()
             return
-        i = 0
-        blob = (frames[0] if frames else _NO_BYTES) if packed else None
-        for entry in entries:
-            buffers, nbytes, error = [], 0, None
-            in_slot = relayed = None
-            if entry.slot is not None or entry.relays is not None:
-                try:
-                    if entry.slot is not None:
-                        in_slot = iter(self._open_slot(src, entry))
-                    if entry.relays is not None:
-                        relayed = iter(self._open_relayed(src, entry))
-                except (ProtocolError, ClosedError) as exc:
-                    self._counters.dropped_frames += 1
-                    log.warning("rlinf %s: bad shared-memory slot from %s: %r", self.address, src, exc)
-                    error = DecodeError(f"message from {src} cannot be read from shared memory: {exc}")
-                    in_slot = relayed = None
-            for count in entry.frame_counts:
-                if type(count) is list:   # forwarded by reference from another process's slot
-                    if relayed is not None:
-                        buf = next(relayed)
-                        buffers.append(buf)
-                        nbytes += buf.nbytes
-                    continue
-                if count < 0:    # in the entry's shared-memory slot
-                    if in_slot is None:
-                        continue
-                    buf = next(in_slot)
-                    buffers.append(buf)
-                    nbytes += buf.nbytes
-                    continue
-                if packed:       # count is a size in bytes within the blob
-                    buf = blob[i:i + count]
-                elif count == 1:
-                    buf = frames[i]
-                else:
-                    buf = _join(frames[i:i + count], self._recycler)
-                i += count
-                buffers.append(buf)
-                nbytes += buf.nbytes
+        for entry, buffers, nbytes, in_shm, error in self._inbound.entries(src, entries, frames, packed):
             if entry.kind == wire.USER:
                 self._counters.received(src, nbytes + len(entry.codec_header))
                 self._mailbox.deliver(Message(src, incarnation, entry.tag, entry.codec_header, buffers, 0, nbytes,
-                                              in_slot is not None or relayed is not None, error))
+                                              in_shm, error))
             elif error is not None:
                 log.warning("rlinf %s: dropped system message %r: %s", self.address, entry.tag, error)
             elif entry.tag == "bye":
@@ -633,17 +597,9 @@ class Communicator:
                 except Exception:   # a subsystem bug must not kill the reader
                     log.exception("rlinf %s: system handler %r failed", self.address, entry.tag)
 
-    def _open_slot(self, src: str, entry: wire.Entry) -> list:
-        if self._shm is None:
-            raise ProtocolError("shared memory is not enabled in this process")
-        info = self._roster.get(src)
-        return self._shm.open(src, entry.slot, entry.frame_counts, info.pid if info is not None else None)
-
-    def _open_relayed(self, src: str, entry: wire.Entry) -> list:
-        if self._shm is None:
-            raise ProtocolError("shared memory is not enabled in this process")
-        info = self._roster.get(src)
-        return self._shm.open_relayed(src, entry.relays, entry.frame_counts, info.pid if info is not None else None)
+    def _pid_of(self, address: str) -> int | None:
+        info = self._roster.get(address)
+        return info.pid if info is not None else None
 
     def _send_shm_notice(self, dst: str, obj: Any) -> None:
         """Queue a SYSTEM "shm" notice (releases, mappings) — also while closing, so
@@ -678,7 +634,6 @@ class Communicator:
             if info is not None and event.incarnation and info.incarnation != event.incarnation:
                 return   # an older incarnation went away; the current one is fine
             self._roster.pop(event.address, None)
-            key = (event.address, event.incarnation)
             if event.kind == "left" and bye_sent:
                 # Its last messages may still be in flight on the data socket; its "bye"
                 # follows them. Fall back to the event if the bye never comes.
@@ -887,23 +842,6 @@ class Communicator:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
 
-_NO_BYTES = memoryview(b"")
-
-
-def _join(frames: list, recycler: shm.Recycler) -> memoryview:
-    """Reassemble a chunked buffer into one writable buffer (one copy), in recycled
-    memory: pages already faulted in take the copy several times faster than fresh ones
-    (the memory is reused once every array over it is garbage-collected)."""
-    import numpy as np   # numpy is a core dependency; imported here to keep import light
-
-    total = sum(f.nbytes for f in frames)
-    out = recycler.take(total)
-    offset = 0
-    for f in frames:
-        n = f.nbytes
-        out[offset:offset + n] = np.frombuffer(f, dtype=np.uint8)
-        offset += n
-    return memoryview(out)
 
 
 def connect(address: str | None = None, manager: str | None = None, token: str | None = None,

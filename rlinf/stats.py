@@ -112,6 +112,10 @@ class Counters:
         t[0] += 1
         t[1] += nbytes
 
+    def dropped(self) -> None:
+        """A frame set (or one of its messages) was dropped as malformed."""
+        self.dropped_frames += 1
+
     def received(self, peer: str, nbytes: int) -> None:
         p = self.peers[peer]
         p.msgs_in += 1

@@ -1,0 +1,117 @@
+"""A received frame set's entries, with their buffers rebuilt wherever they travelled.
+
+The data plane carries a message's buffers in one of four ways (see :mod:`rlinf.wire`):
+inside one packed blob shared by coalesced small messages, as payload frames (a large
+buffer as several chunks), in the sender's shared-memory slot, or in another process's
+slot relayed by the sender. :class:`FrameReader` turns each entry back into a list of
+buffers, so that the communicator only delivers messages.
+
+Buffer lifetime: buffers are views of the received frames, of the packed blob, or of
+shared memory (valid, and the slot kept busy, for as long as they or anything decoded
+over them is referenced); chunked buffers are joined into recycled private memory,
+which is reused once nothing references it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterator
+
+import numpy as np
+
+from . import wire
+from .errors import ClosedError, DecodeError, ProtocolError
+from .transports import shm
+
+__all__ = ["FrameReader", "Rebuilt"]
+
+log = logging.getLogger("rlinf.comm")
+
+_NO_BYTES = memoryview(b"")
+
+#: One entry: ``(entry, buffers, nbytes, in_shared_memory, error)``; ``error`` (a
+#: DecodeError) when its shared memory could not be opened, its buffers then missing.
+Rebuilt = tuple[wire.Entry, list, int, bool, "DecodeError | None"]
+
+
+class FrameReader:
+    """Rebuilds the buffers of received entries.
+
+    Args:
+        session: the communicator's shared-memory session, or None without shared memory.
+        recycler: private memory for chunked buffers.
+        pid_of: ``pid_of(address)``: the sender's pid when known (its slots must be its own).
+        on_bad_slot: called once per entry whose shared memory could not be opened.
+    """
+
+    def __init__(self, session: shm.ShmSession | None, recycler: shm.Recycler,
+                 pid_of: Callable[[str], int | None], on_bad_slot: Callable[[], None]) -> None:
+        self._shm = session
+        self._recycler = recycler
+        self._pid_of = pid_of
+        self._on_bad_slot = on_bad_slot
+
+    def entries(self, src: str, entries: list[wire.Entry], frames: list, packed: bool) -> Iterator[Rebuilt]:
+        """Each entry of a validated frame set (:func:`rlinf.wire.unpack_header`), in order."""
+        i = 0
+        blob = (frames[0] if frames else _NO_BYTES) if packed else None
+        for entry in entries:
+            buffers, nbytes, error = [], 0, None
+            in_slot = relayed = None
+            if entry.slot is not None or entry.relays is not None:
+                try:
+                    in_slot, relayed = self._open(src, entry)
+                except (ProtocolError, ClosedError) as exc:
+                    self._on_bad_slot()
+                    log.warning("rlinf: bad shared-memory slot from %s: %r", src, exc)
+                    error = DecodeError(f"message from {src} cannot be read from shared memory: {exc}")
+            for count in entry.frame_counts:
+                if type(count) is list:   # forwarded by reference from another process's slot
+                    if relayed is not None:
+                        buf = next(relayed)
+                        buffers.append(buf)
+                        nbytes += buf.nbytes
+                    continue
+                if count < 0:    # in the entry's shared-memory slot
+                    if in_slot is None:
+                        continue
+                    buf = next(in_slot)
+                    buffers.append(buf)
+                    nbytes += buf.nbytes
+                    continue
+                if packed:       # count is a size in bytes within the blob
+                    buf = blob[i:i + count]
+                elif count == 1:
+                    buf = frames[i]
+                else:
+                    buf = self._join(frames[i:i + count])
+                i += count
+                buffers.append(buf)
+                nbytes += buf.nbytes
+            yield entry, buffers, nbytes, in_slot is not None or relayed is not None, error
+
+    def _open(self, src: str, entry: wire.Entry) -> tuple[Iterator | None, Iterator | None]:
+        session = self._shm
+        if session is None:
+            raise ProtocolError("shared memory is not enabled in this process")
+        pid = self._pid_of(src)
+        in_slot = relayed = None
+        if entry.slot is not None:
+            in_slot = iter(session.open(src, entry.slot, entry.frame_counts, pid))
+        if entry.relays is not None:
+            relayed = iter(session.open_relayed(src, entry.relays, entry.frame_counts, pid))
+        return in_slot, relayed
+
+    def _join(self, frames: list) -> memoryview:
+        """Reassemble a chunked buffer into one writable buffer (one copy), in recycled
+        memory: pages already faulted in take the copy several times faster than fresh
+        ones."""
+        total = sum(f.nbytes for f in frames)
+        out = self._recycler.take(total)
+        offset = 0
+        for f in frames:
+            n = f.nbytes
+            out[offset:offset + n] = np.frombuffer(f, dtype=np.uint8)
+            offset += n
+        return memoryview(out)
+
