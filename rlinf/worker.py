@@ -14,6 +14,10 @@ without ``run()`` returns None; others ignore it); ``("stop",)`` (cancel the wor
 close cleanly: what closing the cluster sends). SIGTERM means ``stop`` too. The pipe
 closing means the driver died: the child stops as well instead of lingering (and exits
 hard if stopping takes longer than a grace period).
+
+:func:`run_worker` is the whole child side and needs no process of its own: the local
+launcher runs it as a process (:func:`child_main`), the Ray launcher on a thread of an
+actor (``rlinf.ray``), where the actor relays the pipe to the driver.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Any
 from . import control
 from .comm import Communicator
 
-__all__ = ["Worker", "pipe_send", "pipe_recv"]
+__all__ = ["Worker", "pipe_send", "pipe_recv", "run_worker"]
 
 
 def pipe_send(conn, message: tuple) -> None:
@@ -95,7 +99,10 @@ class _Child:
         self.stopping = False
         self.tasks: set[asyncio.Task] = set()
         self.loop.add_reader(conn.fileno(), self._on_readable)
-        self.loop.add_signal_handler(signal.SIGTERM, self.stop)
+        # Only a process of its own treats SIGTERM as "stop" (signals reach the main thread).
+        self.on_signals = threading.current_thread() is threading.main_thread()
+        if self.on_signals:
+            self.loop.add_signal_handler(signal.SIGTERM, self.stop)
 
     def close(self) -> None:
         for task in self.tasks:
@@ -104,7 +111,8 @@ class _Child:
             self.loop.remove_reader(self.conn.fileno())
         except (ValueError, OSError):
             pass
-        self.loop.remove_signal_handler(signal.SIGTERM)
+        if self.on_signals:
+            self.loop.remove_signal_handler(signal.SIGTERM)
 
     def send(self, message: tuple) -> None:
         try:
@@ -192,10 +200,10 @@ async def _run_child(target, address: str, rank: int, world_size: int, manager: 
         child.close()
 
 
-def child_main(target, address: str, rank: int, world_size: int, manager: str, token: str,
-               args: tuple, kwargs: dict, env: dict[str, str], conn) -> None:
-    """Process entry point (module level so the spawn context can import it)."""
-    os.environ.update(env)
+def run_worker(target, address: str, rank: int, world_size: int, manager: str, token: str,
+               args: tuple, kwargs: dict, conn) -> bool:
+    """Run one rank to the end on a new event loop, report its result over ``conn`` and
+    close ``conn``. Returns whether it succeeded. Any thread may run it."""
     try:
         result = control.run(_run_child(target, address, rank, world_size, manager, token, args, kwargs, conn))
         message = ("result", True, result)
@@ -211,4 +219,12 @@ def child_main(target, address: str, rank: int, world_size: int, manager: str, t
         pipe_send(conn, ("result", False, traceback.format_exc()))
     finally:
         conn.close()
-    sys.exit(0 if message[1] else 1)
+    return message[1]
+
+
+def child_main(target, address: str, rank: int, world_size: int, manager: str, token: str,
+               args: tuple, kwargs: dict, env: dict[str, str], conn) -> None:
+    """Process entry point (module level so the spawn context can import it)."""
+    os.environ.update(env)
+    ok = run_worker(target, address, rank, world_size, manager, token, args, kwargs, conn)
+    sys.exit(0 if ok else 1)

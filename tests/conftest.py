@@ -1,4 +1,6 @@
-"""Shared fixtures: a local cluster per test, and a check that no shared memory leaks."""
+"""Shared fixtures: a local cluster per test, the launchers to run worker groups with (a
+local Ray cluster, started once per test module, for ``"ray"``), and a check that no
+shared memory leaks."""
 
 from __future__ import annotations
 
@@ -28,6 +30,50 @@ async def cluster():
     finally:
         async with asyncio.timeout(60):
             await c.aclose()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(request):
+    """A local Ray cluster for the tests of one module (it takes seconds to start): the
+    Ray node ids, the driver's first. One node, or, when the module sets
+    ``RAY_NODES = 2``, two Ray nodes on this machine, the head with two logical GPUs.
+
+    The test process joins it as a driver whose rlinf node id is its Ray node id, as
+    ``rlinf.ray.init`` does, so it shares shared memory with the actors on its node."""
+    ray = pytest.importorskip("ray")
+    import rlinf.ray
+
+    saved = os.environ.get("RLINF_NODE_ID")
+    nodes = None
+    try:
+        # Logical CPUs: each actor asks for one by default; the machine has far fewer.
+        if getattr(request.module, "RAY_NODES", 1) == 2:
+            from ray.cluster_utils import Cluster as RayCluster
+
+            nodes = RayCluster(initialize_head=True,
+                               head_node_args={"num_cpus": 16, "num_gpus": 2, "include_dashboard": False})
+            nodes.add_node(num_cpus=16)
+            head = rlinf.ray.init(address=nodes.address, log_to_driver=False)
+        else:
+            head = rlinf.ray.init(address="local", num_cpus=32, include_dashboard=False, log_to_driver=False)
+        yield [head] + [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head]
+    finally:
+        ray.shutdown()
+        if nodes is not None:
+            nodes.shutdown()
+        if saved is None:
+            os.environ.pop("RLINF_NODE_ID", None)
+        else:
+            os.environ["RLINF_NODE_ID"] = saved
+
+
+@pytest.fixture(params=["local", "ray"])
+def launcher(request) -> str:
+    """Each launcher of ``cluster.spawn`` in turn (list it before ``cluster``/``driver``:
+    the driver must join after Ray, as a driver of a Ray job would)."""
+    if request.param == "ray":
+        request.getfixturevalue("ray_cluster")
+    return request.param
 
 
 @pytest.fixture

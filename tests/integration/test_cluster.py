@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import rlinf
+from rlinf.launch import wait_gone
 
 pytestmark = pytest.mark.multiproc
 
@@ -169,22 +170,10 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def _wait_exit(pid: int, timeout: float) -> bool:
-    """Wait for a process that is not our child to exit (pidfd: no polling)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([fd], [], [], timeout)[0])
-    finally:
-        os.close(fd)
-
-
 # -- tests ---------------------------------------------------------------------------
-async def test_spawn_call_join_round_trip(cluster):
+async def test_spawn_call_join_round_trip(launcher, cluster):
     async with asyncio.timeout(90):
-        group = await cluster.spawn(Counter, "ctr", 3, kwargs={"start": 1})
+        group = await cluster.spawn(Counter, "ctr", 3, kwargs={"start": 1}, launcher=launcher)
         assert group.addresses == ["ctr:0", "ctr:1", "ctr:2"] and len(group) == 3
         assert "alive=3" in repr(group)
         assert await group.call("add", 1) == [2, 102, 202]
@@ -192,10 +181,10 @@ async def test_spawn_call_join_round_trip(cluster):
         where = await group.call("where")
         assert [w[:3] for w in where] == [("ctr:0", 0, 3), ("ctr:1", 1, 3), ("ctr:2", 2, 3)]
         assert [w[3] for w in where] == group.pids
-        functions = await cluster.spawn(returns, "fn", 1, args=([1, 2],),
+        functions = await cluster.spawn(returns, "fn", 1, args=([1, 2],), launcher=launcher,
                                         env={"RLINF_NODE_ID": "node-x", "MY_FLAG": "on"})
         assert "MY_FLAG" not in os.environ                      # the driver's env is untouched
-        runners = await cluster.spawn(Runner, "run", 2)
+        runners = await cluster.spawn(Runner, "run", 2, launcher=launcher)
         assert await runners.call("go", ranks=[1]) == ["released"]
         assert await runners.join(ranks=[1]) == ["ran run:1"]
         await runners.call("go", ranks=[0])
@@ -222,9 +211,9 @@ async def test_spawn_call_join_round_trip(cluster):
         assert "alive=0" in repr(group)
 
 
-async def test_kill_one_rank(cluster, driver):
+async def test_kill_one_rank(launcher, cluster, driver):
     async with asyncio.timeout(60):
-        group = await cluster.spawn(Counter, "k", 3)
+        group = await cluster.spawn(Counter, "k", 3, launcher=launcher)
         infos = await _infos(driver, group.addresses)
         pid = group.pids[1]
         await group.call("share", ranks=[1])                   # k:1 now owns shared memory
@@ -246,9 +235,9 @@ async def test_kill_one_rank(cluster, driver):
             await group.join()
 
 
-async def test_recv_into_between_processes(cluster, driver):
+async def test_recv_into_between_processes(launcher, cluster, driver):
     async with asyncio.timeout(60):
-        group = await cluster.spawn(send_weights, "trainer", 1, args=(3,))
+        group = await cluster.spawn(send_weights, "trainer", 1, args=(3,), launcher=launcher)
         target = {"w": np.empty((256, 512), dtype=np.float32), "b": [np.empty(3, dtype=np.int32)], "step": None}
         pointers = (target["w"].ctypes.data, target["b"][0].ctypes.data)
         for v in range(3):
@@ -262,9 +251,9 @@ async def test_recv_into_between_processes(cluster, driver):
         assert await group.join() == [3]
 
 
-async def test_failure_raises_with_traceback_and_kills_the_rest(cluster):
+async def test_failure_raises_with_traceback_and_kills_the_rest(launcher, cluster):
     async with asyncio.timeout(60):
-        group = await cluster.spawn(fail_after_others_wait, "f", 3)
+        group = await cluster.spawn(fail_after_others_wait, "f", 3, launcher=launcher)
         t0 = time.monotonic()
         with pytest.raises(rlinf.WorkerFailedError) as info:
             await group.join()
@@ -274,40 +263,40 @@ async def test_failure_raises_with_traceback_and_kills_the_rest(cluster):
         assert all(_gone(pid) for pid in group.pids)            # the waiting ranks were killed
 
         with pytest.raises(rlinf.WorkerFailedError, match="setup exploded on rank 1") as info:
-            await cluster.spawn(BadSetup, "bad", 2)
+            await cluster.spawn(BadSetup, "bad", 2, launcher=launcher)
         assert info.value.address == "bad:1"
         assert all(_gone(pid) for pid in cluster._groups[-1].pids)   # rank 0 did not linger
 
 
-async def test_bad_arguments(cluster):
+async def test_bad_arguments(launcher, cluster):
     async with asyncio.timeout(30):
         async def local(comm):
             return None
 
         with pytest.raises(TypeError, match="module level"):
-            await cluster.spawn(local, "x")
+            await cluster.spawn(local, "x", launcher=launcher)
         with pytest.raises(TypeError, match="async def"):
-            await cluster.spawn(not_async, "x")
+            await cluster.spawn(not_async, "x", launcher=launcher)
         with pytest.raises(ValueError, match="group name"):
-            await cluster.spawn(idle, "a:b")
+            await cluster.spawn(idle, "a:b", launcher=launcher)
         with pytest.raises(ValueError, match="positive"):
-            await cluster.spawn(idle, "x", 0)
+            await cluster.spawn(idle, "x", 0, launcher=launcher)
         with pytest.raises(TypeError, match="env"):
-            await cluster.spawn(idle, "x", env={"A": 1})
+            await cluster.spawn(idle, "x", env={"A": 1}, launcher=launcher)
     assert cluster._groups == []
 
 
-async def test_close_after_crashes_leaves_nothing_behind():
+async def test_close_after_crashes_leaves_nothing_behind(launcher):
     """SIGKILLed, failed, stuck and stubborn workers: close() removes every trace."""
     async with asyncio.timeout(90):
         cluster = await rlinf.Cluster(stop_timeout=1.0).start()
         try:
             driver = await cluster.connect("driver:0").start()
-            killed = await cluster.spawn(Counter, "killed", 1)
-            counters = await cluster.spawn(Counter, "ctr", 1)
-            stubborn = await cluster.spawn(ignores_cancel, "stubborn", 1)
-            stuck = await cluster.spawn(blocks_loop, "stuck", 1, args=("driver:0",))
-            failing = await cluster.spawn(raises, "fail", 1)
+            killed = await cluster.spawn(Counter, "killed", 1, launcher=launcher)
+            counters = await cluster.spawn(Counter, "ctr", 1, launcher=launcher)
+            stubborn = await cluster.spawn(ignores_cancel, "stubborn", 1, launcher=launcher)
+            stuck = await cluster.spawn(blocks_loop, "stuck", 1, args=("driver:0",), launcher=launcher)
+            failing = await cluster.spawn(raises, "fail", 1, launcher=launcher)
             groups = [killed, counters, stubborn, stuck, failing]
             pids = [pid for g in groups for pid in g.pids]
             await driver.recv("stuck:0", tag=2)
@@ -355,5 +344,5 @@ def test_orphaned_workers_exit_and_clean_up(mode):
         driver.wait(10)
         driver.stdout.close()
     for pid in started["pids"]:
-        assert _wait_exit(pid, 30), f"worker {pid} outlived its driver"
+        assert wait_gone(pid, 30), f"worker {pid} outlived its driver"
     assert [d for d in started["ipc"] if os.path.exists(d)] == []

@@ -53,6 +53,18 @@ def test_channel_pipeline():
     assert "produced 60, consumed 60" in _example("channel_pipeline.py")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed (pip install 'rlinf[ray]')")
+def test_ray_pipeline(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)              # a local Ray of its own
+    out = _example("ray_pipeline.py", timeout=180)
+    assert "produced 40, consumed 40" in out and "with launcher ray" in out
+
+
+def test_ray_pipeline_runs_unchanged_with_the_local_launcher():
+    out = _example("ray_pipeline.py", "--launcher", "local")
+    assert "produced 40, consumed 40" in out and "with launcher local" in out
+
+
 def test_multi_node():
     out = _example("multi_node.py")
     assert "nodeA:0 (nodeA) -> nodeB:0 (nodeB): zmq over tcp" in out
