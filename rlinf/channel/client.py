@@ -330,20 +330,21 @@ class Channel(HandleBase):
             # so the credit it returned goes out and the server keeps the buffer full.
             self._must_yield = False
             await asyncio.sleep(0)
-        try:
-            async with asyncio.timeout(timeout if not buffer else None):
-                while not buffer:
-                    self._check_consumer(key)
-                    waiter = self._loop.create_future()
-                    self._buffer_waiters.setdefault(key, []).append(waiter)
-                    try:
-                        await waiter
-                    finally:
-                        waiters = self._buffer_waiters.get(key)
-                        if waiters and waiter in waiters:
-                            waiters.remove(waiter)
-        except TimeoutError:
-            raise CommTimeoutError(f"channel {self.name!r}: no item within {timeout} s") from None
+        if not buffer:   # (a buffered item is taken without setting up a timeout)
+            try:
+                async with asyncio.timeout(timeout):
+                    while not buffer:
+                        self._check_consumer(key)
+                        waiter = self._loop.create_future()
+                        self._buffer_waiters.setdefault(key, []).append(waiter)
+                        try:
+                            await waiter
+                        finally:
+                            waiters = self._buffer_waiters.get(key)
+                            if waiters and waiter in waiters:
+                                waiters.remove(waiter)
+            except TimeoutError:
+                raise CommTimeoutError(f"channel {self.name!r}: no item within {timeout} s") from None
         taken, total = [], 0.0
         while buffer:
             weight = buffer[0][1]
