@@ -12,8 +12,8 @@ K2: all_to_all among 4 processes, 8 MiB (a float32 tensor) per ordered pair: eac
 rlinf runs the root / process 0 in the driver (``cluster.connect("driver:0")``) and the
 others as spawned workers; gloo runs 4 spawned processes (``init_process_group("gloo")``
 over loopback TCP). Medians over the timed rounds (after warm-up rounds);
-ratio = gloo time / rlinf time. Ray's collective library is not measured (Ray is not
-installed on the development machine).
+ratio = gloo time / rlinf time. Ray's collective library is not measured (its CPU
+backend needs pygloo, which is not installed on the development machine).
 
 ``--quick`` (what ``rlinf bench --quick`` and the test suite run) times 3 rounds instead
 of 15 and has rlinf's processes exchange numpy arrays instead of torch tensors, so they
