@@ -168,6 +168,7 @@ class ChannelCore:
         self.put_count = self.get_count = self.requeued = self.rejected = 0
         self.bytes_in = self.bytes_out = 0
         self._rates: collections.deque[list] = collections.deque()   # [second, puts, gets]
+        self._deferred: set | None = None   # keys to serve once the current batch is applied
 
     def __repr__(self) -> str:
         return (f"<ChannelCore {self.name} queued={self.queued} live={self.live_total} "
@@ -182,17 +183,25 @@ class ChannelCore:
                 logs it as a protocol error; the ops before it were applied).
         """
         h = self.handles.get((src, hid))
-        for op in ops:
-            kind = op[0]
-            if kind == "hello":
-                h = self._hello(src, hid, *op[1:])
-                continue
-            if h is None:
-                raise ValueError(f"op {kind!r} from {src} for unknown channel handle {hid}")
-            method = self._OPS.get(kind)
-            if method is None:
-                raise ValueError(f"unknown channel op {kind!r}")
-            method(self, h, *op[1:])
+        # Items put to the shared queue by this batch are handed out once it is applied:
+        # a waiting consumer then gets them in one "items" op, not one op per item.
+        self._deferred = deferred = set()
+        try:
+            for op in ops:
+                kind = op[0]
+                if kind == "hello":
+                    h = self._hello(src, hid, *op[1:])
+                    continue
+                if h is None:
+                    raise ValueError(f"op {kind!r} from {src} for unknown channel handle {hid}")
+                method = self._OPS.get(kind)
+                if method is None:
+                    raise ValueError(f"unknown channel op {kind!r}")
+                method(self, h, *op[1:])
+        finally:
+            self._deferred = None
+            for key in deferred:
+                self._serve_wanting(key)
         self._grant()
 
     def _hello(self, src: str, hid: int, rid: int, incarnation: str, node_id: str, name: str) -> Handle:
@@ -423,7 +432,10 @@ class ChannelCore:
                     self._serve_wanting(key)
                 return
         _insert_by_id(self.shared.setdefault(key, collections.deque()), item)
-        self._serve_wanting(key)
+        if self._deferred is not None:
+            self._deferred.add(key)
+        else:
+            self._serve_wanting(key)
 
     def _requeue(self, items: list[Item]) -> None:
         for item in items:
@@ -539,13 +551,19 @@ class ChannelCore:
             requests.popleft()
             self.send(h, ("items", request.rid, key, [(it.id, it.weight, it.payload) for it in items]))
             return True
-        if h.credit.get(key, 0) > 0:
-            source = self._source(h, key)
-            if source is None:
+        credit = h.credit.get(key, 0)
+        if credit > 0:   # prefetch: as many items as the credit covers, in one op
+            items = []
+            while credit > 0:
+                source = self._source(h, key)
+                if source is None:
+                    break
+                items.append(self._take(h, source))
+                credit -= 1
+            if not items:
                 return False
-            item = self._take(h, source)
-            h.credit[key] -= 1
-            self.send(h, ("items", 0, key, [(item.id, item.weight, item.payload)]))
+            h.credit[key] = credit
+            self.send(h, ("items", 0, key, [(it.id, it.weight, it.payload) for it in items]))
             return True
         return False
 

@@ -68,6 +68,21 @@ def test_fifo_waiting_consumers_are_served_in_arrival_order():
     assert t.items("a:0") == [[3]]
 
 
+def test_a_batch_of_puts_reaches_a_prefetching_consumer_as_one_op():
+    """Puts that arrive in one message are handed out once the message is applied: a
+    consumer with credit gets them in one "items" op, in order, within its credit."""
+    t = Harness()
+    t.hello("p:0", "c:0")
+    t.ops("c:0", ("credit", None, 4, None))
+    t.put("p:0", 1, 1, 1, 1, 1, 1)
+    assert t.items("c:0") == [[1, 2, 3, 4]]         # the credit caps it; 2 stay queued
+    assert t.core.queued == 2
+    t.ops("c:0", ("took", [1, 2, 3, 4], False), ("credit", None, 4, None))
+    assert t.items("c:0") == [[5, 6]]
+    t.put("p:0", 1)
+    assert t.items("c:0") == [[7]]
+
+
 def test_get_batch_rule_first_item_always_then_prefix_within_target():
     t = Harness()
     t.hello("p:0", "c:0")
