@@ -112,6 +112,7 @@ class RankHandle:
         self.ipc_dir = ""
         self.incarnations = 0
         self.killed = False
+        self.finishing = False   # join() asked it to finish: a restarted incarnation is told too
         self.error: WorkerFailedError | None = None   # set once the rank is gone
         self.ready = self._future()
         self.result = self._future()
@@ -139,6 +140,8 @@ class RankHandle:
         elif kind == "ready":
             if not self.ready.done():
                 self.ready.set_result(None)
+            if self.finishing and not self.result.done():
+                self.tell(("finish",))
         elif kind == "reply":
             fut = self.calls.pop(message[1], None)
             if fut is not None and not fut.done():
@@ -330,6 +333,7 @@ class WorkerGroup:
         """
         ranks_ = self._select(ranks)
         for p in ranks_:
+            p.finishing = True   # also told once ready, if it is (re)starting now
             if p.ready.done() and not p.result.done():
                 p.tell(("finish",))
         try:

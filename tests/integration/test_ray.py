@@ -170,6 +170,26 @@ async def test_dead_actor_is_lost_and_a_restart_registers_again(ray_cluster, clu
         await events.aclose()
 
 
+async def test_join_during_a_restart_still_finishes_the_new_incarnation(ray_cluster, cluster, driver):
+    """join() on a Worker without run() whose actor is being restarted: the new
+    incarnation is told to finish once it is ready, so join returns instead of timing out."""
+    head, _ = ray_cluster
+    async with asyncio.timeout(90):
+        events = driver.events()
+        joined = asyncio.ensure_future(_next_event(events, "lazarus:0", ("joined",)))
+        await asyncio.sleep(0)                       # the iterator subscribes before the spawn
+        group = await cluster.spawn(Probe, "lazarus", 1, launcher="ray", max_restarts=1,
+                                    placement=f"node:{head}")
+        assert await joined == "joined"
+        restarted = asyncio.ensure_future(_next_event(events, "lazarus:0", ("joined",)))
+        await asyncio.sleep(0)
+        os.kill(group.pids[0], signal.SIGKILL)       # Ray restarts it ...
+        joining = asyncio.ensure_future(group.join(timeout=60))   # ... while we join
+        assert await restarted == "joined"
+        assert await joining == [None]
+        await events.aclose()
+
+
 async def test_channel_pipeline_across_nodes(ray_cluster, cluster, driver):
     head, other = ray_cluster
     n = 20
