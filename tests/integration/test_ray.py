@@ -137,14 +137,24 @@ async def test_placement_groups_gpus_and_release(ray_cluster, cluster):
             await cluster.spawn(Probe, "x", launcher="slurm")
 
 
+async def _watch(events, address: str, kind: str) -> asyncio.Future:
+    """The next ``kind`` event of ``address``; the iterator is subscribed on return."""
+    fut = asyncio.ensure_future(_next_event(events, address, (kind,)))
+    await asyncio.sleep(0)
+    return fut
+
+
+async def _restartable(cluster, name: str, node: str):
+    """One Probe rank on ``node`` that Ray restarts once."""
+    return await cluster.spawn(Probe, name, 1, launcher="ray", max_restarts=1, placement=f"node:{node}")
+
+
 async def test_dead_actor_is_lost_and_a_restart_registers_again(ray_cluster, cluster, driver):
     head, _ = ray_cluster
     async with asyncio.timeout(90):
         events = driver.events()
-        pending = asyncio.ensure_future(_next_event(events, "phoenix:0", ("lost",)))
-        await asyncio.sleep(0)                       # the iterator subscribes before the kill
-        group = await cluster.spawn(Probe, "phoenix", 1, launcher="ray", max_restarts=1,
-                                    placement=f"node:{head}")   # on the driver's node: shared memory
+        pending = await _watch(events, "phoenix:0", "lost")
+        group = await _restartable(cluster, "phoenix", head)   # on the driver's node: shared memory
         first = group.pids[0]
         await group.call("share")                                   # owns shared memory now
         held = await driver.recv("phoenix:0", tag=5)
@@ -176,13 +186,10 @@ async def test_join_during_a_restart_still_finishes_the_new_incarnation(ray_clus
     head, _ = ray_cluster
     async with asyncio.timeout(90):
         events = driver.events()
-        joined = asyncio.ensure_future(_next_event(events, "lazarus:0", ("joined",)))
-        await asyncio.sleep(0)                       # the iterator subscribes before the spawn
-        group = await cluster.spawn(Probe, "lazarus", 1, launcher="ray", max_restarts=1,
-                                    placement=f"node:{head}")
+        joined = await _watch(events, "lazarus:0", "joined")
+        group = await _restartable(cluster, "lazarus", head)
         assert await joined == "joined"
-        restarted = asyncio.ensure_future(_next_event(events, "lazarus:0", ("joined",)))
-        await asyncio.sleep(0)
+        restarted = await _watch(events, "lazarus:0", "joined")
         os.kill(group.pids[0], signal.SIGKILL)       # Ray restarts it ...
         joining = asyncio.ensure_future(group.join(timeout=60))   # ... while we join
         assert await restarted == "joined"
