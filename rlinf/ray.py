@@ -33,6 +33,7 @@ Importing this module imports Ray; ``import rlinf`` does not.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import multiprocessing
@@ -106,24 +107,41 @@ class _RankActor:
         target, args, kwargs = cloudpickle.loads(payload)
         self._conn, child = multiprocessing.Pipe()
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlinf-relay")   # keeps order
+        # Messages read from the worker, kept until the driver acknowledges them: a reply
+        # lost on the way (Ray reports the actor unavailable) is sent again, never dropped.
+        self._incarnation = os.urandom(8).hex()
+        self._unacked: collections.deque[tuple[int, bytes]] = collections.deque()
+        self._seq = 0
+        self._reading = asyncio.Lock()
+        self._eof = False
         self._thread = threading.Thread(
             target=run_worker, name=f"rlinf-{address}", daemon=True,
             args=(target, address, rank, world_size, manager, token, args, kwargs, child))
         self._thread.start()
 
-    async def messages(self) -> tuple[str, list[bytes]]:
-        """The worker's next messages (at least one), with this actor's node id. Once
-        the worker has finished and said so, the actor exits."""
-        try:
-            batch = [await asyncio.get_running_loop().run_in_executor(None, self._conn.recv_bytes)]
-        except EOFError:
-            ray.actor.exit_actor()
-        try:
-            while self._conn.poll():
-                batch.append(self._conn.recv_bytes())
-        except EOFError:   # the rest is in the batch; the next call exits
-            pass
-        return self._node, batch
+    async def messages(self, incarnation: str, acked: int) -> tuple[str, str, list[tuple[int, bytes]]]:
+        """The worker's messages after ``acked`` (at least one; waits for it), numbered,
+        with this actor's node id and incarnation. ``acked`` counts only when
+        ``incarnation`` is this actor's (a restarted actor numbers from 1 again). Once the
+        worker has finished and everything was acknowledged, the actor exits."""
+        if incarnation == self._incarnation:
+            while self._unacked and self._unacked[0][0] <= acked:
+                self._unacked.popleft()
+        async with self._reading:   # one reader of the pipe at a time, also across retries
+            if not self._unacked and not self._eof:
+                try:
+                    self._keep(await asyncio.get_running_loop().run_in_executor(None, self._conn.recv_bytes))
+                    while self._conn.poll():
+                        self._keep(self._conn.recv_bytes())
+                except EOFError:
+                    self._eof = True
+            if not self._unacked:
+                ray.actor.exit_actor()
+        return self._node, self._incarnation, list(self._unacked)
+
+    def _keep(self, data: bytes) -> None:
+        self._seq += 1
+        self._unacked.append((self._seq, data))
 
     async def send(self, data: bytes) -> None:
         """Pass a pickled request to the worker (in the order sent; never blocks the actor)."""
@@ -161,9 +179,10 @@ class _RayRank(RankHandle):
 
     async def _poll(self) -> None:
         unavailable = 0
+        incarnation, acked = "", 0
         while True:
             try:
-                node, batch = await self.actor.messages.remote()
+                node, current, batch = await self.actor.messages.remote(incarnation, acked)
             except _Unavailable:
                 # Restarting (the next call waits for the new incarnation) or an RPC that
                 # broke: ask again, backing off if it keeps failing at once.
@@ -175,10 +194,14 @@ class _RayRank(RankHandle):
                 await self._gone(exc)
                 return
             unavailable = 0
+            if current != incarnation:   # a new incarnation numbers its messages from 1
+                incarnation, acked = current, 0
             if node != self.node:
                 self._old_node, self.node = self.node, node
-            for data in batch:
-                self._handle(pickle.loads(data))
+            for seq, data in batch:
+                if seq > acked:          # not a copy of one we already handled
+                    acked = seq
+                    self._handle(pickle.loads(data))
 
     def _clean_elsewhere(self, pid: int | None, ipc_dir: str, node: str):
         """Start a Ray task that cleans up after ``pid`` on ``node``; None if that is here."""
