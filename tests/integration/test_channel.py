@@ -13,6 +13,7 @@ import rlinf
 from rlinf.channel import Channel
 
 from . import workers_channel as wc
+from .wait import until
 
 pytestmark = pytest.mark.multiproc
 
@@ -31,6 +32,14 @@ async def comms(cluster):
     async with asyncio.timeout(30):
         for comm in made:
             await comm.aclose()
+
+
+def _reaped(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 async def _handles(comms, name: str, n: int, **options) -> list[Channel]:
@@ -173,14 +182,8 @@ async def test_channel_process_exits_when_its_creator_is_killed(cluster, driver)
         async for event in events:                       # its parent pipe closed: it leaves
             if event.address == "channel.orphan:0" and event.kind in ("left", "lost"):
                 break
-        for _ in range(100):                             # and its process is gone (reaped by init)
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            await asyncio.sleep(0.05)
-        else:
-            pytest.fail(f"channel process {pid} still runs")
+        await until(lambda: _reaped(pid), timeout=5,           # and its process is gone (reaped by init)
+                    what=f"channel process {pid} to exit")
 
 
 async def test_detach_gives_back_prefetched_and_unfinished_items(driver, comms):
@@ -473,10 +476,6 @@ async def test_a_large_item_is_written_once_and_only_its_descriptor_passes_the_s
         assert any(n.startswith(f"rlinf-{server.pid}-") for n in reader._private), reader._private
         assert not any(n.startswith(f"rlinf-{server.pid}-") for n in reader._shared), reader._shared
         assert driver._shm.pool.busy == 1                       # held for the consumer
-        del got
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 30
-        while driver._shm.pool.busy:                            # release: consumer -> server -> producer
-            assert loop.time() < deadline, "the producer's slot did not come back"
-            await asyncio.sleep(0.02)
+        del got                                                 # release: consumer -> server -> producer
+        await until(lambda: driver._shm.pool.busy == 0, timeout=30, what="the producer's slot to come back")
         await out.close()

@@ -16,6 +16,7 @@ import rlinf
 from rlinf import cli, top
 
 from . import workers
+from .wait import until
 
 pytestmark = pytest.mark.multiproc
 
@@ -112,10 +113,16 @@ def test_render_shows_workers_channels_and_new_events():
 
 
 async def _snapshot_when(cluster, predicate) -> dict:
-    """The manager's snapshot once ``predicate(snapshot)`` holds (the caller's timeout
-    bounds the wait; heartbeats carry stats about once a second)."""
-    while not predicate(snap := cluster.manager.snapshot()):
-        await asyncio.sleep(0.1)
+    """The manager's snapshot once ``predicate(snapshot)`` holds (heartbeats carry stats
+    about once a second)."""
+    snap: dict = {}
+
+    def holds() -> bool:
+        nonlocal snap
+        snap = cluster.manager.snapshot()
+        return predicate(snap)
+
+    await until(holds, timeout=60, what="the workers' reported stats")
     return snap
 
 

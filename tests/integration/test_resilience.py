@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 
 import numpy as np
 import pytest
@@ -13,6 +11,7 @@ import zmq
 import rlinf
 
 from . import workers
+from .wait import until
 
 pytestmark = pytest.mark.multiproc
 
@@ -40,8 +39,8 @@ async def test_manager_restart_keeps_peers_talking_and_rebuilds_roster():
             # A new manager at the same address: workers re-register by themselves.
             manager = await rlinf.Manager(address, token=token).start()
             try:
-                while {w.address for w in manager.roster()} != {"a:0", "b:0"}:
-                    await asyncio.sleep(0.05)
+                await until(lambda: {w.address for w in manager.roster()} == {"a:0", "b:0"}, timeout=30,
+                            what="both workers to re-register")
                 await b.send("after", "a:0")
                 assert await a.recv("b:0", timeout=5) == "after"
             finally:

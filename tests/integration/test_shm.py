@@ -12,24 +12,14 @@ import torch
 import rlinf
 
 from .same import assert_same
+from .wait import until
 from . import workers_shm
-from .workers_shm import shm_state
 
 pytestmark = pytest.mark.multiproc
 
 
 def _segments(pid: int) -> list[str]:
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"rlinf-{pid}-"))
-
-
-async def _until(predicate, timeout: float = 10.0, what: str = "condition") -> None:
-    """Bounded polling of state we cannot be notified about (the filesystem, a pool)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def _nested(scale: int = 1) -> dict:
@@ -157,7 +147,7 @@ async def test_kill_sender_leaves_no_segment(cluster, driver):
         pid = group.pids[0]
         assert state["segments"] and _segments(pid) == state["segments"]
         await group.kill()
-        await _until(lambda: not _segments(pid), what="the dead sender's segments to be swept")
+        await until(lambda: not _segments(pid), what="the dead sender's segments to be swept")
         assert float(obj["x"].sum()) == (8 << 20) // 4    # our mapping outlives the file
 
 
@@ -169,7 +159,7 @@ async def test_kill_receiver_retires_its_slots(cluster, driver):
         pool = driver._shm.pool
         [held] = [name for name in pool.segment_names() if name in pool._busy]
         await group.kill()
-        await _until(lambda: pool.busy == 0, what="the lost reader's slot to be retired")
+        await until(lambda: pool.busy == 0, what="the lost reader's slot to be retired")
         assert held not in os.listdir("/dev/shm")    # retired slots are unlinked, never reused
 
 
@@ -181,7 +171,7 @@ async def test_kill_sender_and_receiver_leaves_no_segment(cluster, driver):
         pids = sender.pids + receiver.pids
         assert _segments(pids[0]) == state["segments"] != []
         await asyncio.gather(sender.kill(), receiver.kill())
-        await _until(lambda: not any(_segments(p) for p in pids), what="the manager's sweep")
+        await until(lambda: not any(_segments(p) for p in pids), what="the manager's sweep")
 
 
 async def test_multicast_to_three_readers(cluster, driver):
@@ -205,7 +195,7 @@ async def test_multicast_to_three_readers(cluster, driver):
             assert float(obj["x"].mean()) == value
             for r in readers:
                 await driver.send("next", r, tag=13)
-            await _until(lambda: pool.busy == 0, what="all three readers to release the slot")
+            await until(lambda: pool.busy == 0, what="all three readers to release the slot")
         assert driver.stats().transports["shm"].msgs == 6
         assert pool.created == 1
         assert await group.join() == ["done"] * 3
@@ -269,7 +259,7 @@ async def test_a_forwarded_view_is_relayed_by_reference_not_copied(cluster, driv
             await driver.send({"x": np.full(nbytes, i + 1, np.uint8), "i": i}, "relay:0")
             total, index = await driver.recv("sink:0", tag=20)
             assert (total, index) == (7.0 * (i + 1), i)
-        await _until(lambda: driver._shm.pool.busy == 0, what="the driver's slots to come back")
+        await until(lambda: driver._shm.pool.busy == 0, what="the driver's slots to come back")
         await driver.send(None, "sink:0", tag=22)
         seen = (await sink.join(timeout=60))[0]
         state = (await relay.join(timeout=60))[0]
@@ -290,7 +280,7 @@ async def test_a_relayed_item_survives_its_producers_death(cluster, driver):
         await driver.recv("relay:0", tag=24)     # the relay holds the producer's message
         pid = producer.pids[0]
         await producer.kill(0)
-        await _until(lambda: not _segments(pid), what="the producer's segments to be swept")
+        await until(lambda: not _segments(pid), what="the producer's segments to be swept")
         await driver.send("go", "relay:0", tag=23)
         obj = await driver.recv("relay:0")
         assert obj["x"].shape == (512 << 10,) and bool((obj["x"] == 1).all())

@@ -1,0 +1,21 @@
+"""Bounded polling, for state that gives no notification to wait on (the filesystem, a
+process table, a pool's counters, the manager's heartbeat-fed snapshot). Everything
+else in the tests synchronises on messages, events or futures."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+#: How often a condition is looked at.
+_PERIOD = 0.02
+
+
+async def until(predicate: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> None:
+    """Return once ``predicate()`` is true; fail the test after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(_PERIOD)
