@@ -7,6 +7,7 @@ repeats, with the ratio. ``Row`` is what each script's ``run(quick)`` returns, s
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing
 import os
 import statistics
@@ -126,8 +127,16 @@ def fmt(value: float | None, unit: str) -> str:
 
 def print_rows(title: str, rows: list[Row]) -> None:
     print(f"\n## {title}  ({machine()})")
-    print(f"| metric | rlinf | baseline | baseline value | ratio (rlinf better >1) | target |")
+    print("| metric | rlinf | baseline | baseline value | ratio (rlinf better >1) | target |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r.ratio:.2f}x" if r.ratio else "-"
         print(f"| {r.metric} | {fmt(r.rlinf, r.unit)} | {r.baseline} | {fmt(r.baseline_value, r.unit)} | {ratio} | {r.target} |")
+
+
+def quick_main(doc: str, title: str, run: Callable[[bool], list[Row]]) -> None:
+    """The command line of a benchmark whose only option is ``--quick``: run it and
+    print its table (``doc``'s first line is the help text)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    print_rows(title, run(parser.parse_args().quick))

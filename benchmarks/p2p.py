@@ -18,7 +18,6 @@ machine).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import statistics
@@ -32,7 +31,7 @@ import numpy as np
 import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Row, baseline_context, nested_object, print_rows, touch  # noqa: E402
+from _common import Row, baseline_context, nested_object, quick_main, touch  # noqa: E402
 
 import rlinf  # noqa: E402
 from rlinf.control import run as run_loop  # noqa: E402
@@ -265,10 +264,7 @@ def _run(quick: bool) -> list[Row]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    print_rows("Point-to-point (P1-P4)", run(args.quick))
+    quick_main(__doc__, "Point-to-point (P1-P4)", run)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ plus ``ray.get`` in the receiver (the reference passed in a call).
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ from ray import cloudpickle
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
-from _common import Row, nested_object, print_rows, touch  # noqa: E402
+from _common import Row, nested_object, quick_main, touch  # noqa: E402
 
 import rlinf  # noqa: E402
 import rlinf.ray  # noqa: E402
@@ -133,10 +132,7 @@ def run(quick: bool = False) -> list[Row]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    print_rows("Between Ray actors: rlinf vs Ray's object store", run(args.quick))
+    quick_main(__doc__, "Between Ray actors: rlinf vs Ray's object store", run)
 
 
 if __name__ == "__main__":

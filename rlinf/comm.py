@@ -354,16 +354,14 @@ class Communicator:
         if nbytes >= self._routing.shm_threshold and nbytes and self._shm is not None \
                 and outbox.info is not None and self._shm_route(outbox.info):
             sizes = [memoryview(b).nbytes for b in buffers]
-            relays = self._shm.relay.plan(buffers, sizes, outbox.address) if self._shm.reader.relayable else None
-            if relays is not None:   # views of another process's slot: forwarded by reference
-                places, relays = relays
-                sizes = [0 if i in places else n for i, n in enumerate(sizes)]
+            relayed = self._shm.relay.plan(buffers, sizes, outbox.address) if self._shm.reader.relayable else None
+            if relayed is not None:   # views of another process's slot: forwarded by reference
+                sizes = [0 if i in relayed[0] else n for i, n in enumerate(sizes)]
             export = self._shm.export(buffers, sizes, {outbox.address: 1}) if any(sizes) else (None, sizes, None)
             if export is not None:
-                return self._queue_slot(outbox, kind, tag, codec_header, export, nbytes, need_future,
-                                        relays and (places, relays))
-            if relays is not None:
-                self._shm.relay.cancel(outbox.address, relays)
+                return self._queue_slot(outbox, kind, tag, codec_header, export, nbytes, need_future, relayed)
+            if relayed is not None:
+                self._shm.relay.cancel(outbox.address, relayed[1])
         if nbytes < SMALL_MESSAGE:
             # copy now (the caller may reuse its buffers); coalesced into one frame later
             frames, counts, large = [bytes(b) for b in buffers], None, False

@@ -87,7 +87,7 @@ class Relay:
         for i, (b, n) in enumerate(zip(buffers, sizes)):
             if not n:
                 continue
-            found = self._locate(np.frombuffer(b, np.uint8, 0).ctypes.data if n else 0, n)
+            found = self._locate(np.frombuffer(b, np.uint8, 0).ctypes.data, n)
             if found is None:
                 continue
             slot, offset = found
