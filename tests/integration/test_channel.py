@@ -13,7 +13,7 @@ import rlinf
 from rlinf.channel import Channel
 
 from . import workers_channel as wc
-from .wait import until
+from .wait import reaped, until
 
 pytestmark = pytest.mark.multiproc
 
@@ -32,14 +32,6 @@ async def comms(cluster):
     async with asyncio.timeout(30):
         for comm in made:
             await comm.aclose()
-
-
-def _reaped(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 async def _handles(comms, name: str, n: int, **options) -> list[Channel]:
@@ -182,7 +174,7 @@ async def test_channel_process_exits_when_its_creator_is_killed(cluster, driver)
         async for event in events:                       # its parent pipe closed: it leaves
             if event.address == "channel.orphan:0" and event.kind in ("left", "lost"):
                 break
-        await until(lambda: _reaped(pid), timeout=5,           # and its process is gone (reaped by init)
+        await until(lambda: reaped(pid), timeout=5,           # and its process is gone (reaped by init)
                     what=f"channel process {pid} to exit")
 
 

@@ -20,6 +20,8 @@ import pytest
 import rlinf
 from rlinf.launch import wait_gone
 
+from .wait import reaped
+
 pytestmark = pytest.mark.multiproc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -162,14 +164,6 @@ def _shm_of(pid: int) -> list[str]:
         return []
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 # -- tests ---------------------------------------------------------------------------
 async def test_spawn_call_join_round_trip(launcher, cluster):
     async with asyncio.timeout(90):
@@ -207,7 +201,7 @@ async def test_spawn_call_join_round_trip(launcher, cluster):
 
         assert await functions.join() == [{"address": "fn:0", "value": [1, 2], "flag": "on", "node": "node-x"}]
         assert await group.join() == [None, None, None]                       # told to finish
-        assert all(_gone(pid) for pid in group.pids + functions.pids + runners.pids)
+        assert all(reaped(pid) for pid in group.pids + functions.pids + runners.pids)
         assert "alive=0" in repr(group)
 
 
@@ -221,7 +215,7 @@ async def test_kill_one_rank(launcher, cluster, driver):
         segments = _shm_of(pid)
         assert segments, "expected the 1 MiB message to travel through shared memory"
         await group.kill(1)
-        assert _gone(pid)
+        assert reaped(pid)
         assert not os.path.exists(_ipc_dir(infos[1]))          # removed by the driver...
         assert [s for s in segments if os.path.exists(s)] == []   # ...and so is its shm
         del held
@@ -260,12 +254,12 @@ async def test_failure_raises_with_traceback_and_kills_the_rest(launcher, cluste
         assert info.value.address == "f:0"
         assert "rank zero gave up" in str(info.value) and "fail_after_others_wait" in info.value.remote_traceback
         assert time.monotonic() - t0 < 20
-        assert all(_gone(pid) for pid in group.pids)            # the waiting ranks were killed
+        assert all(reaped(pid) for pid in group.pids)            # the waiting ranks were killed
 
         with pytest.raises(rlinf.WorkerFailedError, match="setup exploded on rank 1") as info:
             await cluster.spawn(BadSetup, "bad", 2, launcher=launcher)
         assert info.value.address == "bad:1"
-        assert all(_gone(pid) for pid in cluster._groups[-1].pids)   # rank 0 did not linger
+        assert all(reaped(pid) for pid in cluster._groups[-1].pids)   # rank 0 did not linger
 
 
 async def test_bad_arguments(launcher, cluster):
@@ -317,7 +311,7 @@ async def test_close_after_crashes_leaves_nothing_behind(launcher):
             closing = time.monotonic() - t0
         del held
         assert closing < 15
-        assert [pid for pid in pids if not _gone(pid)] == []
+        assert [pid for pid in pids if not reaped(pid)] == []
         assert [d for d in dirs if os.path.exists(d)] == []
         assert [s for s in segments if os.path.exists(s)] == []
         await cluster.aclose()                                  # idempotent

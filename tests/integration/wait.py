@@ -5,6 +5,7 @@ else in the tests synchronises on messages, events or futures."""
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Callable
 
 #: How often a condition is looked at.
@@ -19,3 +20,12 @@ async def until(predicate: Callable[[], object], timeout: float = 10.0, what: st
         if loop.time() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         await asyncio.sleep(_PERIOD)
+
+
+def reaped(pid: int) -> bool:
+    """Whether process ``pid`` no longer exists (exited and reaped, not a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
