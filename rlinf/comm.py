@@ -354,7 +354,7 @@ class Communicator:
         if nbytes >= self._routing.shm_threshold and nbytes and self._shm is not None \
                 and outbox.info is not None and self._shm_route(outbox.info):
             sizes = [memoryview(b).nbytes for b in buffers]
-            relayed = self._shm.relay.plan(buffers, sizes, outbox.address) if self._shm.reader.relayable else None
+            relayed = self._shm.relay.plan(buffers, sizes, outbox.address)
             if relayed is not None:   # views of another process's slot: forwarded by reference
                 sizes = [0 if i in relayed[0] else n for i, n in enumerate(sizes)]
             export = self._shm.export(buffers, sizes, {outbox.address: 1}) if any(sizes) else (None, sizes, None)

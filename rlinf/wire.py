@@ -35,6 +35,11 @@ A layout item ``[r, offset, nbytes]`` marks a buffer carried by relay ``r`` at
 ``offset`` within it. A relay names a segment of the sender (a link to the owner's file)
 and is mapped copy-on-write; it is released with ``[segment, relay_id]``.
 
+A relay may instead be a torch storage the sender holds in shared memory (see
+:class:`FdRef` and ``rlinf/transports/_fdshare.py``): ``[fd, dev, ino, size, hold_id]``,
+the sender's file descriptor and the file's identity; it is mapped shared and released
+with ``["fd", hold_id]`` once mapped.
+
 Entries are in send order.
 
 Every size and count is checked before anything is allocated; a bad header raises
@@ -52,7 +57,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-__all__ = ["VERSION", "USER", "SYSTEM", "MAX_FRAME", "SLOT_ALIGN", "Entry", "SlotRef", "pack_header",
+__all__ = ["VERSION", "USER", "SYSTEM", "MAX_FRAME", "SLOT_ALIGN", "Entry", "SlotRef", "FdRef", "pack_header",
            "unpack_header", "slot_layout", "parse_segment_name"]
 
 VERSION = 1
@@ -84,7 +89,7 @@ class Entry:
     codec_header: bytes
     frame_counts: list
     slot: SlotRef | None = None
-    relays: list[SlotRef] | None = None
+    relays: list[SlotRef | FdRef] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +114,24 @@ class SlotRef:
 
     def to_wire(self) -> list:
         return [self.segment, self.offset, self.size, self.generation, self.private]
+
+
+@dataclass(frozen=True, slots=True)
+class FdRef:
+    """A file the sender holds open, named by reference: a validated handle descriptor.
+
+    Attributes:
+        fd: the descriptor in the sender (opened as ``/proc/<sender pid>/fd/<fd>``).
+        dev, ino: the file's identity; the receiver checks it after opening.
+        size: bytes of the file to map; the buffers placed in it fit.
+        hold_id: echoed back on release (``["fd", hold_id]``).
+    """
+
+    fd: int
+    dev: int
+    ino: int
+    size: int
+    hold_id: int
 
 
 def parse_segment_name(name: Any) -> int:
@@ -145,11 +168,14 @@ def _unpack_slot(raw: Any) -> SlotRef:
     return SlotRef(segment, pid, offset, size, generation, private)
 
 
-def _unpack_relays(raw: Any) -> list[SlotRef]:
+def _unpack_relays(raw: Any) -> list[SlotRef | FdRef]:
     if not (isinstance(raw, list) and 0 < len(raw) <= MAX_ENTRIES):
         raise ProtocolError("malformed relay list")
-    relays = []
+    relays: list[SlotRef | FdRef] = []
     for item in raw:
+        if isinstance(item, list) and len(item) == 5:
+            relays.append(_unpack_fd(item))
+            continue
         if not (isinstance(item, list) and len(item) == 4):
             raise ProtocolError("malformed relay")
         segment, offset, size, relay_id = item
@@ -158,7 +184,16 @@ def _unpack_relays(raw: Any) -> list[SlotRef]:
     return relays
 
 
-def _relayed_place(item: list, relays: list[SlotRef] | None) -> None:
+def _unpack_fd(item: list) -> FdRef:
+    if not all(type(v) is int and v >= 0 for v in item):
+        raise ProtocolError("malformed shared-file reference")
+    fd, dev, ino, size, hold_id = item
+    if fd >= 1 << 31 or not 0 < size <= MAX_SLOT:
+        raise ProtocolError("bad shared-file reference bounds")
+    return FdRef(fd, dev, ino, size, hold_id)
+
+
+def _relayed_place(item: list, relays: list[SlotRef | FdRef] | None) -> None:
     """Check a ``[r, offset, nbytes]`` layout item against the entry's relays."""
     if relays is None or len(item) != 3 or not all(type(v) is int for v in item):
         raise ProtocolError("bad relayed buffer layout")

@@ -25,6 +25,9 @@ How it stays safe:
 On the wire, a relayed buffer's layout item is ``[r, offset, nbytes]``: the place in the
 entry's relay ``r``, ``[segment, slot_offset, slot_size, relay_id]``
 (see :mod:`rlinf.wire`). The receiver's release names ``[segment, relay_id]``.
+
+The same plan sends torch tensors that already live in shared memory by handle (see
+:mod:`._fdshare`): their relay is ``[fd, dev, ino, size, hold_id]``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import os
 from typing import Any, Callable, Sequence
 
 import numpy as np
+
+from ._fdshare import FD_RELEASE, FdShares, shared_storages
 
 __all__ = ["Relay"]
 
@@ -55,11 +60,17 @@ class Relay:
         locate: ``locate(address, nbytes) -> (SlotRef, offset) | None`` (the reader's).
         names: this process's pool: ``link(segment) -> (name, path)`` makes a name of
             ours for a segment, ``unlink_link(path)`` removes it (see ``ShmPool``).
+        live: ``live() -> bool``: whether ``locate`` could find anything (a shortcut).
+        fds: where torch storages already in shared memory are held while they travel
+            by handle; None sends them as copies.
     """
 
-    def __init__(self, locate: Callable[[int, int], Any], names: Any) -> None:
+    def __init__(self, locate: Callable[[int, int], Any], names: Any, *,
+                 live: Callable[[], bool] | None = None, fds: FdShares | None = None) -> None:
         self._locate = locate
         self._names = names
+        self._live = live
+        self.fds = fds
         self._links: dict[str, _Link] = {}                       # owner's segment -> our link
         self._holds: dict[tuple[str, int], tuple[_Link, tuple[str, int], list]] = {}
         self._inflight: set[tuple[str, str, int]] = set()       # (receiver, segment, slot offset)
@@ -81,13 +92,20 @@ class Relay:
             buffer ``i`` and the entry's ``relays`` list; None when none can be relayed.
             The holds are taken: the caller must send the entry, or :meth:`cancel` it.
         """
+        shared = shared_storages(buffers) if self.fds is not None else ()
+        live = self._live is None or self._live()
+        if not shared and not live:
+            return None
         places: dict[int, list] = {}
         relays: list[list] = []
-        index: dict[tuple[str, int], int] = {}
+        index: dict[Any, int] = {}
         for i, (b, n) in enumerate(zip(buffers, sizes)):
             if not n:
                 continue
-            found = self._locate(np.frombuffer(b, np.uint8, 0).ctypes.data, n)
+            address = np.frombuffer(b, np.uint8, 0).ctypes.data
+            if shared and self._by_handle(i, address, n, shared, dst, places, relays, index):
+                continue
+            found = self._locate(address, n) if live else None
             if found is None:
                 continue
             slot, offset = found
@@ -110,6 +128,26 @@ class Relay:
             places[i] = [r, offset, n]
         return (places, relays) if relays else None
 
+    def _by_handle(self, i: int, address: int, n: int, shared: list, dst: str, places: dict,
+                   relays: list, index: dict) -> bool:
+        """Plan buffer ``i`` by handle if it lies in one of the ``shared`` storages."""
+        for storage in shared:
+            if storage.start <= address and address + n <= storage.end:
+                break
+        else:
+            return False
+        r = index.get(storage)
+        if r is None:
+            try:
+                ref = self.fds.reference(storage, dst)
+            except OSError as exc:   # cannot describe it: copy instead
+                log.debug("rlinf: shared tensor sent as a copy: %s", exc)
+                return False
+            r = index[storage] = len(relays)
+            relays.append(ref)
+        places[i] = [r, address - storage.start, n]
+        return True
+
     def _link(self, segment: str) -> _Link | None:
         link = self._links.get(segment)
         if link is None:
@@ -124,10 +162,15 @@ class Relay:
     def cancel(self, dst: str, relays: list) -> None:
         """The entry planned for ``dst`` was not sent: drop its holds."""
         for relay in relays:
-            self.release(dst, relay[0], relay[3])
+            if len(relay) == 5:
+                self.fds.release(dst, FD_RELEASE, relay[4])
+            else:
+                self.release(dst, relay[0], relay[3])
 
     def release(self, reader: str, segment: Any, relay_id: Any) -> bool:
         """``reader`` released relay ``relay_id``; False if it matches no hold of ours."""
+        if segment == FD_RELEASE:
+            return self.fds is not None and self.fds.release(reader, segment, relay_id)
         held = self._holds.pop((reader, relay_id), None) if type(relay_id) is int else None
         if held is None or held[0].name != segment:
             if held is not None:   # not its relay: put it back
@@ -150,6 +193,8 @@ class Relay:
 
     def reader_gone(self, reader: str) -> None:
         """``reader`` left or died: drop what we held for it."""
+        if self.fds is not None:
+            self.fds.reader_gone(reader)
         for dst, relay_id in [k for k in self._holds if k[0] == reader]:
             link, key, _ = self._holds.pop((dst, relay_id))
             self._inflight.discard((dst, *key))
@@ -170,6 +215,8 @@ class Relay:
 
     def close(self) -> None:
         """Drop every hold and unlink every link (mapped views stay valid). Idempotent."""
+        if self.fds is not None:
+            self.fds.close()
         self._holds.clear()
         self._inflight.clear()
         self._unconfirmed.clear()

@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 from .. import wire
 from ..devices import process_gone
 from ..errors import RlinfError
+from ._fdshare import FD_RELEASE, FdMaps, FdShares, enabled as fd_enabled
 from ._relay import Relay
 from ._shm_common import offload_threshold, sweep
 from ._shm_pool import Recycler, ShmPool, _Slot
@@ -37,7 +38,9 @@ class ShmSession:
                  views: bool = True, cap: int | None = None, recycler: Recycler | None = None) -> None:
         self.pool = ShmPool(cap)
         self.reader = ShmReader(self._released, self._mapped)
-        self.relay = Relay(self.reader.locate, self.pool)
+        self.fd_maps = FdMaps()
+        self.relay = Relay(self.reader.locate, self.pool, live=lambda: self.reader.relayable,
+                           fds=FdShares() if fd_enabled() else None)
         self.views = views
         self._recycler = recycler if recycler is not None else Recycler()
         self.offload = offload_threshold()
@@ -88,17 +91,25 @@ class ShmSession:
         """Views of an entry's slot buffers (``counts``: its layout); see :meth:`ShmReader.open`."""
         return self.reader.open(src, slot, [-c for c in counts if type(c) is int and c < 0], pid)
 
-    def open_relayed(self, src: str, relays: list[wire.SlotRef], counts: Sequence[Any],
+    def open_relayed(self, src: str, relays: list[wire.SlotRef | wire.FdRef], counts: Sequence[Any],
                      pid: int | None) -> list[memoryview]:
         """Views of an entry's relayed buffers (its ``[r, offset, nbytes]`` layout items),
-        in layout order; one release per relay, once all of its views are gone."""
+        in layout order. A relayed slot is released once all of its views are gone; a
+        shared file (:class:`~rlinf.wire.FdRef`) as soon as it is mapped."""
         places: dict[int, list[tuple[int, int]]] = {}
         order = []
         for c in counts:
             if type(c) is list:
                 places.setdefault(c[0], []).append((c[1], c[2]))
                 order.append(c[0])
-        views = {r: iter(self.reader.open_at(src, relays[r], p, pid)) for r, p in places.items()}
+        views = {}
+        for r, p in places.items():
+            relay = relays[r]
+            if type(relay) is wire.FdRef:
+                views[r] = iter(self.fd_maps.open(src, relay, p, pid))
+                self._note(src, FD_RELEASE, relay.hold_id)
+            else:
+                views[r] = iter(self.reader.open_at(src, relay, p, pid))
         return [next(views[r]) for r in order]
 
     def owned(self, buffers: list) -> list:
@@ -162,6 +173,7 @@ class ShmSession:
         them when its process is gone from this machine."""
         self.pool.reader_gone(address)
         self.relay.reader_gone(address)
+        self.fd_maps.peer_gone(address)
         self._owed -= sum(map(len, self._pending.pop(address, ((), ()))))
         for pid in self.reader.peer_gone(address):
             if pid != os.getpid() and process_gone(pid):
@@ -177,7 +189,7 @@ class ShmSession:
         deadline = loop.time() + timeout
         self._changed = asyncio.Event()
         try:
-            while (self.pool.unconfirmed() or self.relay.unconfirmed()) and loop.time() < deadline:
+            while self._unconfirmed() and loop.time() < deadline:
                 self._changed.clear()
                 try:
                     async with asyncio.timeout(deadline - loop.time()):
@@ -186,9 +198,13 @@ class ShmSession:
                     break
         finally:
             self._changed = None
-        late = sorted({*self.pool.unconfirmed(), *self.relay.unconfirmed()})
+        late = self._unconfirmed()
         if late:
             log.warning("rlinf: closing before %s mapped their shared memory; those messages are lost", late)
+
+    def _unconfirmed(self) -> list[str]:
+        fds = self.relay.fds.unconfirmed() if self.relay.fds is not None else ()
+        return sorted({*self.pool.unconfirmed(), *self.relay.unconfirmed(), *fds})
 
     def close(self) -> None:
         """Send what is owed, stop reporting, and unlink the pool. Idempotent."""
@@ -196,4 +212,5 @@ class ShmSession:
             self.flush()
         self.reader.close()
         self.relay.close()
+        self.fd_maps.close()
         self.pool.close()

@@ -42,8 +42,9 @@ for tools; the communicator uses the pool and reader directly, per message.
 
 This module is the public face; the parts live in ``_shm_common`` (settings, sweep),
 ``_shm_pool`` (slots, recycler), ``_shm_reader`` (views), ``_shm_session`` (a
-communicator's state), ``_relay`` (forwarding by reference), ``_pagemap`` and
-``_shm_transport`` (the contract).
+communicator's state), ``_relay`` (forwarding by reference), ``_fdshare`` (torch
+tensors already in shared memory, by handle), ``_pagemap`` and ``_shm_transport``
+(the contract).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import rlinf
+from rlinf.transports import shm
 
 from .same import assert_same
 from .wait import until
@@ -288,3 +289,46 @@ async def test_a_relayed_item_survives_its_producers_death(cluster, driver):
         await driver.send(None, "relay:0", tag=21)
         state = (await relay.join(timeout=60))[0]
     assert state["relay_holds"] == 0
+
+
+async def test_a_pre_shared_tensor_is_passed_by_handle(cluster, driver):
+    """A tensor already in shared memory (``share_memory_()``) is not copied: no slot is
+    used, the receiver maps the sender's file once (the same address on every send) and
+    a write by either side is seen by the other; the sender's holds end once mapped."""
+    n = 3
+    async with asyncio.timeout(90):
+        t = torch.zeros(1 << 20)
+        t.share_memory_()
+        peer = await cluster.spawn(workers_shm.shared_tensor_peer, "peer", 1, args=("driver:0", n))
+        addresses = set()
+        for i in range(n):
+            t[1] = float(i + 10)        # a write after share_memory_: the receiver sees it
+            await driver.send({"t": t, "i": i, "small": torch.ones(4)}, "peer:0")
+            seen, address, index = await driver.recv("peer:0", tag=30)
+            assert (seen, index) == (i + 10, i)
+            addresses.add(address)
+            assert await driver.recv("peer:0", tag=31) == "wrote"
+            assert float(t[0]) == i + 1   # the receiver's write, in our tensor
+        state = (await peer.join(timeout=60))[0]
+    assert len(addresses) == 1               # mapped once, then served from the cache
+    # only the small tensor went through a slot (the smallest size class), never the 4 MiB one
+    assert driver._shm.pool.mapped <= shm.MIN_SLOT, driver._shm.pool
+    assert driver.stats().transports["shm"].msgs == n
+    assert driver._shm.relay.fds.holds == 0
+    assert state["fd_maps"] == 1
+
+
+async def test_pre_shared_tensors_are_copied_when_handles_are_off(cluster, monkeypatch):
+    """``RLINF_SHM_FD=0``: a pre-shared tensor travels through a slot like any other."""
+    monkeypatch.setenv("RLINF_SHM_FD", "0")
+    async with asyncio.timeout(90):
+        async with cluster.connect("sender:0") as sender:
+            t = torch.zeros(1 << 20)
+            t.share_memory_()
+            peer = await cluster.spawn(workers_shm.shared_tensor_peer, "peer", 1, args=("sender:0", 1))
+            await sender.send({"t": t, "i": 0}, "peer:0")
+            assert (await sender.recv("peer:0", tag=30))[0] == 0.0
+            assert await sender.recv("peer:0", tag=31) == "wrote"
+            assert float(t[0]) == 0.0             # the receiver wrote to its own copy
+            assert sender._shm.pool.exports == 1
+            await peer.join(timeout=60)

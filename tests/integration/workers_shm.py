@@ -97,3 +97,17 @@ async def relay_sink(comm, src: str, n: int, orders: str):
     await comm.recv("driver:0", tag=22, timeout=60)
     await comm.send(None, src, tag=21, timeout=60)
     return seen
+
+
+async def shared_tensor_peer(comm, src: str, n: int):
+    """Receive ``n`` messages holding a tensor from ``src``; after each, report what the
+    tensor shows and where its memory is, then add 1 to its element 0 (a write ``src``
+    sees when the tensor was passed by handle) and say so."""
+    for _ in range(n):
+        obj = await comm.recv(src, timeout=60)
+        t = obj["t"]
+        await comm.send((float(t[1]), t.data_ptr(), obj["i"]), src, tag=30, timeout=60)
+        t[0] += 1
+        del obj, t
+        await comm.send("wrote", src, tag=31, timeout=60)
+    return {**shm_state(comm), "fd_maps": len(comm._shm.fd_maps._maps)}

@@ -339,3 +339,94 @@ def test_relayed_places_are_validated_against_their_relays():
     for entries in bad:
         with pytest.raises(ProtocolError):
             wire.unpack_header(wire.pack_header("x:0", "i", entries, True), [])
+
+
+# -- torch tensors already in shared memory, by handle (_fdshare) ---------------------------
+def _shared_tensor(n: int = 1 << 16):
+    torch = pytest.importorskip("torch")
+    t = torch.arange(n, dtype=torch.float32)
+    t.share_memory_()
+    return t
+
+
+def _planned(t, dst: str = "r:0"):
+    """Encode ``{"t": t}`` and plan it as the communicator does: (places, relays), fds."""
+    from rlinf import codec
+    from rlinf.transports._fdshare import FdShares
+
+    _, buffers = codec.encode({"t": t})
+    fds = FdShares()
+    relay = shm.Relay(lambda *a: None, None, live=lambda: False, fds=fds)
+    return relay.plan(buffers, [b.nbytes for b in buffers], dst), fds, relay
+
+
+def test_shared_storages_finds_only_fd_shared_tensors():
+    torch = pytest.importorskip("torch")
+    from rlinf import codec
+    from rlinf.transports._fdshare import shared_storages
+
+    t = _shared_tensor()
+    _, buffers = codec.encode({"shared": t[10:20], "plain": torch.ones(8), "np": np.ones(8)})
+    found = shared_storages(buffers)
+    assert [(s.start, s.end) for s in found] == [(t.data_ptr(), t.data_ptr() + t.nbytes)]
+    assert shared_storages(codec.encode({"plain": torch.ones(8)})[1]) == []
+    assert shared_storages(codec.encode(np.ones(8))[1]) == []
+
+
+def test_a_shared_tensor_is_planned_by_handle_and_held_until_released():
+    t = _shared_tensor()
+    (places, relays), fds, relay = _planned(t[100:])
+    (ref,) = relays
+    st = os.fstat(ref[0])
+    assert ref[1:4] == [st.st_dev, st.st_ino, st.st_size] and ref[3] >= t.nbytes
+    assert places == {0: [0, 400, t.nbytes - 400]}        # the view's place in the file
+    assert fds.holds == 1
+    assert not relay.release("r:0", "fd", ref[4] + 1)     # not ours
+    assert not relay.release("other:0", "fd", ref[4])     # not that reader's
+    assert relay.release("r:0", "fd", ref[4]) and fds.holds == 0
+    (_, relays), fds, relay = _planned(t)
+    relay.reader_gone("r:0")
+    assert fds.holds == 0
+
+
+def test_fd_maps_map_once_share_writes_and_check_identity():
+    from rlinf.transports._fdshare import FdMaps
+
+    t = _shared_tensor()
+    (places, relays), fds, _ = _planned(t)
+    ref = wire.unpack_header(wire.pack_header("x:0", "i", [[0, 0, b"", [[0, *places[0][1:]]], None, relays]],
+                                              True), [])[2][0].relays[0]
+    assert isinstance(ref, wire.FdRef)
+    maps = FdMaps(cap=1 << 30)
+    (view,) = maps.open("x:0", ref, [(4, 8)], os.getpid())
+    assert np.frombuffer(view, np.float32).tolist() == [1.0, 2.0]
+    np.frombuffer(view, np.float32)[0] = -5.0             # shared: the sender's tensor sees it
+    assert float(t[1]) == -5.0
+    (again,) = maps.open("x:0", ref, [(0, 4)], None)       # cached: no pid needed, same mapping
+    assert np.frombuffer(again, np.uint8).ctypes.data + 4 == np.frombuffer(view, np.uint8).ctypes.data
+    maps.peer_gone("x:0")
+    with pytest.raises(ProtocolError, match="pid is unknown"):
+        maps.open("x:0", ref, [(0, 4)], None)
+    forged = wire.FdRef(ref.fd, ref.dev, ref.ino + 1, ref.size, 1)    # another file's identity
+    with pytest.raises(ProtocolError, match="is not"):
+        maps.open("x:0", forged, [(0, 4)], os.getpid())
+    with pytest.raises(ProtocolError, match="cannot open"):
+        maps.open("x:0", wire.FdRef(1 << 30, 1, 1, 4096, 1), [(0, 4)], os.getpid())
+    small = FdMaps(cap=ref.size)                            # bounded: the oldest goes first
+    small.open("x:0", ref, [(0, 4)], os.getpid())
+    other = _shared_tensor(1 << 10)
+    (_, relays2), _, _ = _planned(other)
+    small.open("x:0", wire.FdRef(*relays2[0]), [(0, 4)], os.getpid())
+    assert len(small._maps) == 1 and small._bytes <= small.cap
+
+
+def test_fd_references_are_validated():
+    good = [3, 27, 1234, 8192, 1]
+    entry = wire.unpack_header(wire.pack_header("x:0", "i", [[0, 0, b"", [[0, 0, 10]], None, [good]]], True), [])
+    assert entry[2][0].relays[0] == wire.FdRef(3, 27, 1234, 8192, 1)
+    for bad in ([3, 27, 1234, 0, 1], [-1, 27, 1234, 8192, 1], [3, 27, 1234, 8192, "x"],
+                [1 << 31, 27, 1234, 8192, 1], [3, 27, 1234, 1 << 41, 1]):
+        with pytest.raises(ProtocolError):
+            wire.unpack_header(wire.pack_header("x:0", "i", [[0, 0, b"", [[0, 0, 10]], None, [bad]]], True), [])
+    with pytest.raises(ProtocolError):     # a place beyond the file
+        wire.unpack_header(wire.pack_header("x:0", "i", [[0, 0, b"", [[0, 8190, 10]], None, [good]]], True), [])
