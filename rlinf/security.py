@@ -6,7 +6,9 @@ process that knows the token derives the same values):
 * a CURVE server key pair, shared by every server socket of the cluster (manager and
   workers' TCP data endpoints), and a CURVE client key pair shared by every client;
 * a PLAIN password for same-node ``ipc://`` data sockets, whose socket files already
-  live in a ``0700`` directory.
+  live in a ``0700`` directory;
+* an HMAC key for the handshakes of unencrypted bulk TCP links
+  (:mod:`rlinf.transports.tcp_bulk`).
 
 A process without the token cannot complete a CURVE handshake (it does not know the
 server's public key, and the ZAP handler rejects any client key but the cluster's), and
@@ -58,7 +60,7 @@ def _derive(token: str, label: str) -> bytes:
 class ClusterKeys:
     """Key material derived from a token. Immutable; cheap to build once per process."""
 
-    __slots__ = ("server_public", "server_secret", "client_public", "client_secret", "password")
+    __slots__ = ("server_public", "server_secret", "client_public", "client_secret", "password", "bulk_key")
 
     def __init__(self, token: str) -> None:
         if not isinstance(token, str) or not token:
@@ -68,6 +70,7 @@ class ClusterKeys:
         self.client_secret = z85.encode(_derive(token, "rlinf-curve-client"))
         self.client_public = zmq.curve_public(self.client_secret)
         self.password = z85.encode(_derive(token, "rlinf-plain"))
+        self.bulk_key = _derive(token, "rlinf-bulk")   # HMAC key of bulk TCP handshakes
 
     def secure_server(self, sock: zmq.Socket, *, encrypt: bool = True) -> None:
         """Make ``sock`` (before bind) accept only cluster members."""

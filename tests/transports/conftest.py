@@ -18,6 +18,7 @@ import zmq
 from rlinf.security import ClusterKeys, ZapHandler
 from rlinf.transports.base import Link, Listener
 from rlinf.transports.shm import ShmTransport, available as shm_available
+from rlinf.transports.tcp_bulk import BulkTransport
 from rlinf.transports.zeromq import ZmqTransport
 
 
@@ -87,6 +88,21 @@ async def _shm_pair(name: str, cap: int | None) -> Pair:
     return pair
 
 
+async def _bulk_pair(name: str) -> Pair:
+    keys = ClusterKeys(secrets.token_hex(16))
+    receiver, sender = BulkTransport(keys.bulk_key), BulkTransport(keys.bulk_key)
+    listener = await receiver.listen()
+    endpoint = listener.endpoints["bulk"]
+
+    async def connect(identity: bytes) -> Link:
+        return await sender.connect(endpoint, identity=identity)
+
+    link = await connect(b"sender|1")
+    pair = Pair(name, listener, link, connect, sender, receiver)
+    pair.closers += [listener.close]
+    return pair
+
+
 async def _cuda_pair(name: str) -> Pair:
     # GPU transports (CUDA IPC, NCCL) join the suite here once they exist.
     pytest.skip(f"the {name} transport is not implemented yet")
@@ -97,6 +113,7 @@ _TRANSPORTS = [
     pytest.param("zmq-tcp", id="zmq-tcp"),
     pytest.param("shm", id="shm"),
     pytest.param("shm-capped", id="shm-capped"),     # cap 0: every send falls back inline
+    pytest.param("bulk-tcp", id="bulk-tcp"),
     pytest.param("cuda_ipc", id="cuda_ipc", marks=pytest.mark.cuda),
 ]
 
@@ -111,6 +128,8 @@ async def pair(request) -> Pair:
             p = await _shm_pair(name, None)
         elif name == "shm-capped":
             p = await _shm_pair(name, 0)
+        elif name == "bulk-tcp":
+            p = await _bulk_pair(name)
         else:
             p = await _cuda_pair(name)
     try:

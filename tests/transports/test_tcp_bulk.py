@@ -1,0 +1,105 @@
+"""Bulk TCP specifics beyond the conformance suite: authentication and hostile input."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+import numpy as np
+import pytest
+
+import rlinf
+from rlinf.transports.tcp_bulk import BulkTransport
+
+from ..integration.wait import until
+
+KEY = b"k" * 32
+
+
+@pytest.fixture
+async def listener():
+    lst = await BulkTransport(KEY).listen()
+    yield lst
+    lst.close()
+
+
+async def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the peer closed ``sock`` without sending anything (EOF or a reset)."""
+    try:
+        return await asyncio.get_running_loop().run_in_executor(None, sock.recv, 1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _host_port(listener) -> tuple[str, int]:
+    host, port = listener.endpoints["bulk"][len("tcp://"):].rsplit(":", 1)
+    return host, int(port)
+
+
+async def test_a_client_without_the_key_is_refused(listener):
+    async with asyncio.timeout(20):
+        with pytest.raises(rlinf.AuthenticationError):
+            await BulkTransport(b"x" * 32).connect(listener.endpoints["bulk"], identity=b"evil|1")
+        good = await BulkTransport(KEY).connect(listener.endpoints["bulk"], identity=b"good|1")
+        await good.send(b"h", [b"payload"])
+        received = await listener.recv()
+        assert (received.peer, received.header, bytes(received.frames[0])) == (b"good|1", b"h", b"payload")
+        good.close()
+
+
+async def test_a_client_that_fails_the_proof_gets_nothing_delivered(listener):
+    """A client that knows the protocol but not the key: the listener closes the
+    connection after the proof, and never reads a frame set from it."""
+    async with asyncio.timeout(20):
+        loop = asyncio.get_running_loop()
+        sock = await loop.run_in_executor(None, socket.create_connection, _host_port(listener))
+        try:
+            sock.sendall(b"RLINFBK1" + b"n" * 32 + struct.pack("!H", 3) + b"x|1")
+            await loop.run_in_executor(None, sock.recv, 64)
+            sock.sendall(b"p" * 32 + struct.pack("!IQQ", 2, 1, 3) + b"hxyz")
+            assert await _closed_by_peer(sock)     # closed, no ack
+        finally:
+            sock.close()
+        await until(lambda: listener.rejected == 1, what="the rejection")
+
+
+@pytest.mark.parametrize("junk", [b"", b"GET / HTTP/1.1\r\n\r\n", bytes(range(256)) * 64])
+async def test_junk_does_not_break_the_listener(listener, junk):
+    async with asyncio.timeout(20):
+        loop = asyncio.get_running_loop()
+        sock = await loop.run_in_executor(None, socket.create_connection, _host_port(listener))
+        sock.sendall(junk)
+        sock.close()
+        link = await BulkTransport(KEY).connect(listener.endpoints["bulk"], identity=b"a|1")
+        data = np.arange(1 << 20, dtype=np.uint8)
+        await link.send(b"h", [data, b""])
+        received = await listener.recv()
+        assert np.array_equal(np.frombuffer(received.frames[0], np.uint8), data)
+        assert received.frames[1].nbytes == 0
+        link.close()
+
+
+async def test_oversized_announcements_close_the_connection(listener):
+    """Sizes are checked before anything is allocated: a frame count or a size past the
+    limits ends that connection only."""
+    async with asyncio.timeout(20):
+        for announce in (struct.pack("!I", 0), struct.pack("!I", 1 << 20), struct.pack("!IQ", 1, 1 << 50)):
+            link = await BulkTransport(KEY).connect(listener.endpoints["bulk"], identity=b"a|1")
+            link._sock.sendall(announce)
+            assert await _closed_by_peer(link._sock)
+            link.close()
+        ok = await BulkTransport(KEY).connect(listener.endpoints["bulk"], identity=b"a|2")
+        await ok.send(b"still", [])
+        assert (await listener.recv()).header == b"still"
+        ok.close()
+
+
+async def test_a_send_to_a_closed_listener_is_peer_lost(listener):
+    async with asyncio.timeout(20):
+        link = await BulkTransport(KEY).connect(listener.endpoints["bulk"], identity=b"a|1")
+        listener.close()
+        with pytest.raises(rlinf.PeerLostError):
+            await link.send(b"h", [np.zeros(8 << 20, np.uint8)])
+        with pytest.raises(rlinf.ClosedError):
+            await link.send(b"h", [])
