@@ -8,20 +8,27 @@ memory that is already faulted in (:class:`~rlinf.transports.shm.Recycler`) pays
 kernel copy and nothing else: on this project's 2-vCPU machines 128 MiB crosses
 loopback in ~32 ms this way against ~160 ms as one raw pyzmq frame (docs/benchmarks.md).
 
-Security: only for links whose ZeroMQ counterpart would not be encrypted
-(``RLINF_TCP_ENCRYPTION=0``): the stream is authenticated both ways (an HMAC-SHA256
-challenge with a key derived from the cluster token, bound to both nonces and to the
-sender's identity) but not encrypted, like the PLAIN ZeroMQ links it stands in for. A
-connection that fails the handshake is closed before any frame is read.
+Security: the stream is authenticated both ways by an HMAC-SHA256 challenge with a key
+derived from the cluster token, bound to both ends' fresh nonces and to the sender's
+identity; a connection that fails it is closed before any frame is read. When either
+end asks for encryption (``RLINF_TCP_ENCRYPTION``, on by default, as for ZeroMQ's CURVE
+links), every record after the handshake is sealed with AES-256-GCM (or
+ChaCha20-Poly1305) under per-connection, per-direction keys derived from the same
+handshake (:mod:`._aead`: libsodium, the one pyzmq bundles): frame tables and headers as
+one record, payloads in records of at most 1 MiB read into their destination and opened
+in place, and each acknowledgement as an empty record. Without encryption the stream
+is authenticated at connection time only, like the PLAIN ZeroMQ links.
 
-Handshake: the client sends a magic, its nonce and its identity; the server answers with
-its nonce and a MAC proving it holds the key; the client answers with its own MAC; the
-server confirms with one byte. Stream, after the handshake, per frame set::
+Handshake: the client sends a magic, its nonce, whether it encrypts and its identity;
+the server answers with its nonce, whether it encrypts and a MAC over all of it proving
+it holds the key; the client answers with its own MAC; the server confirms with one
+byte. Stream, after the handshake, per frame set (unencrypted)::
 
     u32 nframes | u64 size * nframes | frame 0 (the header) | frame 1 | ...
 
-and the receiver answers each frame set with one byte once its handler ran on the
-event loop. :meth:`BulkLink.send` returns after that byte, so a frame set that the
+(encrypted: ``u32 n | sealed(table + header) | tag``, then each frame as sealed records
+with their tags), and the receiver answers each frame set once its handler ran on the
+event loop (one byte, or an empty sealed record). :meth:`BulkLink.send` returns after that byte, so a frame set that the
 caller sends later on another transport cannot overtake this one.
 
 Threads: sockets are blocking; each accepted connection has a reader thread and each
@@ -47,7 +54,8 @@ import struct
 import threading
 from typing import Any, Callable, Sequence
 
-from ..errors import ClosedError, PeerLostError
+from ..errors import AuthenticationError, ClosedError, PeerLostError, TransportUnavailableError
+from . import _aead
 from .base import Link, Listener, Received, Transport
 from ._shm_pool import Recycler
 
@@ -65,6 +73,8 @@ _MAX_FRAMES = 1 << 16
 _MAX_HEADER = 64 << 20
 _MAX_FRAME = 1 << 40
 _ACK = b"\x01"
+_EMPTY = memoryview(b"")
+_RECORD = 1 << 20
 _SOCKET_BUFFER = 4 << 20
 _HANDSHAKE_TIMEOUT = 10.0
 
@@ -106,12 +116,115 @@ def _parse(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class _Stream:
+    """One end of a bulk connection after the handshake: frame sets and acknowledgements,
+    sealed when ``keys`` (``(outgoing, incoming)`` 32-byte keys) are given."""
+
+    def __init__(self, sock: socket.socket, keys: tuple[bytes, bytes] | None) -> None:
+        self.sock = sock
+        self.out = self.into = None
+        self._scratch: memoryview | None = None
+        if keys is not None:
+            self.out, self.into = _aead.Sealer(keys[0]), _aead.Sealer(keys[1])
+
+    @property
+    def encrypted(self) -> bool:
+        return self.out is not None
+
+    def send_frames(self, header: bytes, views: Sequence[memoryview]) -> None:
+        sizes = [len(header), *(v.nbytes for v in views)]
+        table = struct.pack(f"!I{len(sizes)}Q", len(sizes), *sizes)
+        if self.out is None:
+            self.sock.sendall(table + header)
+            for v in views:
+                if v.nbytes:
+                    self.sock.sendall(v)
+            return
+        head = memoryview(bytearray(table + header))
+        tag = self.out.seal(head, head)
+        self.sock.sendall(struct.pack("!I", head.nbytes) + head + tag)
+        if self._scratch is None and len(sizes) > 1:
+            self._scratch = memoryview(bytearray(_RECORD))
+        for v in views:
+            for start in range(0, v.nbytes, _RECORD):
+                piece = v[start:start + _RECORD]
+                out = self._scratch[:piece.nbytes]
+                tag = self.out.seal(piece, out)
+                self.sock.sendall(out)
+                self.sock.sendall(tag)
+
+    def read_frames(self, recycler: Recycler) -> tuple[bytes, list[memoryview]] | None:
+        """``(header, frames)``, or None at a clean end of stream. Sizes are checked
+        before anything is allocated."""
+        first = bytearray(4)
+        view, got = memoryview(first), 0
+        while got < 4:
+            k = self.sock.recv_into(view[got:])
+            if not k:
+                if got:
+                    raise ConnectionError("connection closed inside a frame set")
+                return None
+            got += k
+        (n,) = struct.unpack("!I", first)
+        if self.into is None:
+            count = n
+            if not 1 <= count <= _MAX_FRAMES:
+                raise ValueError(f"bad bulk frame count {count}")
+            sizes = struct.unpack(f"!{count}Q", _recv_exact(self.sock, 8 * count))
+            if sizes[0] > _MAX_HEADER:
+                raise ValueError("bulk header too large")
+            header = _recv_exact(self.sock, sizes[0])
+        else:
+            if not 12 <= n <= 4 + 8 * _MAX_FRAMES + _MAX_HEADER:
+                raise ValueError(f"bad sealed bulk table of {n} bytes")
+            head = memoryview(bytearray(_recv_exact(self.sock, n)))
+            self.into.open(head, _recv_exact(self.sock, _aead.TAG))
+            (count,) = struct.unpack_from("!I", head)
+            if not 1 <= count <= _MAX_FRAMES or n < 4 + 8 * count:
+                raise ValueError(f"bad bulk frame count {count}")
+            sizes = struct.unpack_from(f"!{count}Q", head, 4)
+            if 4 + 8 * count + sizes[0] != n:
+                raise ValueError("bulk table does not match its record")
+            header = bytes(head[4 + 8 * count:])
+        if any(k > _MAX_FRAME for k in sizes):
+            raise ValueError("bulk frame too large")
+        frames = []
+        for k in sizes[1:]:
+            buf = memoryview(recycler.take(k)) if k else memoryview(bytearray(0))
+            if self.into is None:
+                _recv_into(self.sock, buf)
+            else:
+                for start in range(0, k, _RECORD):
+                    piece = buf[start:start + _RECORD]
+                    _recv_into(self.sock, piece)
+                    self.into.open(piece, _recv_exact(self.sock, _aead.TAG))
+            frames.append(buf)
+        return header, frames
+
+    def send_ack(self) -> None:
+        self.sock.sendall(_ACK if self.out is None else self.out.seal(_EMPTY, _EMPTY))
+
+    def read_ack(self) -> None:
+        if self.into is None:
+            if _recv_exact(self.sock, 1) != _ACK:
+                raise ConnectionError("bad acknowledgement")
+        else:
+            self.into.open(_EMPTY, _recv_exact(self.sock, _aead.TAG))
+
+
+def _session_keys(key: bytes, client_nonce: bytes, server_nonce: bytes, identity: bytes) -> tuple[bytes, bytes]:
+    """(client -> server, server -> client) keys of one connection."""
+    return (_mac(key, b"k-c2s", client_nonce, server_nonce, identity),
+            _mac(key, b"k-s2c", client_nonce, server_nonce, identity))
+
+
 class BulkListener(Listener):
     """Accepts authenticated bulk connections and delivers their frame sets on the loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, endpoint: str,
-                 key: bytes, recycler: Recycler) -> None:
+                 key: bytes, recycler: Recycler, encrypt: bool) -> None:
         self.endpoints = {SCHEME: endpoint}
+        self._encrypt = encrypt
         self._loop = loop
         self._sock = sock
         self._key = key
@@ -160,77 +273,57 @@ class BulkListener(Listener):
                 self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="rlinf-bulk-read", daemon=True).start()
 
-    def _handshake(self, conn: socket.socket) -> bytes:
+    def _handshake(self, conn: socket.socket) -> tuple[bytes, _Stream]:
         conn.settimeout(_HANDSHAKE_TIMEOUT)
-        hello = _recv_exact(conn, len(_MAGIC) + _NONCE + 2)
+        hello = _recv_exact(conn, len(_MAGIC) + _NONCE + 3)
         if hello[:len(_MAGIC)] != _MAGIC:
             raise PermissionError("not an rlinf bulk client")
-        client_nonce = hello[len(_MAGIC):-2]
-        (n,) = struct.unpack("!H", hello[-2:])
-        if n > _MAX_IDENTITY:
-            raise PermissionError("identity too long")
+        client_nonce = hello[len(_MAGIC):len(_MAGIC) + _NONCE]
+        client_seals, (n,) = hello[-3:-2], struct.unpack("!H", hello[-2:])
+        if n > _MAX_IDENTITY or client_seals not in (b"\0", b"\1"):
+            raise PermissionError("malformed hello")
         identity = _recv_exact(conn, n)
         nonce = secrets.token_bytes(_NONCE)
-        conn.sendall(nonce + _mac(self._key, b"s", client_nonce, nonce, identity))
+        seals = b"\1" if self._encrypt else b"\0"
+        conn.sendall(nonce + seals + _mac(self._key, b"s", client_nonce, client_seals, nonce, seals, identity))
         proof = _recv_exact(conn, _MAC)
-        if not hmac.compare_digest(proof, _mac(self._key, b"c", nonce, client_nonce, identity)):
+        if not hmac.compare_digest(proof, _mac(self._key, b"c", nonce, seals, client_nonce, client_seals, identity)):
             raise PermissionError("the client does not hold the cluster token")
         conn.sendall(_ACK)
         conn.settimeout(None)
-        return identity
+        sealed = self._encrypt or client_seals == b"\1"
+        keys = _session_keys(self._key, client_nonce, nonce, identity) if sealed else None
+        return identity, _Stream(conn, keys[::-1] if keys else None)
 
     def _serve(self, conn: socket.socket) -> None:
         try:
             _tune(conn)
             try:
-                identity = self._handshake(conn)
+                identity, stream = self._handshake(conn)
             except (OSError, PermissionError, struct.error) as exc:
                 self.rejected += 1
                 log.warning("rlinf: rejected a bulk connection: %s", exc)
                 return
             while not self._closed:
-                received = self._read(conn, identity)
-                if received is None:
+                got = stream.read_frames(self._recycler)
+                if got is None:
                     return
                 done = threading.Event()
                 try:
-                    self._loop.call_soon_threadsafe(self._deliver, received, done)
+                    self._loop.call_soon_threadsafe(self._deliver, Received(identity, *got), done)
                 except RuntimeError:    # the loop is closed
                     return
                 while not done.wait(0.5):
                     if self._closed or self._loop.is_closed():
                         return
-                conn.sendall(_ACK)
-        except (OSError, ValueError) as exc:
+                stream.send_ack()
+        except (OSError, ValueError) as exc:   # AuthenticationFailed is a ValueError
             if not self._closed:
-                log.debug("rlinf: bulk connection ended: %r", exc)
+                log.warning("rlinf: bulk connection dropped: %r", exc)
         finally:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
-
-    def _read(self, conn: socket.socket, identity: bytes) -> Received | None:
-        """One frame set, or None at a clean end of stream. Sizes are checked before
-        anything is allocated."""
-        try:
-            first = conn.recv(4, socket.MSG_WAITALL)
-        except OSError:
-            return None
-        if len(first) < 4:
-            return None
-        (count,) = struct.unpack("!I", first)
-        if not 1 <= count <= _MAX_FRAMES:
-            raise ValueError(f"bad bulk frame count {count}")
-        sizes = struct.unpack(f"!{count}Q", _recv_exact(conn, 8 * count))
-        if sizes[0] > _MAX_HEADER or any(n > _MAX_FRAME for n in sizes):
-            raise ValueError("bulk frame too large")
-        header = _recv_exact(conn, sizes[0])
-        frames = []
-        for n in sizes[1:]:
-            buf = memoryview(self._recycler.take(n)) if n else memoryview(bytearray(0))
-            _recv_into(conn, buf)
-            frames.append(buf)
-        return Received(identity, header, frames)
 
     def _deliver(self, received: Received, done: threading.Event) -> None:
         try:
@@ -268,10 +361,11 @@ class BulkListener(Listener):
 class BulkLink(Link):
     """A connection to one peer's :class:`BulkListener`; one frame set at a time."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, endpoint: str) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, stream: _Stream, endpoint: str) -> None:
         self.endpoint = endpoint
         self._loop = loop
-        self._sock = sock
+        self._stream = stream
+        self._sock = stream.sock
         self._lock = asyncio.Lock()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlinf-bulk-send")
         self._closed = False
@@ -285,22 +379,23 @@ class BulkLink(Link):
                 raise ClosedError("bulk link is closed")
             try:
                 await self._loop.run_in_executor(self._executor, self._send, header, buffers)
-            except (OSError, ConnectionError) as exc:
+            except (OSError, ConnectionError, _aead.AuthenticationFailed) as exc:
                 if self._closed:
                     raise ClosedError("bulk link is closed") from None
                 self.close()
                 raise PeerLostError(f"bulk connection to {self.endpoint} broke: {exc}") from exc
 
+    @property
+    def encrypted(self) -> bool:
+        return self._stream.encrypted
+
     def _send(self, header: bytes, buffers: Sequence[Any]) -> None:
-        views = [b if type(b) is memoryview else memoryview(b) for b in buffers]
-        sizes = [len(header), *(v.nbytes for v in views)]
-        sock = self._sock
-        sock.sendall(struct.pack(f"!I{len(sizes)}Q", len(sizes), *sizes) + header)
-        for v in views:
-            if v.nbytes:
-                sock.sendall(v if v.format == "B" and v.ndim == 1 else v.cast("B"))
-        if _recv_exact(sock, 1) != _ACK:
-            raise ConnectionError("bad acknowledgement")
+        views = []
+        for b in buffers:
+            v = b if type(b) is memoryview else memoryview(b)
+            views.append(v if v.format == "B" and v.ndim == 1 else v.cast("B"))
+        self._stream.send_frames(header, views)
+        self._stream.read_ack()
 
     def close(self) -> None:
         if self._closed:
@@ -322,12 +417,19 @@ class BulkTransport(Transport):
         host: interface to listen on.
         advertise_host: address peers dial (default ``host``).
         recycler: memory received frames are read into (a new one by default).
+        encrypt: seal this end's connections (either end asking is enough).
+
+    Raises:
+        TransportUnavailableError: encryption is asked for and no libsodium loads.
     """
 
     name = "bulk"
 
     def __init__(self, key: bytes, *, host: str = "127.0.0.1", advertise_host: str | None = None,
-                 recycler: Recycler | None = None) -> None:
+                 recycler: Recycler | None = None, encrypt: bool = True) -> None:
+        if encrypt and not _aead.available():
+            raise TransportUnavailableError("bulk TCP encryption needs libsodium (bundled with pyzmq's wheels)")
+        self._encrypt = encrypt
         self._key = key
         self._host = host
         self._advertise = advertise_host or host
@@ -336,6 +438,10 @@ class BulkTransport(Transport):
     @classmethod
     def available(cls) -> bool:
         return True
+
+    @property
+    def encrypt(self) -> bool:
+        return self._encrypt
 
     async def listen(self) -> BulkListener:
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
@@ -349,7 +455,8 @@ class BulkTransport(Transport):
             raise
         port = sock.getsockname()[1]
         host = f"[{self._advertise}]" if ":" in self._advertise else self._advertise
-        return BulkListener(asyncio.get_running_loop(), sock, f"tcp://{host}:{port}", self._key, self._recycler)
+        return BulkListener(asyncio.get_running_loop(), sock, f"tcp://{host}:{port}", self._key, self._recycler,
+                            self._encrypt)
 
     async def connect(self, endpoint: str, *, identity: bytes) -> BulkLink:
         """Connect and authenticate (both ways).
@@ -363,12 +470,10 @@ class BulkTransport(Transport):
             host, port = _parse(endpoint)
         except ValueError as exc:
             raise PeerLostError(f"cannot connect to {endpoint!r}: {exc}") from None
-        sock = await loop.run_in_executor(None, self._dial, host, port, identity)
-        return BulkLink(loop, sock, endpoint)
+        stream = await loop.run_in_executor(None, self._dial, host, port, identity)
+        return BulkLink(loop, stream, endpoint)
 
-    def _dial(self, host: str, port: int, identity: bytes) -> socket.socket:
-        from ..errors import AuthenticationError
-
+    def _dial(self, host: str, port: int, identity: bytes) -> _Stream:
         try:
             sock = socket.create_connection((host, port), timeout=_HANDSHAKE_TIMEOUT)
         except OSError as exc:
@@ -376,16 +481,19 @@ class BulkTransport(Transport):
         try:
             _tune(sock)
             nonce = secrets.token_bytes(_NONCE)
-            sock.sendall(_MAGIC + nonce + struct.pack("!H", len(identity)) + identity)
-            reply = _recv_exact(sock, _NONCE + _MAC)
-            server_nonce, proof = reply[:_NONCE], reply[_NONCE:]
-            if not hmac.compare_digest(proof, _mac(self._key, b"s", nonce, server_nonce, identity)):
+            seals = b"\1" if self._encrypt else b"\0"
+            sock.sendall(_MAGIC + nonce + seals + struct.pack("!H", len(identity)) + identity)
+            reply = _recv_exact(sock, _NONCE + 1 + _MAC)
+            server_nonce, server_seals, proof = reply[:_NONCE], reply[_NONCE:_NONCE + 1], reply[_NONCE + 1:]
+            expected = _mac(self._key, b"s", nonce, seals, server_nonce, server_seals, identity)
+            if not hmac.compare_digest(proof, expected):
                 raise AuthenticationError(f"bulk endpoint {host}:{port} does not hold the cluster token")
-            sock.sendall(_mac(self._key, b"c", server_nonce, nonce, identity))
+            sock.sendall(_mac(self._key, b"c", server_nonce, server_seals, nonce, seals, identity))
             if _recv_exact(sock, 1) != _ACK:
                 raise ConnectionError("bad handshake acknowledgement")
             sock.settimeout(None)
-            return sock
+            sealed = self._encrypt or server_seals == b"\1"
+            return _Stream(sock, _session_keys(self._key, nonce, server_nonce, identity) if sealed else None)
         except OSError as exc:
             sock.close()
             raise PeerLostError(f"bulk handshake with {host}:{port} failed: {exc}") from exc

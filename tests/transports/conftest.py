@@ -88,9 +88,9 @@ async def _shm_pair(name: str, cap: int | None) -> Pair:
     return pair
 
 
-async def _bulk_pair(name: str) -> Pair:
+async def _bulk_pair(name: str, encrypt: bool) -> Pair:
     keys = ClusterKeys(secrets.token_hex(16))
-    receiver, sender = BulkTransport(keys.bulk_key), BulkTransport(keys.bulk_key)
+    receiver, sender = BulkTransport(keys.bulk_key, encrypt=encrypt), BulkTransport(keys.bulk_key, encrypt=encrypt)
     listener = await receiver.listen()
     endpoint = listener.endpoints["bulk"]
 
@@ -113,7 +113,8 @@ _TRANSPORTS = [
     pytest.param("zmq-tcp", id="zmq-tcp"),
     pytest.param("shm", id="shm"),
     pytest.param("shm-capped", id="shm-capped"),     # cap 0: every send falls back inline
-    pytest.param("bulk-tcp", id="bulk-tcp"),
+    pytest.param("bulk-tcp", id="bulk-tcp"),               # sealed (AES-GCM / ChaCha20-Poly1305)
+    pytest.param("bulk-tcp-plain", id="bulk-tcp-plain"),
     pytest.param("cuda_ipc", id="cuda_ipc", marks=pytest.mark.cuda),
 ]
 
@@ -128,8 +129,8 @@ async def pair(request) -> Pair:
             p = await _shm_pair(name, None)
         elif name == "shm-capped":
             p = await _shm_pair(name, 0)
-        elif name == "bulk-tcp":
-            p = await _bulk_pair(name)
+        elif name.startswith("bulk-tcp"):
+            p = await _bulk_pair(name, encrypt=name == "bulk-tcp")
         else:
             p = await _cuda_pair(name)
     try:

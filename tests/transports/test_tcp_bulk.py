@@ -17,9 +17,9 @@ from ..integration.wait import until
 KEY = b"k" * 32
 
 
-@pytest.fixture
-async def listener():
-    lst = await BulkTransport(KEY).listen()
+@pytest.fixture(params=[True, False], ids=["sealed", "plain"])
+async def listener(request):
+    lst = await BulkTransport(KEY, encrypt=request.param).listen()
     yield lst
     lst.close()
 
@@ -55,8 +55,8 @@ async def test_a_client_that_fails_the_proof_gets_nothing_delivered(listener):
         loop = asyncio.get_running_loop()
         sock = await loop.run_in_executor(None, socket.create_connection, _host_port(listener))
         try:
-            sock.sendall(b"RLINFBK1" + b"n" * 32 + struct.pack("!H", 3) + b"x|1")
-            await loop.run_in_executor(None, sock.recv, 64)
+            sock.sendall(b"RLINFBK1" + b"n" * 32 + b"\0" + struct.pack("!H", 3) + b"x|1")
+            await loop.run_in_executor(None, sock.recv, 32 + 1 + 32, socket.MSG_WAITALL)   # nonce, flag, MAC
             sock.sendall(b"p" * 32 + struct.pack("!IQQ", 2, 1, 3) + b"hxyz")
             assert await _closed_by_peer(sock)     # closed, no ack
         finally:
@@ -84,8 +84,12 @@ async def test_oversized_announcements_close_the_connection(listener):
     """Sizes are checked before anything is allocated: a frame count or a size past the
     limits ends that connection only."""
     async with asyncio.timeout(20):
-        for announce in (struct.pack("!I", 0), struct.pack("!I", 1 << 20), struct.pack("!IQ", 1, 1 << 50)):
-            link = await BulkTransport(KEY).connect(listener.endpoints["bulk"], identity=b"a|1")
+        if listener._encrypt:     # a sealed table: its length, then a record that fails its tag
+            bad = [struct.pack("!I", 0), struct.pack("!I", 1 << 30), struct.pack("!I", 40) + bytes(56)]
+        else:
+            bad = [struct.pack("!I", 0), struct.pack("!I", 1 << 20), struct.pack("!IQ", 1, 1 << 50)]
+        for announce in bad:
+            link = await BulkTransport(KEY, encrypt=False).connect(listener.endpoints["bulk"], identity=b"a|1")
             link._sock.sendall(announce)
             assert await _closed_by_peer(link._sock)
             link.close()
@@ -103,3 +107,39 @@ async def test_a_send_to_a_closed_listener_is_peer_lost(listener):
             await link.send(b"h", [np.zeros(8 << 20, np.uint8)])
         with pytest.raises(rlinf.ClosedError):
             await link.send(b"h", [])
+
+
+@pytest.mark.parametrize("client_seals", [True, False])
+async def test_either_end_asking_for_encryption_seals_the_stream(listener, client_seals):
+    async with asyncio.timeout(20):
+        link = await BulkTransport(KEY, encrypt=client_seals).connect(listener.endpoints["bulk"], identity=b"a|1")
+        assert link.encrypted == (client_seals or listener._encrypt)
+        data = np.arange(3 << 20, dtype=np.uint8)          # three records and a bit
+        await link.send(b"header", [data[:-5], b"x", data])
+        received = await listener.recv()
+        assert received.header == b"header"
+        assert [bytes(f[:3]) for f in received.frames] == [b"\0\1\2", b"x", b"\0\1\2"]
+        assert np.array_equal(np.frombuffer(received.frames[2], np.uint8), data)
+        link.close()
+
+
+async def test_a_forged_record_is_dropped_with_its_connection(listener):
+    """A sealed record that fails its tag: nothing is delivered, the connection ends
+    (the sender sees PeerLostError), other connections go on."""
+    async with asyncio.timeout(20):
+        link = await BulkTransport(KEY, encrypt=True).connect(listener.endpoints["bulk"], identity=b"a|1")
+        class Forger:      # seals the table honestly, then forges the payload's tag
+            def __init__(self, real):
+                self.real = real
+
+            def seal(self, src, dst):
+                tag = self.real.seal(src, dst)
+                return bytes(16) if src.nbytes == 1000 else tag
+
+        link._stream.out = Forger(link._stream.out)
+        with pytest.raises(rlinf.PeerLostError):
+            await link.send(b"h", [np.ones(1000, np.uint8)])
+        other = await BulkTransport(KEY).connect(listener.endpoints["bulk"], identity=b"b|1")
+        await other.send(b"fine", [])
+        assert (await listener.recv()).header == b"fine"
+        other.close()
