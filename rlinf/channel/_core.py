@@ -24,107 +24,16 @@ import math
 import time
 from typing import Any, Callable
 
-from .policies import ConsumerInfo, ItemInfo, LoadBalancePolicy, SpeedMeter, make_policy, select_checked
+from ._state import Handle, Item, Request, insert_by_id
+from .policies import ItemInfo, LoadBalancePolicy, make_policy, select_checked
 
-__all__ = ["ChannelCore", "Handle", "Item"]
+__all__ = ["ChannelCore"]
 
 log = logging.getLogger("rlinf.channel")
 
 _BUSY_WINDOW = 10.0
 _BUSY_BUCKET = 0.25
 _RATE_WINDOW = 5
-
-
-class Item:
-    __slots__ = ("id", "weight", "key", "payload", "nbytes", "producer", "ack")
-
-    def __init__(self, item_id: int, weight: float, key: Any, payload: Any, nbytes: int, producer: str) -> None:
-        self.id = item_id
-        self.weight = weight
-        self.key = key
-        self.payload = payload
-        self.nbytes = nbytes
-        self.producer = producer
-        self.ack = False
-
-    def info(self) -> ItemInfo:
-        return ItemInfo(self.id, self.weight, self.key, self.nbytes, self.producer)
-
-    def __repr__(self) -> str:
-        return f"<Item {self.id} w={self.weight} key={self.key!r}>"
-
-
-class _Request:
-    __slots__ = ("rid", "key", "max_items", "target")
-
-    def __init__(self, rid: int, key: Any, max_items: int | None, target: float | None) -> None:
-        self.rid = rid
-        self.key = key
-        self.max_items = max_items
-        self.target = target
-
-
-class Handle:
-    """One client handle (a ``Channel`` object in some worker): producer and/or consumer."""
-
-    def __init__(self, src: str, hid: int, incarnation: str, node_id: str, name: str, now: float) -> None:
-        self.src, self.hid, self.incarnation, self.node_id, self.name = src, hid, incarnation, node_id, name
-        self.dead = False
-        self.joined = now
-        # producer side (maxsize > 0): space leased to it, and puts waiting for space
-        self.leased = 0
-        self.want = 0
-        self.revoking = False
-        self.puts = 0
-        self.rejected = 0
-        # consumer side
-        self.consumer = False
-        self.keys: set = set()
-        self.assigned: dict[Any, collections.deque[Item]] = {}
-        self.inflight: dict[int, Item] = {}
-        self.working: dict[int, Item] = {}
-        self.requests: dict[Any, collections.deque[_Request]] = {}
-        self.credit: dict[Any, int] = {}
-        self.pending_count = 0
-        self.pending_weight = 0.0
-        self.consumed_count = 0
-        self.consumed_weight = 0.0
-        self.meter = SpeedMeter()
-        self.busy: collections.deque[list] = collections.deque()     # [bucket, busy seconds]
-        self.busy_fraction = 0.0
-        self.free_memory: int | None = None
-
-    def __repr__(self) -> str:
-        return f"<Handle {self.name} pending={self.pending_count} leased={self.leased}>"
-
-    def wants(self, key: Any) -> bool:
-        return bool(self.requests.get(key)) or self.credit.get(key, 0) > 0
-
-    @property
-    def waiting(self) -> bool:
-        return any(self.requests.values()) or any(n > 0 for n in self.credit.values())
-
-    def add_pending(self, item: Item, sign: int) -> None:
-        self.pending_count += sign
-        self.pending_weight += sign * item.weight
-        if self.pending_count == 0:
-            self.pending_weight = 0.0   # no float drift when idle
-
-    def snapshot(self) -> ConsumerInfo:
-        return ConsumerInfo(self.name, self.node_id, self.pending_count, self.pending_weight,
-                            self.consumed_count, self.consumed_weight, self.meter.value,
-                            self.busy_fraction, self.free_memory, self.waiting)
-
-
-def _insert_by_id(queue: collections.deque[Item], item: Item) -> None:
-    if not queue or queue[-1].id < item.id:
-        queue.append(item)
-        return
-    for i, other in enumerate(queue):
-        if other.id > item.id:
-            queue.insert(i, item)
-            return
-    queue.append(item)
 
 
 class ChannelCore:
@@ -187,17 +96,28 @@ class ChannelCore:
         # a waiting consumer then gets them in one "items" op, not one op per item.
         self._deferred = deferred = set()
         try:
-            for op in ops:
+            i, n = 0, len(ops)
+            while i < n:
+                op = ops[i]
                 kind = op[0]
                 if kind == "hello":
                     h = self._hello(src, hid, *op[1:])
+                    i += 1
                     continue
                 if h is None:
                     raise ValueError(f"op {kind!r} from {src} for unknown channel handle {hid}")
+                if kind == "put":          # a run of puts (a producer's loop) is applied at once
+                    j = i + 1
+                    while j < n and ops[j][0] == "put":
+                        j += 1
+                    self._puts(h, ops, i, j)
+                    i = j
+                    continue
                 method = self._OPS.get(kind)
                 if method is None:
                     raise ValueError(f"unknown channel op {kind!r}")
                 method(self, h, *op[1:])
+                i += 1
         finally:
             self._deferred = None
             for key in deferred:
@@ -220,30 +140,47 @@ class ChannelCore:
                                     "closed": self.closed, "lease": h.leased, "name": h.name}))
         return h
 
-    def _op_put(self, h: Handle, key: Any, weight: float, nbytes: int, payload: Any) -> None:
-        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
-            raise ValueError(f"bad weight {weight!r}")
-        if h.leased > 0:
-            h.leased -= 1
-            self.leased_total -= 1
-        if self.closed:
-            self.rejected += 1
-            h.rejected += 1
-            self.send(h, ("rejected", 1))
-            return
-        item = Item(self.next_id, float(weight), key, payload, int(nbytes), h.src)
-        self.next_id += 1
-        h.puts += 1
-        self.put_count += 1
-        self.bytes_in += item.nbytes
-        self._count_rate(0)
-        self.live[key] += 1
-        self.live_total += 1
-        self._route(item)
-        if self.maxsize and not self.want_queue and h.leased * 2 < self._lease_batch():
-            top_up = min(self._free(), self._lease_batch() - h.leased)
-            if top_up > 0:         # keep a producer that is putting supplied (revocable)
-                self._lease(h, top_up)
+    def _puts(self, h: Handle, ops: list, start: int, stop: int) -> None:
+        """Apply the "put" ops ``ops[start:stop]`` of ``h``, in order.
+
+        Per item only what differs per item is done here; the counters of the whole run
+        are added once at the end (also when a malformed op stops it: the puts before it
+        stay applied, like every op before a malformed one).
+        """
+        count = nbytes_in = rejected = 0
+        live = self.live
+        try:
+            for index in range(start, stop):
+                _kind, key, weight, nbytes, payload = ops[index]
+                if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
+                    raise ValueError(f"bad weight {weight!r}")
+                if h.leased > 0:
+                    h.leased -= 1
+                    self.leased_total -= 1
+                if self.closed:
+                    rejected += 1
+                    continue
+                item = Item(self.next_id, float(weight), key, payload, int(nbytes), h.src)
+                live[key] += 1            # (an unhashable key fails here, before anything changed)
+                self.next_id += 1
+                self.live_total += 1
+                count += 1
+                nbytes_in += item.nbytes
+                self._route(item)
+                if self.maxsize and not self.want_queue and h.leased * 2 < self._lease_batch():
+                    top_up = min(self._free(), self._lease_batch() - h.leased)
+                    if top_up > 0:         # keep a producer that is putting supplied (revocable)
+                        self._lease(h, top_up)
+        finally:
+            if count:
+                h.puts += count
+                self.put_count += count
+                self.bytes_in += nbytes_in
+                self._count_rate(0, count)
+            if rejected:
+                self.rejected += rejected
+                h.rejected += rejected
+                self.send(h, ("rejected", rejected))
 
     def _op_want(self, h: Handle, n: int, nowait: bool) -> None:
         if not self.maxsize:
@@ -271,7 +208,7 @@ class ChannelCore:
     def _op_get(self, h: Handle, rid: int, key: Any, max_items: int | None, target: float | None,
                 memory: int | None) -> None:
         self._join(h, key, memory)
-        h.requests.setdefault(key, collections.deque()).append(_Request(rid, key, max_items, target))
+        h.requests.setdefault(key, collections.deque()).append(Request(rid, key, max_items, target))
         self._serve(h, key)
 
     def _op_credit(self, h: Handle, key: Any, n: int, memory: int | None) -> None:
@@ -287,34 +224,53 @@ class ChannelCore:
                     return
 
     def _op_took(self, h: Handle, ids: list, ack: bool) -> None:
+        ack = bool(ack)
+        inflight, working = h.inflight, h.working
+        if ack or self.closed:
+            for item_id in ids:
+                item = inflight.pop(item_id, None)
+                if item is not None:
+                    item.ack = ack
+                    working[item_id] = item
+                    if not ack:
+                        self._retire(item)
+            return
+        # Delivered for good, while open: _retire inlined (no key can end before close).
+        live = self.live
+        retired = 0
         for item_id in ids:
-            item = h.inflight.pop(item_id, None)
-            if item is None:
-                continue
-            item.ack = bool(ack)
-            h.working[item_id] = item
-            if not item.ack:
-                self._retire(item)
+            item = inflight.pop(item_id, None)
+            if item is not None:
+                item.ack = False
+                working[item_id] = item
+                live[item.key] -= 1
+                item.payload = None
+                retired += 1
+        self.live_total -= retired
 
     def _op_unget(self, h: Handle, ids: list) -> None:
         back = [h.inflight.pop(i) for i in ids if i in h.inflight]
         for item in back:
-            h.add_pending(item, -1)
+            h.add_pending(-1, -item.weight)
         self._requeue(back)
 
     def _op_done(self, h: Handle, ids: list, seconds: float) -> None:
-        weight, first = 0.0, None
+        working = h.working
+        weight, count, first = 0.0, 0, None
         for item_id in ids:
-            item = h.working.pop(item_id, None)
+            item = working.pop(item_id, None)
             if item is None:
                 continue
-            first = first or item
+            if first is None:
+                first = item
+            count += 1
             weight += item.weight
-            h.add_pending(item, -1)
-            h.consumed_count += 1
-            h.consumed_weight += item.weight
             if item.ack:
                 self._retire(item)
+        if count:
+            h.add_pending(-count, -weight)
+            h.consumed_count += count
+            h.consumed_weight += weight
         if first is None or not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
             return
         h.meter.update(weight, float(seconds))
@@ -349,7 +305,8 @@ class ChannelCore:
     def _op_bye(self, h: Handle) -> None:
         self.remove(h)
 
-    _OPS = {"put": _op_put, "want": _op_want, "ret": _op_ret, "get": _op_get, "credit": _op_credit,
+    # ("put" runs are applied by _puts)
+    _OPS = {"want": _op_want, "ret": _op_ret, "get": _op_get, "credit": _op_credit,
             "cancel": _op_cancel, "took": _op_took, "unget": _op_unget, "done": _op_done,
             "close": _op_close, "stats": _op_stats, "sync": _op_sync, "bye": _op_bye}
 
@@ -425,13 +382,13 @@ class ChannelCore:
                               self.name, self.policy.name, item.id)
             else:
                 h = members[choice]
-                _insert_by_id(h.assigned.setdefault(key, collections.deque()), item)
-                h.add_pending(item, +1)
+                insert_by_id(h.assigned, key, item)
+                h.add_pending(1, item.weight)
                 self._serve(h, key)
                 if self.work_stealing:
                     self._serve_wanting(key)
                 return
-        _insert_by_id(self.shared.setdefault(key, collections.deque()), item)
+        insert_by_id(self.shared, key, item)
         if self._deferred is not None:
             self._deferred.add(key)
         else:
@@ -453,19 +410,6 @@ class ChannelCore:
         if self.queued == 0:
             self.queued_weight = 0.0
 
-    def _source(self, h: Handle, key: Any) -> collections.deque[Item] | None:
-        """Where ``h``'s next item for ``key`` comes from: the older head of its own
-        assigned queue and the shared queue; else (work stealing) a victim's tail."""
-        mine = h.assigned.get(key)
-        shared = self.shared.get(key)
-        if mine and shared:
-            return mine if mine[0].id < shared[0].id else shared
-        if mine or shared:
-            return mine or shared
-        if self.work_stealing and self._steal(h, key):
-            return h.assigned[key]
-        return None
-
     def _steal(self, h: Handle, key: Any) -> bool:
         victims = [v for v in self.consumers.get(key, ()) if v is not h and v.assigned.get(key)]
         if not victims:
@@ -478,9 +422,9 @@ class ChannelCore:
         if (h.pending_weight + item.weight) / speeds[0] >= ends[best]:
             return False   # it would not finish sooner here
         victim.assigned[key].pop()
-        victim.add_pending(item, -1)
+        victim.add_pending(-1, -item.weight)
         h.assigned.setdefault(key, collections.deque()).append(item)
-        h.add_pending(item, +1)
+        h.add_pending(1, item.weight)
         self.requeued += 1
         return True
 
@@ -489,16 +433,63 @@ class ChannelCore:
         fallback = sum(known) / len(known) if known else 1.0
         return [h.meter.value or fallback for h in handles]
 
-    def _take(self, h: Handle, source: collections.deque[Item]) -> Item:
-        item = source.popleft()
-        self._dequeue_count(item)
-        if source is not h.assigned.get(item.key):
-            h.add_pending(item, +1)
-        h.inflight[item.id] = item
-        self.get_count += 1
-        self.bytes_out += item.nbytes
-        self._count_rate(1)
-        return item
+    def _collect(self, h: Handle, key: Any, max_items: int, target: float | None) -> list[Item]:
+        """Take the items ``h`` gets next for ``key`` and put them in flight to it.
+
+        Oldest first from its assigned queue and the shared queue (else, with work
+        stealing, from a victim); at most ``max_items`` (0: no limit) and, past the first
+        item, a total weight <= ``target`` (None: no limit); it stops at the first item
+        that does not fit. Empty: nothing to give.
+        """
+        taken: list[Item] = []
+        total = 0.0
+        nbytes = 0
+        fresh, fresh_weight = 0, 0.0        # from the shared queue: newly pending on h
+        inflight = h.inflight
+        full = False
+        while not full and not (max_items and len(taken) >= max_items):
+            mine, shared = h.assigned.get(key), self.shared.get(key)
+            if mine and shared:     # a run from the older head, up to the other's head
+                source, bound = (mine, shared[0].id) if mine[0].id < shared[0].id else (shared, mine[0].id)
+            elif mine or shared:
+                source, bound = mine or shared, None
+            elif self.work_stealing and self._steal(h, key):
+                continue
+            else:
+                break
+            from_shared = source is shared
+            while source:
+                item = source[0]
+                if bound is not None and item.id > bound:
+                    break
+                if taken and ((max_items and len(taken) >= max_items)
+                              or (target is not None and total + item.weight > target)):
+                    full = True
+                    break
+                source.popleft()
+                taken.append(item)
+                inflight[item.id] = item
+                total += item.weight
+                nbytes += item.nbytes
+                if from_shared:
+                    fresh += 1
+                    fresh_weight += item.weight
+        if taken:       # what _dequeue_count does per item, once for the batch
+            n = len(taken)
+            self.queued -= n
+            self.queued_weight -= total
+            self.key_len[key] -= n
+            self.key_weight[key] -= total
+            if self.key_len[key] == 0:
+                self.key_weight[key] = 0.0
+            if self.queued == 0:
+                self.queued_weight = 0.0
+            if fresh:
+                h.add_pending(fresh, fresh_weight)
+            self.get_count += n
+            self.bytes_out += nbytes
+            self._count_rate(1, n)
+        return taken
 
     # -- serving consumers -----------------------------------------------------------------
     def _serve(self, h: Handle, key: Any) -> None:
@@ -528,24 +519,11 @@ class ChannelCore:
                 wanting.append(h)
 
     def _fill_one(self, h: Handle, key: Any) -> bool:
-        """Answer ``h``'s oldest request for ``key`` (or one unit of credit). False: nothing to give."""
+        """Answer ``h``'s oldest request for ``key`` (or its credit). False: nothing to give."""
         requests = h.requests.get(key)
         if requests:
             request = requests[0]
-            items: list[Item] = []
-            total = 0.0
-            while True:
-                source = self._source(h, key)
-                if source is None:
-                    break
-                nxt = source[0]
-                if items and ((request.max_items and len(items) >= request.max_items)
-                              or (request.target is not None and total + nxt.weight > request.target)):
-                    break
-                items.append(self._take(h, source))
-                total += nxt.weight
-                if request.max_items and len(items) >= request.max_items:
-                    break
+            items = self._collect(h, key, request.max_items or 0, request.target)
             if not items:
                 return False
             requests.popleft()
@@ -553,16 +531,10 @@ class ChannelCore:
             return True
         credit = h.credit.get(key, 0)
         if credit > 0:   # prefetch: as many items as the credit covers, in one op
-            items = []
-            while credit > 0:
-                source = self._source(h, key)
-                if source is None:
-                    break
-                items.append(self._take(h, source))
-                credit -= 1
+            items = self._collect(h, key, credit, None)
             if not items:
                 return False
-            h.credit[key] = credit
+            h.credit[key] = credit - len(items)
             self.send(h, ("items", 0, key, [(it.id, it.weight, it.payload) for it in items]))
             return True
         return False
@@ -650,14 +622,14 @@ class ChannelCore:
                 self._lease(h, min(self._free(), max(1, self._lease_batch() - h.leased)))
 
     # -- introspection -----------------------------------------------------------------------
-    def _count_rate(self, column: int) -> None:
+    def _count_rate(self, column: int, n: int) -> None:
         second = int(self.clock())
         rates = self._rates
         if not rates or rates[-1][0] != second:
             rates.append([second, 0, 0])
             while rates[0][0] <= second - _RATE_WINDOW:
                 rates.popleft()
-        rates[-1][column + 1] += 1
+        rates[-1][column + 1] += n
 
     def stats(self) -> dict[str, Any]:
         """A plain-value snapshot (see :class:`~rlinf.channel.stats.ChannelStats`)."""

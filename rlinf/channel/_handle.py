@@ -221,6 +221,36 @@ class HandleBase:
             self._credited.add(key)
             self._credit(key, self._prefetch)
 
+    def _take_buffered(self, key: Any, buffer: collections.deque, ack: bool) -> Any:
+        """A ``get`` of one item served from the prefetch ``buffer`` of ``key`` (not empty).
+
+        The same steps as the general path (finish the previous items, credit the server
+        back, deliver), for one item, with one clock reading and one flush scheduled.
+        """
+        item_id, _weight, payload = buffer.popleft()
+        now = self._clock()
+        working = self._working
+        if working:                 # the items of the previous get are finished
+            self._add_done(working, now - self._working_since)
+            self._working = []
+        credit = self._acc_credit[key] = self._acc_credit.get(key, 0) + 1
+        if credit * 2 >= self._prefetch:
+            self._must_yield = True
+        took = self._acc_took.get(ack)
+        if took is None:
+            took = self._acc_took[ack] = []
+        took.append(item_id)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush_soon)
+        obj = unpack(self._codec, payload)
+        if ack:
+            self._unacked.setdefault(id(obj), collections.deque()).append((item_id, now, obj))
+        else:
+            self._working.append(item_id)
+            self._working_since = now
+        return obj
+
     def _deliver(self, items: list, ack: bool) -> list[Any]:
         ids = [i[0] for i in items]
         self._took(ids, ack)
@@ -259,12 +289,16 @@ class HandleBase:
         self._schedule_flush()
 
     def _done(self, ids: list, seconds: float) -> None:
+        self._add_done(ids, seconds)
+        self._schedule_flush()
+
+    def _add_done(self, ids: list, seconds: float) -> None:
+        """Merge ``ids`` into the pending "done" op (it takes ``ids`` over: not copied)."""
         if self._acc_done is None:
-            self._acc_done = [list(ids), seconds]
+            self._acc_done = [ids, seconds]
         else:
             self._acc_done[0].extend(ids)
             self._acc_done[1] += seconds
-        self._schedule_flush()
 
     def _credit(self, key: Any, n: int) -> None:
         credit = self._acc_credit[key] = self._acc_credit.get(key, 0) + n

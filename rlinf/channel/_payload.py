@@ -32,17 +32,18 @@ def pack(codec: Codec, item: Any) -> tuple[tuple, int]:
         EncodeError: ``item`` cannot be encoded (the path inside it is named).
     """
     header, buffers = codec.encode(item)
-    nbytes = 0
-    device = False
+    sizes = [len(header)]
+    host = True
     for b in buffers:
-        if is_device_buffer(b):
-            device = True
-        nbytes += buffer_nbytes(b)
-    if not device and nbytes + len(header) <= PACK_LIMIT:
+        if type(b) is memoryview:        # host memory, as the codec gives it (the cheap test)
+            sizes.append(b.nbytes)
+        else:
+            host = host and not is_device_buffer(b)
+            sizes.append(buffer_nbytes(b))
+    nbytes = sum(sizes) - sizes[0]
+    if host and nbytes + sizes[0] <= PACK_LIMIT:
         if not buffers:
-            return (0, header), nbytes
-        sizes = [len(header)]
-        sizes.extend(buffer_nbytes(b) for b in buffers)
+            return (0, header), 0
         return (1, sizes, b"".join([header, *buffers])), nbytes
     wrapped = [b if is_device_buffer(b) else np.frombuffer(b, dtype=np.uint8) for b in buffers]
     return (2, header, wrapped), nbytes
@@ -60,14 +61,17 @@ def unpack(codec: Codec, payload: tuple) -> Any:
         return codec.decode(payload[1], [])
     if kind == 1:
         sizes, blob = payload[1], payload[2]
-        view = memoryview(blob).cast("B") if not isinstance(blob, bytes) else memoryview(blob)
-        parts, offset = [], 0
-        for n in sizes:
-            parts.append(view[offset:offset + n])
-            offset += n
-        if offset != view.nbytes:
+        view = memoryview(blob) if type(blob) is bytes else memoryview(blob).cast("B")
+        if sum(sizes) != view.nbytes:
             raise ValueError("channel payload sizes do not match its data")
-        return codec.decode(parts[0], parts[1:])
+        head = sizes[0]
+        # a small header is cheaper to decode as bytes (it is copied, the buffers are not)
+        header = blob[:head] if type(blob) is bytes and head <= 4096 else view[:head]
+        buffers, offset = [], head
+        for n in sizes[1:]:
+            buffers.append(view[offset:offset + n])
+            offset += n
+        return codec.decode(header, buffers)
     if kind == 2:
         header, buffers = payload[1], payload[2]
         return codec.decode(header, [b if is_device_buffer(b) else memoryview(b) for b in buffers])

@@ -202,6 +202,11 @@ class Channel(HandleBase):
             EndOfChannel: the channel is closed and nothing of ``key`` is left.
             CommTimeoutError, PeerLostError (the channel process died), ClosedError.
         """
+        _check_key(key)
+        buffer = self._buffers.get(key)
+        if buffer and not self._must_yield and self._error is None:
+            _check_timeout(timeout)      # prefetched: no wait, so no timeout to set up
+            return self._take_buffered(key, buffer, ack)
         return (await self._get_items(key, 1, None, ack, timeout))[0]
 
     async def get_batch(self, target_weight: float | None = None, max_items: int | None = None, key: Any = None,
@@ -238,10 +243,7 @@ class Channel(HandleBase):
             if self._prefetch:
                 self._ensure_credit(key)
             raise WouldBlock(f"channel {self.name!r}: no item of key {key!r} is buffered here")
-        self._report_done()
-        taken = [buffer.popleft()]
-        self._credit(key, 1)
-        return self._deliver(taken, ack)[0]
+        return self._take_buffered(key, buffer, ack)
 
     def async_get(self, key: Any = None, *, ack: bool = False) -> Work[Any]:
         """Start a get now (its order is fixed by this call) and return its :class:`Work`."""

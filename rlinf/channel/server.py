@@ -15,6 +15,7 @@ parent died), so a channel process never outlives the worker that created it.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing
 import os
@@ -33,7 +34,8 @@ from ..errors import (
     RlinfError,
     WorkerFailedError,
 )
-from ._core import ChannelCore, Handle
+from ._core import ChannelCore
+from ._state import Handle
 from ._wire import decode_ops, encode_ops
 from .stats import ChannelStats
 
@@ -45,6 +47,8 @@ log = logging.getLogger("rlinf.channel")
 REQUEST_TAG = "rlinf.channel"
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,100}")
 _STOP_GRACE = 3.0
+#: Young-generation GC threshold in a channel process (Python's default is 700).
+_GC_THRESHOLD = 50_000
 
 
 def reply_tag(hid: int) -> str:
@@ -200,6 +204,21 @@ def _retrieve(future: asyncio.Future) -> None:
 
 
 # -- a server in its own process ------------------------------------------------------------
+def _tune_gc() -> None:
+    """Set the garbage collector up for a process that only serves a channel.
+
+    What it allocates are items in transit: a few tracked objects each, in no reference
+    cycle, freed once delivered. With the default threshold every ~200 items of backlog
+    growth trigger a young collection that walks them (with its older-generation
+    follow-ups, ~2 us per item, 15-20% of the server's time at small items); with a high
+    threshold most die before any collection sees them. What start-up created is moved
+    out of the collector's way for good (``gc.freeze``). Cycles are still collected.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(_GC_THRESHOLD, *gc.get_threshold()[1:])
+
+
 async def _process_serve(name: str, manager: str, token: str, config: dict, conn) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -215,6 +234,7 @@ async def _process_serve(name: str, manager: str, token: str, config: dict, conn
 
     server = ChannelServer(name, manager=manager, token=token, **config)
     await server.start()
+    _tune_gc()
     loop.add_reader(conn.fileno(), on_pipe)
     conn.send(("ready", os.getpid()))
     finished = loop.create_task(server.wait_done())

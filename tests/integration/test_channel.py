@@ -95,6 +95,32 @@ async def test_prefetching_consumers_get_everything_once(cluster, driver):
     assert results[0] == sorted(results[0]) and results[1] == sorted(results[1])
 
 
+async def test_prefetched_gets_report_taken_finished_and_acked_items(driver, comms):
+    """Gets served from the prefetch buffer (no round trip) still tell the server what
+    was taken, finished (by the next get, or task_done) and may be sent next."""
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("pref", in_process=True)
+        (consumer,) = await _handles(comms, "pref", 1, prefetch=4)
+        for i in range(7):
+            await ch.put(i, weight=i)
+        got = [await consumer.get(timeout=5) for _ in range(3)]
+        held = await consumer.get(ack=True, timeout=5)
+        assert got + [held] == [0, 1, 2, 3] and consumer.unacked == 1
+        stats = (await consumer.stats(timeout=5)).consumer("c0:0")
+        assert (stats.consumed_count, stats.consumed_weight, stats.unacked) == (3, 3.0, 1)
+        consumer.task_done(held)
+        snap = await consumer.stats(timeout=5)
+        stats = snap.consumer("c0:0")
+        # 0-3 finished; 4-6 prefetched (the credit was given back as items were taken)
+        assert (stats.consumed_count, stats.consumed_weight, stats.unacked) == (4, 6.0, 0)
+        assert (stats.pending_count, stats.pending_weight) == (3, 15.0)
+        assert snap.get_count == 7 and snap.length == 0
+        assert [consumer.get_nowait() for _ in range(3)] == [4, 5, 6]
+        await ch.close(timeout=5)
+        with pytest.raises(rlinf.EndOfChannel):
+            await consumer.get(timeout=5)
+
+
 # -- faults ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["plain", "ack", "prefetch"])
 async def test_killed_consumer_items_are_requeued(cluster, driver, mode):

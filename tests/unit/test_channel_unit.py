@@ -83,6 +83,61 @@ def test_a_batch_of_puts_reaches_a_prefetching_consumer_as_one_op():
     assert t.items("c:0") == [[7]]
 
 
+def test_a_run_of_puts_stops_at_a_malformed_one_and_keeps_those_before():
+    """Puts in one message are applied as a run; a malformed put ends it (like any
+    malformed op): the puts before it are applied and counted, the ones after are not."""
+    t = Harness()
+    t.hello("p:0", "c:0")
+    with pytest.raises(ValueError):
+        t.ops("p:0", ("put", None, 1.0, 10, "a"), ("put", None, 2.0, 20, "b"),
+              ("put", None, -1.0, 30, "bad"), ("put", None, 1.0, 40, "never"))
+    with pytest.raises(TypeError):          # an unhashable key: nothing of it is left behind
+        t.ops("p:0", ("put", None, 1.0, 50, "c"), ("put", [1], 1.0, 60, "bad"))
+    snap = ChannelStats.from_dict(t.core.stats())
+    assert (snap.put_count, snap.length, snap.weight, snap.bytes_in) == (3, 3, 4.0, 80)
+    assert t.core.live_total == 3 and t.core.next_id == 4
+    t.get("c:0", max_items=None)
+    assert [[i[2] for i in op[3]] for op in t.drain("c:0") if op[0] == "items"] == [["a", "b", "c"]]
+
+
+def test_puts_after_close_are_refused_together():
+    t = Harness()
+    t.hello("p:0")
+    t.ops("p:0", ("close", 7))
+    t.drain("p:0")
+    t.put("p:0", 1, 2, 3)
+    assert t.drain("p:0") == [("rejected", 3)]
+    assert t.core.rejected == 3 and t.core.put_count == 0 and t.core.live_total == 0
+
+
+def test_a_batch_takes_assigned_and_shared_items_in_id_order(caplog):
+    """A consumer's items come from its assigned queue and the shared queue (where items
+    the policy could not place wait), oldest first across both, within the limits."""
+    class OddToShared(LoadBalancePolicy):
+        def select_consumer(self, item, consumers):
+            if item.item_id % 2:
+                raise RuntimeError("odd ids go to the shared queue")
+            return 0
+
+    t = Harness(policy=OddToShared())
+    t.hello("p:0", "c:0")
+    t.ops("c:0", ("credit", None, 0, None))            # joins, wants nothing yet
+    t.put("p:0", 1, 2, 3, 4, 5, 6, 7)
+    assert [len(t.core.shared[None]), len(t.core.handles[("c:0", 1)].assigned[None])] == [4, 3]
+    t.get("c:0", max_items=3)
+    assert t.items("c:0") == [[1, 2, 3]]
+    t.get("c:0", max_items=None, target=2.0)           # 4 fits with 5? no: 4 + 5 > 2
+    assert t.items("c:0") == [[4]]
+    t.get("c:0", max_items=None)
+    assert t.items("c:0") == [[5, 6, 7]]
+    h = t.core.handles[("c:0", 1)]
+    assert (h.pending_count, h.pending_weight, t.core.queued, t.core.queued_weight) == (7, 28.0, 0, 0.0)
+    assert t.core.key_len[None] == 0 and t.core.get_count == 7
+    t.ops("c:0", ("took", list(range(1, 8)), False), ("done", list(range(1, 8)), 1.0))
+    assert (h.pending_count, h.pending_weight, h.consumed_count, h.consumed_weight) == (0, 0.0, 7, 28.0)
+    assert t.core.live_total == 0
+
+
 def test_get_batch_rule_first_item_always_then_prefix_within_target():
     t = Harness()
     t.hello("p:0", "c:0")
