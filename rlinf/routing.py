@@ -12,12 +12,14 @@ buf    same node  large  preference
 =====  =========  =====  ===============================
 cpu    yes        yes    shm, zmq
 cpu    yes        no     zmq (ipc://)
-cpu    no         any    zmq (tcp://)
+cpu    no         yes    bulk, zmq (tcp://)
+cpu    no         no     zmq (tcp://)
 cuda   yes        any    cuda_ipc, nccl, staged
 cuda   no         any    nccl, staged
 =====  =========  =====  ===============================
 
-"Large" means ``nbytes >= RoutingConfig.shm_threshold``; "same node" means equal
+"Large" means ``nbytes >= RoutingConfig.shm_threshold`` between processes of one node
+and ``nbytes >= RoutingConfig.bulk_threshold`` between nodes; "same node" means equal
 :attr:`~rlinf.info.WorkerInfo.node_id`.
 """
 
@@ -34,12 +36,14 @@ from rlinf.info import WorkerInfo
 __all__ = [
     "INLINE",
     "SHM",
+    "BULK",
     "CUDA_IPC",
     "NCCL",
     "STAGED",
     "TRANSPORTS",
     "ALWAYS_AVAILABLE",
     "DEFAULT_SHM_THRESHOLD",
+    "DEFAULT_BULK_THRESHOLD",
     "RouteRow",
     "ROUTING_TABLE",
     "RoutingConfig",
@@ -52,6 +56,9 @@ INLINE = "zmq"
 """The buffer travels as a ZeroMQ frame of the message (``ipc://`` same node, else ``tcp://``)."""
 SHM = "shm"
 """Same-node shared memory; only a descriptor goes through ZeroMQ."""
+BULK = "bulk"
+"""A large payload to another node over an authenticated TCP stream of its own, read into
+recycled memory (sealed when TCP encryption is on); see ``rlinf/transports/tcp_bulk.py``."""
 CUDA_IPC = "cuda_ipc"
 """Same-node CUDA IPC memory handle."""
 NCCL = "nccl"
@@ -59,11 +66,12 @@ NCCL = "nccl"
 STAGED = "staged"
 """A GPU buffer copied to pinned host memory, then sent inline; needs only ZeroMQ."""
 
-TRANSPORTS: tuple[str, ...] = (INLINE, SHM, CUDA_IPC, NCCL, STAGED)
+TRANSPORTS: tuple[str, ...] = (INLINE, SHM, BULK, CUDA_IPC, NCCL, STAGED)
 ALWAYS_AVAILABLE: frozenset[str] = frozenset({INLINE, STAGED})
 """Transports every process has; they are the last resort of each row and cannot be disabled."""
 
 DEFAULT_SHM_THRESHOLD = 256 * 1024
+DEFAULT_BULK_THRESHOLD = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +81,8 @@ class RouteRow:
     Attributes:
         device: the buffer's device kind, ``"cpu"`` or ``"cuda"``.
         same_node: whether the peers share a node; ``None`` matches either.
-        large: whether ``nbytes >= shm_threshold``; ``None`` matches either.
+        large: whether the buffer reaches the threshold of its case (``shm_threshold``
+            on one node, ``bulk_threshold`` between nodes); ``None`` matches either.
         prefer: transports in order of preference; the last is always available.
     """
 
@@ -94,7 +103,8 @@ class RouteRow:
 ROUTING_TABLE: tuple[RouteRow, ...] = (
     RouteRow("cpu", same_node=True, large=True, prefer=(SHM, INLINE)),
     RouteRow("cpu", same_node=True, large=False, prefer=(INLINE,)),
-    RouteRow("cpu", same_node=False, large=None, prefer=(INLINE,)),
+    RouteRow("cpu", same_node=False, large=True, prefer=(BULK, INLINE)),
+    RouteRow("cpu", same_node=False, large=False, prefer=(INLINE,)),
     RouteRow("cuda", same_node=True, large=None, prefer=(CUDA_IPC, NCCL, STAGED)),
     RouteRow("cuda", same_node=False, large=None, prefer=(NCCL, STAGED)),
 )
@@ -109,16 +119,21 @@ class RoutingConfig:
         shm_threshold: CPU buffers of at least this many bytes go through shared memory
             between processes on one node; smaller ones travel inline.
         disabled: transport names never to choose (``zmq`` and ``staged`` can't be).
+        bulk_threshold: CPU buffers of at least this many bytes go to another node over
+            a bulk TCP stream; smaller ones travel inline.
     """
 
     shm_threshold: int = DEFAULT_SHM_THRESHOLD
     disabled: frozenset[str] = field(default_factory=frozenset)
+    bulk_threshold: int = DEFAULT_BULK_THRESHOLD
 
     def __post_init__(self) -> None:
-        if not isinstance(self.shm_threshold, int) or isinstance(self.shm_threshold, bool):
-            raise TypeError(f"shm_threshold must be an int, got {type(self.shm_threshold).__name__}")
-        if self.shm_threshold < 0:
-            raise ValueError(f"shm_threshold must be >= 0 bytes, got {self.shm_threshold}")
+        for name in ("shm_threshold", "bulk_threshold"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0 bytes, got {value}")
         if isinstance(self.disabled, str):
             raise TypeError("disabled must be a collection of transport names, not a str")
         disabled = frozenset(self.disabled)
@@ -135,7 +150,7 @@ class RoutingConfig:
         """Build a config from the environment.
 
         Reads ``RLINF_DISABLE_TRANSPORTS`` (comma- or space-separated names, e.g.
-        ``"nccl,cuda_ipc"``) and ``RLINF_SHM_THRESHOLD`` (bytes).
+        ``"nccl,cuda_ipc"``), ``RLINF_SHM_THRESHOLD`` and ``RLINF_BULK_THRESHOLD`` (bytes).
 
         Args:
             environ: the mapping to read; ``os.environ`` when ``None``.
@@ -149,14 +164,16 @@ class RoutingConfig:
         """
         env = os.environ if environ is None else environ
         names = env.get("RLINF_DISABLE_TRANSPORTS", "").replace(",", " ").split()
-        raw_threshold = env.get("RLINF_SHM_THRESHOLD", "").strip()
-        threshold = DEFAULT_SHM_THRESHOLD
-        if raw_threshold:
-            try:
-                threshold = int(raw_threshold)
-            except ValueError:
-                raise ValueError(f"RLINF_SHM_THRESHOLD must be a byte count, got {raw_threshold!r}") from None
-        return cls(shm_threshold=threshold, disabled=frozenset(n.strip().lower() for n in names))
+        thresholds = {}
+        for field_name, variable in (("shm_threshold", "RLINF_SHM_THRESHOLD"),
+                                     ("bulk_threshold", "RLINF_BULK_THRESHOLD")):
+            raw = env.get(variable, "").strip()
+            if raw:
+                try:
+                    thresholds[field_name] = int(raw)
+                except ValueError:
+                    raise ValueError(f"{variable} must be a byte count, got {raw!r}") from None
+        return cls(disabled=frozenset(n.strip().lower() for n in names), **thresholds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,14 +237,15 @@ def select_transport(
     info = buffer if isinstance(buffer, BufferInfo) else describe_buffer(buffer)
     same_node = src.node_id == dst.node_id
     kind = info.kind
-    large = info.nbytes >= cfg.shm_threshold
+    large = info.nbytes >= (cfg.shm_threshold if same_node else cfg.bulk_threshold)
     scheme = select_scheme(src, dst)
     row = next(r for r in ROUTING_TABLE if r.matches(kind, same_node, large))
 
     situation = f"{kind}, {'same node' if same_node else 'other node'}"
-    if kind == "cpu" and same_node:
+    if kind == "cpu":
         op = ">=" if large else "<"
-        situation += f", {_fmt_bytes(info.nbytes)} {op} shm threshold {_fmt_bytes(cfg.shm_threshold)}"
+        which, threshold = ("shm", cfg.shm_threshold) if same_node else ("bulk", cfg.bulk_threshold)
+        situation += f", {_fmt_bytes(info.nbytes)} {op} {which} threshold {_fmt_bytes(threshold)}"
     skipped: list[str] = []
     for name in row.prefer:
         why_not = _unavailable(name, src, dst, same_node, cfg)

@@ -11,6 +11,7 @@ from rlinf.devices import BufferInfo
 from rlinf.info import DeviceInfo, WorkerInfo
 from rlinf.routing import (
     ALWAYS_AVAILABLE,
+    BULK,
     CUDA_IPC,
     DEFAULT_SHM_THRESHOLD,
     INLINE,
@@ -26,7 +27,7 @@ from rlinf.routing import (
 )
 
 GPU = (DeviceInfo(kind="cuda", index=0, uuid="GPU-0000", total_memory=80 << 30),)
-ALL = (INLINE, SHM, CUDA_IPC, NCCL)
+ALL = (INLINE, SHM, BULK, CUDA_IPC, NCCL)
 KIB = 1024
 MIB = 1024 * KIB
 
@@ -59,7 +60,11 @@ CUDA_BUF = BufferInfo(device="cuda:0", nbytes=4 * MIB)
 TABLE_CASES = [
     ("cpu-same-large", worker("a:0"), worker("b:0"), CPU_LARGE, SHM, "ipc", False),
     ("cpu-same-small", worker("a:0"), worker("b:0"), CPU_SMALL, INLINE, "ipc", False),
-    ("cpu-other-large", worker("a:0"), worker("b:0", node="node-b"), CPU_LARGE, INLINE, "tcp", False),
+    ("cpu-other-large", worker("a:0"), worker("b:0", node="node-b"), CPU_LARGE, BULK, "tcp", False),
+    ("cpu-other-medium", worker("a:0"), worker("b:0", node="node-b"), BufferInfo("cpu", 512 * KIB), INLINE, "tcp",
+     False),
+    ("cpu-other-large-no-bulk", worker("a:0"), worker("b:0", node="node-b", transports=(INLINE,)), CPU_LARGE,
+     INLINE, "tcp", True),
     ("cpu-other-small", worker("a:0"), worker("b:0", node="node-b"), CPU_SMALL, INLINE, "tcp", False),
     ("cuda-same", worker("a:0", devices=GPU), worker("b:0", devices=GPU), CUDA_BUF, CUDA_IPC, "ipc", False),
     (
@@ -101,7 +106,7 @@ def test_reason_text_names_size_and_threshold():
     small = select_transport(worker("a:0"), worker("b:0"), BufferInfo(device="cpu", nbytes=100))
     assert small.reason == "cpu, same node, 100 B < shm threshold 256.0 KiB"
     other = select_transport(worker("a:0"), worker("b:0", node="n2"), CPU_LARGE)
-    assert other.reason == "cpu, other node"
+    assert other.reason == "cpu, other node, 40.0 MiB >= bulk threshold 1.0 MiB"
 
 
 # ----------------------------------------------------------------- thresholds
@@ -213,12 +218,19 @@ def test_select_transport_does_not_read_env(monkeypatch):
 def test_from_env_defaults(monkeypatch):
     monkeypatch.delenv("RLINF_DISABLE_TRANSPORTS", raising=False)
     monkeypatch.delenv("RLINF_SHM_THRESHOLD", raising=False)
+    monkeypatch.delenv("RLINF_BULK_THRESHOLD", raising=False)
     assert RoutingConfig.from_env() == RoutingConfig()
 
 
 def test_from_env_threshold(monkeypatch):
     monkeypatch.setenv("RLINF_SHM_THRESHOLD", "4096")
     assert RoutingConfig.from_env().shm_threshold == 4096
+    monkeypatch.setenv("RLINF_BULK_THRESHOLD", "123")
+    assert RoutingConfig.from_env().bulk_threshold == 123
+    monkeypatch.setenv("RLINF_BULK_THRESHOLD", "lots")
+    with pytest.raises(ValueError, match="RLINF_BULK_THRESHOLD"):
+        RoutingConfig.from_env()
+    monkeypatch.delenv("RLINF_BULK_THRESHOLD")
     monkeypatch.setenv("RLINF_SHM_THRESHOLD", "4k")
     with pytest.raises(ValueError, match="RLINF_SHM_THRESHOLD"):
         RoutingConfig.from_env()
@@ -303,7 +315,7 @@ def test_table_rows_end_in_always_available_transports():
     [
         ("cpu", True, True, (SHM, INLINE)),
         ("cpu", True, False, (INLINE,)),
-        ("cpu", False, True, (INLINE,)),
+        ("cpu", False, True, (BULK, INLINE)),
         ("cpu", False, False, (INLINE,)),
         ("cuda", True, True, (CUDA_IPC, NCCL, STAGED)),
         ("cuda", True, False, (CUDA_IPC, NCCL, STAGED)),
@@ -334,7 +346,8 @@ def test_exhaustive_never_raises_and_respects_availability():
         config = RoutingConfig(disabled=disabled)
         for buf in buffers:
             route = select_transport(src, dst, buf, config=config)
-            row = next(r for r in ROUTING_TABLE if r.matches(buf.kind, same, buf.nbytes >= config.shm_threshold))
+            threshold = config.shm_threshold if same else config.bulk_threshold
+            row = next(r for r in ROUTING_TABLE if r.matches(buf.kind, same, buf.nbytes >= threshold))
             assert route.transport in row.prefer
             assert route.fallback == (route.transport != row.prefer[0])
             assert route.transport not in disabled
