@@ -17,7 +17,6 @@ and are reported as skipped with one.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import glob
 import os
 import statistics

@@ -28,8 +28,6 @@ torch.multiprocessing and gloo baselines keep torch tensors.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import multiprocessing as mp
 import os
 import socket
 import statistics

@@ -18,7 +18,7 @@ import os
 import secrets
 import socket
 import threading
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import zmq
 
@@ -483,7 +483,9 @@ class Communicator:
             _check_tag(tag)
         if src not in self._valid:
             self._check_address(src)
-        msg = await self._get(src, tag, timeout)
+        msg = self._get_nowait(src, tag)
+        if msg is None:
+            msg = await self._park(src, tag, timeout)
         if msg.shm and not self._shm_views:
             return await self._decode_owned(msg)
         return self._decode(msg)
@@ -526,18 +528,30 @@ class Communicator:
         return target
 
     async def _get(self, src: str | None, tag: Any, timeout: float | None) -> Message:
+        msg = self._get_nowait(src, tag)
+        return msg if msg is not None else await self._park(src, tag, timeout)
+
+    def _get_nowait(self, src: str | None, tag: Any) -> Message | None:
+        """The next matching message if one is queued (raises if none can ever come)."""
         self._check_open()
         msg = self._mailbox.get_nowait(src, tag)
-        if msg is not None:
-            if self._shm is not None and self._shm.owed >= _OWED_BURST:
-                # consuming a backlog without yielding: return the slots now, not at the end
-                self._shm.flush()
-            return msg
+        if msg is not None and self._shm is not None and self._shm.owed >= _OWED_BURST:
+            # consuming a backlog without yielding: return the slots now, not at the end
+            self._shm.flush()
+        return msg
+
+    def _park(self, src: str | None, tag: Any, timeout: float | None) -> Awaitable[Message]:
+        """Await the next matching message when :meth:`_get_nowait` found none (returned
+        without a coroutine of its own around the mailbox's wait: one level less to
+        resume per received message)."""
         if timeout is None:
-            return await self._mailbox.get(src, tag)
+            return self._mailbox.wait(src, tag)
+        return self._park_timeout(src, tag, timeout)
+
+    async def _park_timeout(self, src: str | None, tag: Any, timeout: float) -> Message:
         try:
             async with asyncio.timeout(timeout):
-                return await self._mailbox.get(src, tag)
+                return await self._mailbox.wait(src, tag)
         except TimeoutError:
             what = f"from {src}" if src else "from any source"
             raise CommTimeoutError(f"{self.address}: no message {what} with tag {tag!r} within {timeout} s") from None

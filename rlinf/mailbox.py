@@ -140,6 +140,11 @@ class Mailbox:
         msg = self.get_nowait(src, tag)
         if msg is not None:
             return msg
+        return await self.wait(src, tag)
+
+    async def wait(self, src: str | None, tag: Any) -> Message:
+        """Wait for the next matching message to be delivered, when :meth:`get_nowait`
+        just returned None (nothing matching is queued). Cancellation-safe."""
         future = asyncio.get_running_loop().create_future()
         waiter = _Waiter(future, src, tag)
         table = self._waiters if src is not None else self._any_waiters
@@ -154,10 +159,13 @@ class Mailbox:
         finally:
             waiters = table.get(key)
             if waiters is not None:
-                try:
-                    waiters.remove(waiter)
-                except ValueError:
-                    pass
+                # A waiter that got its message was popped by the hand-over; one that
+                # failed or was cancelled may still be queued.
+                if not future.done() or future.cancelled() or future.exception() is not None:
+                    try:
+                        waiters.remove(waiter)
+                    except ValueError:
+                        pass
                 if not waiters:
                     del table[key]
 

@@ -26,7 +26,6 @@ import os
 import time
 from typing import Any
 
-import msgpack
 import zmq
 
 from . import control

@@ -58,7 +58,7 @@ import msgpack
 from .errors import ProtocolError
 
 __all__ = ["VERSION", "USER", "SYSTEM", "MAX_FRAME", "SLOT_ALIGN", "Entry", "SlotRef", "FdRef", "pack_header",
-           "unpack_header", "slot_layout", "parse_segment_name"]
+           "HeaderPacker", "unpack_header", "slot_layout", "parse_segment_name"]
 
 VERSION = 1
 USER = 0
@@ -66,6 +66,8 @@ SYSTEM = 1
 #: Largest payload frame; bigger buffers are chunked (page-fault cost of huge frames).
 MAX_FRAME = 16 << 20
 MAX_HEADER = 64 << 20
+#: Headers shorter than this are unpacked with msgpack's defaults (see unpack_header).
+_SMALL_HEADER = 1 << 16
 MAX_ENTRIES = 1 << 20
 MAX_FRAMES = 1 << 22
 #: Largest shared-memory slot a peer may describe (bounds every size taken from it).
@@ -238,6 +240,27 @@ def pack_header(src: str, incarnation: str, entries: list[list], packed: bool = 
     return msgpack.packb([VERSION, src, incarnation, entries, packed], **_packer_opts)
 
 
+class HeaderPacker:
+    """Packs the frame-set headers of one sender, as :func:`pack_header` does.
+
+    The constant start of the header (version, ``src``, ``incarnation``) is packed once
+    and the packer is reused: a small message's header costs one pack of its entries.
+    Not thread-safe: one per sending queue (loop thread).
+    """
+
+    __slots__ = ("_prefix", "_pack")
+
+    def __init__(self, src: str, incarnation: str) -> None:
+        packer = msgpack.Packer(**_packer_opts)
+        # fixarray of 5 items: VERSION, src, incarnation, entries, packed
+        self._prefix = b"\x95" + packer.pack(VERSION) + packer.pack(src) + packer.pack(incarnation)
+        self._pack = packer.pack
+
+    def pack(self, entries: list[list], packed: bool = False) -> bytes:
+        """The header of a frame set carrying ``entries`` (see :func:`pack_header`)."""
+        return self._prefix + self._pack(entries) + (b"\xc3" if packed else b"\xc2")
+
+
 def unpack_header(data, frames: list) -> tuple[str, str, list[Entry], bool]:
     """Validate and unpack a frame-set header against the payload frames that came with it.
 
@@ -250,11 +273,16 @@ def unpack_header(data, frames: list) -> tuple[str, str, list[Entry], bool]:
     if len(data) > MAX_HEADER:
         raise ProtocolError(f"data header of {len(data)} bytes exceeds {MAX_HEADER}")
     try:
-        obj = msgpack.unpackb(
-            data, raw=False, strict_map_key=False, use_list=True,
-            max_bin_len=MAX_HEADER, max_str_len=1 << 20, max_array_len=MAX_ENTRIES,
-            max_map_len=1 << 16, max_ext_len=0,
-        )
+        if len(data) < _SMALL_HEADER:
+            # msgpack's default limits are the data's length, so within ours (an ext
+            # value, allowed by them, fails the type checks below); no keywords to parse
+            obj = msgpack.unpackb(data)
+        else:
+            obj = msgpack.unpackb(
+                data, raw=False, strict_map_key=False, use_list=True,
+                max_bin_len=MAX_HEADER, max_str_len=1 << 20, max_array_len=MAX_ENTRIES,
+                max_map_len=1 << 16, max_ext_len=0,
+            )
     except Exception as exc:  # msgpack raises many types for garbage input
         raise ProtocolError(f"undecodable data header: {exc}") from exc
     if not (isinstance(obj, list) and len(obj) == 5):

@@ -26,6 +26,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 import zmq
+from zmq.backend import Socket as _BackendSocket
 
 from ..errors import ClosedError, PeerLostError, TransportUnavailableError
 from ..security import ClusterKeys
@@ -40,6 +41,16 @@ _READ_BUDGET = 512
 _SNDHWM = 4096
 _RCVHWM = 4096
 _SOCKET_BUFFER = 4 << 20
+
+# The per-message path calls pyzmq's backend methods with plain int constants: the
+# sugar layer (send_multipart's type checks, option enums) costs more than the call.
+_send = _BackendSocket.send
+_recv = _BackendSocket.recv
+_getsockopt = _BackendSocket.get
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 
 def make_ipc_dir() -> str:
@@ -97,24 +108,60 @@ class ZmqListener(Listener):
             self._waiter.set_result(None)
 
     def _on_readable(self, sock: zmq.Socket) -> None:
+        """Read one frame set, then drain the rest after the callbacks it made ready.
+
+        The first frame set is handed over at once and the socket is drained in a
+        callback scheduled behind the task its delivery woke, so that a reply does not
+        wait for the (empty) second read. ZeroMQ's FD is edge-triggered: a callback
+        must read until the socket reports no more input, or it is not called again.
+        """
         if self._closed or sock.closed:
             return
-        for _ in range(_READ_BUDGET):
-            try:
-                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            except zmq.ZMQError as exc:
-                if self._closed:
+        try:
+            if self._read(sock):
+                self._loop.call_soon(self._drain, sock)
+        except zmq.ZMQError as exc:
+            self._read_failed(exc)
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        if self._closed or sock.closed:
+            return
+        try:
+            for _ in range(_READ_BUDGET):
+                if not _getsockopt(sock, _EVENTS) & _POLLIN or not self._read(sock):
                     return
-                log.error("rlinf: data socket read failed: %s", exc)
-                return
-            if len(parts) < 2:
-                log.warning("rlinf: dropped a frame set without a header")
-                continue
-            self._deliver(Received(parts[0].bytes, parts[1].bytes, [p.buffer for p in parts[2:]]))
+        except zmq.ZMQError as exc:
+            self._read_failed(exc)
+            return
         # Budget spent with more waiting: continue after other ready callbacks ran.
-        self._loop.call_soon(self._on_readable, sock)
+        self._loop.call_soon(self._drain, sock)
+
+    def _read(self, sock: zmq.Socket) -> bool:
+        """Receive and deliver one frame set; False when none was waiting.
+
+        Routing id and header are copied to ``bytes``; payload frames are received
+        zero-copy (``zmq.Frame`` buffers, writable, valid while referenced).
+        """
+        try:
+            frame = _recv(sock, _NOBLOCK, False)
+        except zmq.Again:
+            return False
+        if not frame.more:
+            log.warning("rlinf: dropped a frame set without a header")
+            return True
+        peer = frame.bytes
+        frame = _recv(sock, _NOBLOCK, False)
+        header = frame.bytes
+        frames = []
+        while frame.more:
+            frame = _recv(sock, _NOBLOCK, False)
+            frames.append(frame.buffer)
+        self._deliver(Received(peer, header, frames))
+        return True
+
+    def _read_failed(self, exc: zmq.ZMQError) -> None:
+        if not self._closed:
+            log.error("rlinf: data socket read failed: %s", exc)
 
     def close(self) -> None:
         if self._closed:
@@ -220,8 +267,17 @@ class ZmqLink(Link):
         """
         if self._closed is not None:
             raise self._closed
+        sock = self._sock
         try:
-            return self._sock.send_multipart(frames, zmq.NOBLOCK, copy=not track, track=track)
+            if track:
+                return sock.send_multipart(frames, zmq.NOBLOCK, copy=False, track=True)
+            # Copied frames, part by part (a multipart message is atomic: only its first
+            # part can meet the high-water mark).
+            last = len(frames) - 1
+            for i in range(last):
+                _send(sock, frames[i], _SNDMORE_NOBLOCK)
+            _send(sock, frames[last], _NOBLOCK)
+            return None
         except zmq.Again:
             raise
         except zmq.ZMQError as exc:

@@ -11,7 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+import zmq
+
 import rlinf
+from rlinf import wire
+from rlinf.outbox import IN_FLIGHT, OutMessage, Outbox
+from rlinf.stats import Counters
 
 from .same import assert_same
 from . import workers
@@ -199,3 +204,109 @@ async def test_return_value_with_tensor_reaches_driver(cluster):
         results = await group.join()
         assert [r["ok"] for r in results] == [True, True]
         assert all(torch.equal(r["t"], torch.arange(5)) for r in results)
+
+
+# -- sending policy of one peer's queue (an injected recording link, no sockets) ------------
+class _RecordingLink:
+    """Accepts every frame set at once and keeps a copy of it."""
+
+    def __init__(self) -> None:
+        self.sent: list[list[bytes]] = []
+
+    def try_send(self, frames: list, *, track: bool = False) -> None:
+        self.sent.append([bytes(f) for f in frames])
+
+    def close(self, exc: BaseException | None = None) -> None:
+        pass
+
+    def close_gracefully(self, linger_ms: int, exc: BaseException | None = None) -> None:
+        pass
+
+
+def _small(i: int) -> OutMessage:
+    return OutMessage([wire.USER, 7, b"codec-header", None], [bytes([i, i])], 2, None, False)
+
+
+def _payloads(frame_set: list[bytes]) -> tuple[list, bytes]:
+    src, incarnation, entries, packed = wire.unpack_header(frame_set[0], frame_set[1:])
+    assert (src, incarnation, packed) == ("me:0", "inc0", True)
+    return [(e.kind, e.tag, e.codec_header, e.frame_counts) for e in entries], b"".join(frame_set[1:])
+
+
+class _Clock:
+    """A fake clock for the outbox's in-flight window: time moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def idle(self) -> None:
+        """Let the last send to the link stop counting as in flight."""
+        self.now += 2 * IN_FLIGHT
+
+
+async def test_lone_message_is_sent_at_once_and_a_burst_is_coalesced():
+    loop = asyncio.get_running_loop()
+    link = _RecordingLink()
+    clock = _Clock()
+    box = Outbox("peer:0", ("me:0", "inc0"), Counters("me:0"), clock=clock)
+    box.attach(link, None)
+    clock.idle()
+    box.put(_small(0), loop)
+    assert len(link.sent) == 1 and not box.queue          # no loop turn needed
+    for i in range(1, 100):                               # right behind it: queued
+        box.put(_small(i), loop)
+    assert len(link.sent) == 1 and len(box.queue) == 99
+    await asyncio.sleep(0)     # one loop turn: the flush scheduled for it has run
+    assert not box.queue and len(link.sent) == 2
+    entries, blob = _payloads(link.sent[0])
+    assert entries == [(wire.USER, 7, b"codec-header", [2])] and blob == b"\x00\x00"
+    entries, blob = _payloads(link.sent[1])                # one frame set, in call order
+    assert entries == [(wire.USER, 7, b"codec-header", [2])] * 99
+    assert blob == b"".join(bytes([i, i]) for i in range(1, 100))
+    clock.idle()
+    box.put(_small(100), loop)                             # idle again: at once
+    assert len(link.sent) == 3 and not box.queue
+
+
+async def test_message_behind_a_pushed_back_link_waits_in_order():
+    loop = asyncio.get_running_loop()
+
+    class _FullLink(_RecordingLink):
+        full = True
+        writable: asyncio.Future
+
+        def try_send(self, frames: list, *, track: bool = False) -> None:
+            if self.full:
+                raise zmq.Again()
+            super().try_send(frames, track=track)
+
+        async def wait_writable(self) -> None:
+            await self.writable
+
+    link = _FullLink()
+    link.writable = loop.create_future()
+    clock = _Clock()
+    box = Outbox("peer:0", ("me:0", "inc0"), Counters("me:0"), clock=clock)
+    box.attach(link, None)
+    clock.idle()
+    box.put(_small(1), loop)             # the link pushes back: kept, nothing dropped
+    clock.idle()
+    box.put(_small(2), loop)
+    assert [len(m.frames) for m in box.queue] == [1, 1] and not box.ready
+    link.full = False
+    link.writable.set_result(None)
+    async with asyncio.timeout(10):
+        while box.queue:
+            await asyncio.sleep(0)       # loop turns until the writer task flushed
+    assert [_payloads(s)[1] for s in link.sent] == [b"\x01\x01\x02\x02"]
+
+
+def test_header_packer_matches_pack_header():
+    packer = wire.HeaderPacker("rollout:3", "0123456789abcdef")
+    entries = [[wire.USER, 5, b"h", [3, 4]], [wire.SYSTEM, "shm", b"", []]]
+    for packed in (True, False):
+        assert packer.pack(entries, packed) == wire.pack_header("rollout:3", "0123456789abcdef", entries, packed)
+        assert packer.pack([], packed) == wire.pack_header("rollout:3", "0123456789abcdef", [], packed)

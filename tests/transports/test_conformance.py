@@ -44,6 +44,29 @@ async def test_frame_sets_arrive_whole_and_in_order(pair):
             assert len(got.frames) == 1 and _bytes(got.frames[0]) == bytes([i % 251]) * (i % 7 + 1)
 
 
+async def test_backlog_from_several_links_is_drained_in_order(pair):
+    # More frame sets than one read callback takes (and than one edge of ZeroMQ's FD
+    # announces) wait at once: every one must still arrive, in order per link.
+    n = 1500
+    others = [await pair.connect(b"sender|2"), await pair.connect(b"sender|3")]
+    links = [pair.link, *others]
+    try:
+        async with asyncio.timeout(40):
+            for i in range(n):
+                for k, link in enumerate(links):
+                    await link.send(f"{k}:{i}".encode(), [bytes([k, i % 256])])
+            seen = {k: 0 for k in range(len(links))}
+            for _ in range(n * len(links)):
+                got = await _recv(pair)
+                k, i = map(int, got.header.decode().split(":"))
+                assert i == seen[k] and _bytes(got.frames[0]) == bytes([k, i % 256])
+                seen[k] += 1
+        assert seen == {k: n for k in range(len(links))}
+    finally:
+        for link in others:
+            link.close()
+
+
 async def test_empty_header_only_and_empty_buffers(pair):
     await pair.link.send(b"none", [])
     await pair.link.send(b"empties", [b"", bytearray(), np.empty(0, np.float32)])
