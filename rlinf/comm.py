@@ -13,6 +13,7 @@ late is reachable at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import secrets
@@ -23,15 +24,16 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import zmq
 
 from . import control, devices, routing, wire
+from .arrival import ArrivalOrder
 from .codec import Codec, is_device_buffer
-from .errors import ClosedError, CommTimeoutError, PeerLostError, ProtocolError
+from .errors import ClosedError, CommTimeoutError, PeerLostError, ProtocolError, TransportUnavailableError
 from .inbound import FrameReader
 from .info import MembershipEvent, WorkerInfo, parse_address
 from .mailbox import Mailbox, Message
-from .outbox import SMALL_MESSAGE, OutMessage, Outbox, split_frames
+from .outbox import SMALL_MESSAGE, OutMessage, Outbox, bulk_frames, split_frames
 from .security import ClusterKeys, ZapHandler, tcp_encryption_enabled
 from .stats import CommStats, Counters
-from .transports import shm
+from .transports import shm, tcp_bulk
 from .transports.base import Received
 from .transports.zeromq import ZmqTransport
 from .work import Work
@@ -129,6 +131,7 @@ class Communicator:
             raise TypeError(f"shm_views must be a bool, got {shm_views!r}")
         self._shm_views = shm_views
         self._shm: shm.ShmSession | None = None
+        self._bulk: tcp_bulk.BulkTransport | None = None   # large payloads from/to other nodes
         self._recycler = shm.Recycler()   # receive-side private memory (chunk reassembly, copy-outs)
         self._shm_routes: dict[str, bool] = {}     # peer -> large CPU payloads go by shm
 
@@ -166,17 +169,21 @@ class Communicator:
             self._transport = ZmqTransport(self._context, self._keys, tcp_host=bind, advertise_host=advertise,
                                            encrypt_tcp=tcp_encryption_enabled())
             self._listener = await self._transport.listen()
+            self._arrival = ArrivalOrder(self._on_frames, self._loop)   # ZeroMQ and bulk, in call order
+            endpoints = dict(self._listener.endpoints)
             transports = (routing.INLINE,)
+            if routing.BULK not in self._routing.disabled and "tcp" in endpoints:
+                transports += await self._start_bulk(bind, advertise, endpoints)
             if routing.SHM not in self._routing.disabled and shm.available():
                 self._shm = shm.ShmSession(self._loop, self._send_shm_notice, views=self._shm_views,
                                            recycler=self._recycler)
                 self.on_system("shm", self._shm.on_notice)
                 transports += (routing.SHM,)
             self._inbound = FrameReader(self._shm, self._recycler, self._pid_of, self._counters.dropped)
-            self._listener.set_handler(self._on_frames)
+            self._listener.set_handler(self._arrival.zmq)
             self.info = WorkerInfo(
                 address=self.address, incarnation=self.incarnation, node_id=devices.node_id(),
-                host=socket.gethostname(), pid=os.getpid(), endpoints=dict(self._listener.endpoints),
+                host=socket.gethostname(), pid=os.getpid(), endpoints=endpoints,
                 devices=devices.discover_devices(), transports=transports,
                 meta={"machine": control.machine_id(), **self._meta},
             )
@@ -188,6 +195,22 @@ class Communicator:
             raise
         self._started = True
         return self
+
+    async def _start_bulk(self, bind: str, advertise: str, endpoints: dict[str, str]) -> tuple[str, ...]:
+        """Listen for bulk TCP links (large payloads from other nodes); the transports
+        this adds to what we advertise (none when it cannot run here)."""
+        try:
+            self._bulk = tcp_bulk.BulkTransport(self._keys.bulk_key, host=bind, advertise_host=advertise,
+                                                recycler=self._recycler, encrypt=tcp_encryption_enabled())
+            self._bulk_listener = await self._bulk.listen()
+        except (TransportUnavailableError, OSError) as exc:
+            log.warning("rlinf %s: no bulk TCP transport (%s); large payloads to other nodes go "
+                        "through ZeroMQ", self.address, exc)
+            self._bulk = None
+            return ()
+        self._bulk_listener.set_handler(self._arrival.bulk)
+        endpoints.update(self._bulk_listener.endpoints)
+        return (routing.BULK,)
 
     async def aclose(self) -> None:
         """Deregister, fail pending operations with ``ClosedError``, release everything.
@@ -232,9 +255,10 @@ class Communicator:
             transport = getattr(self, "_transport", None)
             if transport is not None:
                 transport.close()
-            listener = getattr(self, "_listener", None)
-            if listener is not None:
-                listener.close()
+            for name in ("_listener", "_bulk_listener"):
+                listener = getattr(self, name, None)
+                if listener is not None:
+                    listener.close()
             zap = getattr(self, "_zap", None)
             if zap is not None:
                 zap.close()
@@ -365,6 +389,14 @@ class Communicator:
         if nbytes < SMALL_MESSAGE:
             # copy now (the caller may reuse its buffers); coalesced into one frame later
             frames, counts, large = [bytes(b) for b in buffers], None, False
+        elif outbox.bulk is not None and nbytes >= self._routing.bulk_threshold:
+            # another node, by the bulk stream: one frame per buffer, read into place there
+            frames, counts, nbytes = bulk_frames(buffers)
+            entry = [kind, tag, codec_header, counts]
+            future = self._loop.create_future()
+            outbox.put(OutMessage(entry, frames, nbytes + len(codec_header), future, True,
+                                  transport=routing.BULK), self._loop)
+            return future
         else:
             frames, counts, nbytes = split_frames(buffers)
             large = True
@@ -447,6 +479,11 @@ class Communicator:
     def _connect(self, outbox: Outbox, info: WorkerInfo) -> None:
         scheme = routing.select_scheme(self.info, info)
         endpoint = info.endpoints.get(scheme) or next(iter(info.endpoints.values()))
+        if self._bulk is not None:
+            probe = devices.BufferInfo("cpu", max(1, self._routing.bulk_threshold))
+            if routing.select_transport(self.info, info, probe, config=self._routing).transport == routing.BULK:
+                outbox.bulk = functools.partial(self._bulk.connect, info.endpoints[tcp_bulk.SCHEME],
+                                                identity=self._identity)
         outbox.attach(self._transport.connect_now(endpoint, identity=self._identity), info)
 
     async def _resolve(self, outbox: Outbox) -> None:
@@ -661,6 +698,7 @@ class Communicator:
         if key in self._dead or self._closed is not None:
             return
         self._dead.add(key)
+        self._arrival.forget(f"{address}|{incarnation}".encode())
         current = self._roster.get(address)
         if current is not None and current.incarnation != incarnation:
             return   # a newer incarnation already joined

@@ -14,7 +14,12 @@ completes at once; a large message's buffers are referenced until the transport
 releases them, and its send completes only then. A message whose buffers went into a
 shared-memory slot travels as a small one (only its descriptor is on the wire); when
 its copy into the slot runs in an executor (``copying``), the outbox holds it, and every
-message behind it, until the copy is done, so the order stays the call order. When the link pushes back (high-water
+message behind it, until the copy is done, so the order stays the call order. A large
+message to another node may go over the peer's bulk TCP stream (``bulk``, see
+``rlinf/transports/tcp_bulk.py``): its buffers are referenced until the receiver
+acknowledged it, and every message behind it waits for that acknowledgement too (the
+order stays the call order across the two transports); if the bulk stream fails, that
+message and later ones go through ZeroMQ instead. When the link pushes back (high-water
 mark), flushing pauses until the socket is writable, and new sends wait (backpressure:
 nothing is dropped).
 """
@@ -23,17 +28,22 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import zmq
 
 from . import wire
-from .errors import ClosedError, PeerLostError
+from .arrival import bulk_header
+from .errors import AuthenticationError, ClosedError, PeerLostError
 from .info import WorkerInfo
+from .routing import BULK
 from .stats import Counters
 
-__all__ = ["IN_FLIGHT", "OutMessage", "Outbox", "SMALL_MESSAGE", "split_frames"]
+__all__ = ["IN_FLIGHT", "OutMessage", "Outbox", "SMALL_MESSAGE", "bulk_frames", "split_frames"]
+
+log = logging.getLogger("rlinf.comm")
 
 #: Messages below this many payload bytes are copied and coalesced.
 SMALL_MESSAGE = 1 << 20
@@ -67,6 +77,19 @@ def split_frames(buffers: list[Any]) -> tuple[list[Any], list[int], int]:
             frames.extend(mv[i:i + wire.MAX_FRAME] for i in pieces)
             counts.append(len(pieces))
     return frames, counts, total
+
+
+def bulk_frames(buffers: list[Any]) -> tuple[list[memoryview], list[int], int]:
+    """One frame per buffer, for the bulk stream (which reads each into place whole).
+
+    Returns:
+        ``(frames, frame_counts, total_bytes)``, as :func:`split_frames`.
+    """
+    frames = []
+    for buf in buffers:
+        mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+        frames.append(mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B"))
+    return frames, [1] * len(frames), sum(f.nbytes for f in frames)
 
 
 class OutMessage:
@@ -120,6 +143,11 @@ class Outbox:
         self._held = False        # the head's shared-memory copy is still running
         self._batched = 0
         self._clock = clock
+        #: ``bulk() -> awaitable link`` to the peer's bulk listener (large payloads to
+        #: another node), set by the communicator when routing picks it; None: ZeroMQ.
+        self.bulk: Callable[[], Awaitable[Any]] | None = None
+        self._bulk_link = None
+        self._zmq_sent = 0        # frame sets handed to the ZeroMQ link (see rlinf.arrival)
         self._sent_at = -IN_FLIGHT  # clock() at the last send to the link
 
     def __repr__(self) -> str:
@@ -188,6 +216,9 @@ class Outbox:
                     queue.popleft()      # the copy failed: this message cannot go
                     self._drop(head, head.copying)
                     continue
+            if head.transport == BULK:
+                self._send_bulk(head)
+                return
             if head.large:
                 batch = [head]
             else:
@@ -229,6 +260,56 @@ class Outbox:
             if head.large:
                 asyncio.get_running_loop().create_task(self._await_release(link, tracker, head))
 
+    def _send_bulk(self, msg: OutMessage) -> None:
+        """Hand the head to the bulk stream; the queue waits until the receiver has it
+        (its acknowledgement), so nothing sent later through ZeroMQ can overtake it."""
+        self.queue.popleft()     # with the transport now: a failing peer no longer fails it here
+        self._held = True
+        asyncio.get_running_loop().create_task(self._bulk_send(msg))
+
+    async def _bulk_send(self, msg: OutMessage) -> None:
+        """The bulk send of the head. A stream that cannot be opened is not an error:
+        this message and the later ones go through ZeroMQ. One that breaks while sending
+        fails this message (the peer may have it, so it is not sent again) and the later
+        ones go through ZeroMQ."""
+        try:
+            if self._bulk_link is None:
+                try:
+                    self._bulk_link = await self.bulk()
+                except (ClosedError, PeerLostError, AuthenticationError) as exc:
+                    if self.error is None:
+                        log.warning("rlinf: no bulk TCP to %s (%s); large payloads go through ZeroMQ",
+                                    self.address, exc)
+                        self._drop_bulk()
+                        msg.frames, msg.entry[3], _ = split_frames(msg.frames)
+                        msg.transport = "zmq"
+                        self.queue.appendleft(msg)
+                    elif msg.future is not None and not msg.future.done():
+                        msg.future.set_exception(self.error)
+                    return
+            await self._bulk_link.send(bulk_header(self._zmq_sent, self._header.pack([msg.entry])), msg.frames)
+        except (ClosedError, PeerLostError) as exc:
+            if self.error is None:
+                log.warning("rlinf: bulk TCP to %s broke (%s); large payloads go through ZeroMQ", self.address, exc)
+                self._drop_bulk()
+            if msg.future is not None and not msg.future.done():
+                msg.future.set_exception(self.error or exc)
+        else:
+            self._sent_at = self._clock()
+            self._counters.sent(self.address, msg.nbytes, msg.transport)
+            msg.frames = []
+            self._complete(msg)
+        finally:
+            self._held = False
+            if self.error is None:
+                self.flush()
+
+    def _drop_bulk(self) -> None:
+        self.bulk = None
+        if self._bulk_link is not None:
+            self._bulk_link.close()
+            self._bulk_link = None
+
     def _send_alone(self, msg: OutMessage) -> None:
         """Send ``msg``, the only queued message, now: :meth:`flush` for one small
         message that waits for nothing (the wire format of a one-message batch)."""
@@ -253,6 +334,7 @@ class Outbox:
         pushed back (flushing resumes once it is writable) or broke (the queue fails)."""
         try:
             tracker = link.try_send(frames, track=track)
+            self._zmq_sent += 1
             self._sent_at = self._clock()
             return True, tracker
         except zmq.Again:
@@ -314,6 +396,7 @@ class Outbox:
         if self.link is not None:
             self.link.close(exc if isinstance(exc, PeerLostError) else None)
             self.link = None
+        self._drop_bulk()
 
     def close(self, linger_ms: int, exc: BaseException) -> None:
         """Graceful close: flushed frames still go out for up to ``linger_ms``."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import ctypes
 import itertools
 import logging
 import mmap
@@ -36,7 +37,17 @@ class Recycler:
         self._lock = threading.Lock()
 
     def take(self, n: int) -> np.ndarray:
-        """A private uint8 array of ``n`` bytes; its memory is reused after it dies."""
+        """A private uint8 array of ``n`` bytes; its memory is reused once neither it nor
+        any array or view derived from it is referenced.
+
+        The array's base is a per-call owner object (a ctypes array over the recycled
+        buffer) that carries the finalizer: numpy points every view derived from the
+        array at that owner, never at the recycled buffer itself (a plain slice
+        ``buf[:n]`` would be skipped that way, and its memory handed out again while
+        a view of it lived).
+        """
+        if n <= 0:
+            return np.empty(0, _U8)
         size = _slot_size(n)
         with self._lock:
             free = self._free.get(size)
@@ -45,9 +56,9 @@ class Recycler:
                 self._kept -= size
         if buf is None:
             buf = np.empty(size, _U8)
-        out = buf[:n]
-        weakref.finalize(out, self._give_back, buf).atexit = False
-        return out
+        owner = (ctypes.c_uint8 * n).from_buffer(buf)
+        weakref.finalize(owner, self._give_back, buf).atexit = False
+        return np.frombuffer(owner, _U8, n)
 
     def _give_back(self, buf: np.ndarray) -> None:
         with self._lock:

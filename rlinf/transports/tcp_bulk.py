@@ -27,13 +27,14 @@ byte. Stream, after the handshake, per frame set (unencrypted)::
     u32 nframes | u64 size * nframes | frame 0 (the header) | frame 1 | ...
 
 (encrypted: ``u32 n | sealed(table + header) | tag``, then each frame as sealed records
-with their tags), and the receiver answers each frame set once its handler ran on the
-event loop (one byte, or an empty sealed record). :meth:`BulkLink.send` returns after that byte, so a frame set that the
+with their tags), and the receiver answers each frame set from the event loop once its handler ran (one
+byte, or an empty sealed record). :meth:`BulkLink.send` returns after that byte, so a frame set that the
 caller sends later on another transport cannot overtake this one.
 
 Threads: sockets are blocking; each accepted connection has a reader thread and each
 link sends from a thread of its own, so the kernel copies run without the GIL and the
-event loop never waits on a socket.
+event loop never waits on a socket (it only writes the acknowledgements, a few bytes
+that always fit the socket's buffer).
 
 Buffer lifetime: :meth:`BulkLink.send` returns once the receiver has the bytes, so the
 caller may reuse its buffers. Received frames (after the header) are writable views of
@@ -308,15 +309,10 @@ class BulkListener(Listener):
                 got = stream.read_frames(self._recycler)
                 if got is None:
                     return
-                done = threading.Event()
                 try:
-                    self._loop.call_soon_threadsafe(self._deliver, Received(identity, *got), done)
+                    self._loop.call_soon_threadsafe(self._deliver, Received(identity, *got), stream)
                 except RuntimeError:    # the loop is closed
                     return
-                while not done.wait(0.5):
-                    if self._closed or self._loop.is_closed():
-                        return
-                stream.send_ack()
         except (OSError, ValueError) as exc:   # AuthenticationFailed is a ValueError
             if not self._closed:
                 log.warning("rlinf: bulk connection dropped: %r", exc)
@@ -325,7 +321,12 @@ class BulkListener(Listener):
                 self._conns.discard(conn)
             conn.close()
 
-    def _deliver(self, received: Received, done: threading.Event) -> None:
+    def _deliver(self, received: Received, stream: _Stream) -> None:
+        """Hand a frame set over, then acknowledge it from the loop thread: before anyone
+        can see the message (so a receiver that exits right after reading it has already
+        answered) and after it is queued (so nothing the sender sends later, on any
+        transport, is handled before it). The sender waits for each acknowledgement
+        before sending more on this stream, so this small write never blocks."""
         try:
             if self._handler is not None:
                 self._handler(received)
@@ -333,7 +334,10 @@ class BulkListener(Listener):
                 self._queue.append(received)
                 self._wake()
         finally:
-            done.set()
+            try:
+                stream.send_ack()
+            except OSError as exc:
+                log.debug("rlinf: bulk acknowledgement not sent: %r", exc)
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():

@@ -15,7 +15,7 @@ import zmq
 
 import rlinf
 from rlinf import wire
-from rlinf.outbox import IN_FLIGHT, OutMessage, Outbox
+from rlinf.outbox import IN_FLIGHT, OutMessage, Outbox, bulk_frames
 from rlinf.stats import Counters
 
 from .same import assert_same
@@ -216,6 +216,9 @@ class _RecordingLink:
     def try_send(self, frames: list, *, track: bool = False) -> None:
         self.sent.append([bytes(f) for f in frames])
 
+    async def released(self, tracker) -> None:
+        pass
+
     def close(self, exc: BaseException | None = None) -> None:
         pass
 
@@ -310,3 +313,31 @@ def test_header_packer_matches_pack_header():
     for packed in (True, False):
         assert packer.pack(entries, packed) == wire.pack_header("rollout:3", "0123456789abcdef", entries, packed)
         assert packer.pack([], packed) == wire.pack_header("rollout:3", "0123456789abcdef", [], packed)
+
+
+async def test_a_bulk_stream_that_cannot_open_hands_the_message_to_zeromq():
+    """The bulk connector fails: the message (and the rest) go through ZeroMQ, chunked,
+    in order, and the outbox stops trying the bulk stream."""
+    loop = asyncio.get_running_loop()
+    link = _RecordingLink()
+    box = Outbox("peer:0", ("me:0", "inc0"), Counters("me:0"), clock=_Clock())
+    tried = []
+
+    async def unreachable():
+        tried.append(1)
+        raise rlinf.PeerLostError("connection refused")
+
+    box.bulk = unreachable
+    box.attach(link, None)
+    big = np.arange(20 << 20, dtype=np.uint8)                     # two ZeroMQ chunks
+    frames, counts, n = bulk_frames([big])
+    future = loop.create_future()
+    box.put(OutMessage([wire.USER, 0, b"h", counts], frames, n, future, True, transport="bulk"), loop)
+    box.put(_small(1), loop)
+    async with asyncio.timeout(10):
+        await future
+    assert tried == [1] and box.bulk is None
+    header, *chunks = link.sent[0]
+    assert wire.unpack_header(header, chunks)[2][0].frame_counts == [2]
+    assert b"".join(chunks) == big.tobytes()
+    assert _payloads(link.sent[1])[1] == b"\x01\x01"

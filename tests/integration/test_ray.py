@@ -100,7 +100,7 @@ async def test_node_identity_and_routing_follow_ray_placement(ray_cluster, clust
             await asyncio.gather(here.call("send_big", dst, 4 << 20, ranks=[0]), receiver)
             sent.append((await here.call("transports", ranks=[0]))[0])   # counted once it is received
         assert sent[0] == {"shm": 1}                           # same Ray node: shared memory
-        assert sent[1] == {"shm": 1, "zmq": 1}                 # the other node: TCP
+        assert sent[1] == {"shm": 1, "bulk": 1}                # the other node: the bulk TCP stream
         assert await there.join() == [None]
 
 

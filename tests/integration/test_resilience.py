@@ -6,11 +6,13 @@ import asyncio
 
 import numpy as np
 import pytest
+import torch
 import zmq
 
 import rlinf
 
 from . import workers
+from .same import assert_same
 from .wait import until
 
 pytestmark = pytest.mark.multiproc
@@ -112,6 +114,46 @@ async def test_insider_garbage_codec_payload_raises_decode_error(driver, cluster
         finally:
             s.close(0)
             ctx.term()
+
+
+@pytest.mark.parametrize("encrypt", ["1", "0"])
+async def test_large_payloads_to_another_node_take_the_bulk_stream_in_order(cluster, monkeypatch, encrypt):
+    """Across "nodes", payloads >= 1 MiB go over the bulk TCP stream (sealed by default),
+    small ones over ZeroMQ; interleaved on one tag, they arrive in call order, intact,
+    both ways."""
+    monkeypatch.setenv("RLINF_TCP_ENCRYPTION", encrypt)
+    async with asyncio.timeout(90):
+        async with cluster.connect("near:0") as near:
+            group = await cluster.spawn(workers.echo, "far", 1, args=("near:0", 6),
+                                        env={"RLINF_NODE_ID": "another-node", "RLINF_TCP_ENCRYPTION": encrypt})
+            sent = []
+            for i in range(6):
+                obj = {"i": i, "x": np.full((3 << 20) if i % 2 == 0 else 10, i, np.uint8),
+                       "t": torch.arange(300_000 * (i % 2 == 0), dtype=torch.float32)}
+                sent.append(obj)
+                await near.send(obj, "far:0")
+            for obj in sent:
+                back = await near.recv("far:0")
+                assert back["i"] == obj["i"]
+                assert_same(obj, back)
+            stats = near.stats().transports
+            assert stats["bulk"].msgs == 3 and stats["zmq"].msgs >= 3, stats
+            link = near._outboxes["far:0"]._bulk_link
+            assert link.encrypted == (encrypt == "1")
+            assert await group.join() == [6]
+
+
+async def test_a_peer_without_bulk_gets_large_payloads_through_zeromq(cluster, driver):
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers.echo, "far", 1, args=("driver:0", 1),
+                                    env={"RLINF_NODE_ID": "another-node", "RLINF_DISABLE_TRANSPORTS": "bulk"})
+        far = next(p for p in await driver.peers() if p.address == "far:0")
+        assert "bulk" not in far.endpoints and "bulk" not in far.transports
+        payload = {"x": np.arange(1 << 20, dtype=np.float32)}
+        await driver.send(payload, "far:0")
+        assert np.array_equal((await driver.recv("far:0"))["x"], payload["x"])
+        assert "bulk" not in driver.stats().transports
+        assert await group.join() == [1]
 
 
 async def test_two_nodes_use_tcp(cluster, driver):

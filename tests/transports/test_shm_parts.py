@@ -430,3 +430,23 @@ def test_fd_references_are_validated():
             wire.unpack_header(wire.pack_header("x:0", "i", [[0, 0, b"", [[0, 0, 10]], None, [bad]]], True), [])
     with pytest.raises(ProtocolError):     # a place beyond the file
         wire.unpack_header(wire.pack_header("x:0", "i", [[0, 0, b"", [[0, 8190, 10]], None, [good]]], True), [])
+
+
+def test_recycled_memory_is_not_reused_while_a_derived_array_lives():
+    """A decoded array over recycled memory (built through memoryviews and reshapes,
+    which numpy bases on the memory's owner) keeps that memory out of the next take."""
+    from rlinf import codec
+
+    recycler = shm.Recycler(64 << 20)
+    header, buffers = codec.encode({"x": np.full(3 << 20, 7, np.uint8).reshape(3, -1)})
+    view = memoryview(recycler.take(3 << 20))
+    view[:] = buffers[0]
+    obj = codec.decode(header, [view])
+    del view
+    gc.collect()
+    again = recycler.take(3 << 20)
+    again[:] = 1
+    assert int(obj["x"][0, 0]) == 7 and int(obj["x"][-1, -1]) == 7
+    del obj, again
+    gc.collect()
+    assert recycler._kept >= 3 << 20        # both came back for reuse
