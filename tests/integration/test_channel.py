@@ -379,7 +379,12 @@ async def test_shortest_queue_counts_unfinished_work(driver, comms):
         stats = await ch.stats()
         assert stats.consumer("c0:0").pending_count == 2      # heavy + item 5 (tie -> fewer items)
         assert stats.consumer("c1:0").pending_count == 5
-        assert stats.consumer("c0:0").unacked == 1
+
+        async def unacked() -> int:   # a consumer reports what it took asynchronously
+            return (await ch.stats()).consumer("c0:0").unacked
+
+        await until(lambda: unacked(), what="c0:0's report of the item it holds")
+        assert await unacked() == 1
 
 
 async def test_performance_aware_follows_measured_speed(driver, comms):

@@ -132,14 +132,14 @@ async def test_large_payloads_to_another_node_take_the_bulk_stream_in_order(clus
                        "t": torch.arange(300_000 * (i % 2 == 0), dtype=torch.float32)}
                 sent.append(obj)
                 await near.send(obj, "far:0")
+            link = near._outboxes["far:0"]._bulk_link     # now: it goes once "far" leaves
+            assert link.encrypted == (encrypt == "1")
             for obj in sent:
                 back = await near.recv("far:0")
                 assert back["i"] == obj["i"]
                 assert_same(obj, back)
             stats = near.stats().transports
             assert stats["bulk"].msgs == 3 and stats["zmq"].msgs >= 3, stats
-            link = near._outboxes["far:0"]._bulk_link
-            assert link.encrypted == (encrypt == "1")
             assert await group.join() == [6]
 
 
