@@ -16,10 +16,14 @@ and all of them pass the conformance suite in ``tests/transports/``.
 from __future__ import annotations
 
 import abc
+import asyncio
+import collections
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-__all__ = ["Received", "Link", "Listener", "Transport"]
+from ..errors import ClosedError
+
+__all__ = ["Received", "Link", "Listener", "Transport", "Inbox"]
 
 
 @dataclass(slots=True)
@@ -36,6 +40,54 @@ class Received:
     peer: bytes
     header: bytes
     frames: list[Any]
+
+
+class Inbox:
+    """Where a listener puts the frame sets it received (on the loop thread): to the
+    handler when one is set, else queued for :meth:`recv` (tests, tools).
+
+    Args:
+        loop: the loop :meth:`deliver` and :meth:`recv` run on.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.handler: Callable[[Received], None] | None = None
+        self._loop = loop
+        self._queue: collections.deque[Received] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self._closed = False
+
+    def deliver(self, received: Received) -> None:
+        if self.handler is not None:
+            self.handler(received)
+            return
+        self._queue.append(received)
+        self._wake()
+
+    async def recv(self) -> Received:
+        """Next frame set.
+
+        Raises:
+            ClosedError: closed, and nothing is left to read.
+        """
+        while not self._queue:
+            if self._closed:
+                raise ClosedError("listener is closed")
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._queue.popleft()
+
+    def close(self) -> None:
+        """Wake a pending :meth:`recv`; what is queued can still be read."""
+        self._closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
 
 class Link(abc.ABC):

@@ -44,7 +44,6 @@ recycled private memory, reused once nothing references them.
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import hashlib
 import hmac
@@ -57,7 +56,7 @@ from typing import Any, Callable, Sequence
 
 from ..errors import AuthenticationError, ClosedError, PeerLostError, TransportUnavailableError
 from . import _aead
-from .base import Link, Listener, Received, Transport
+from .base import Inbox, Link, Listener, Received, Transport
 from ._shm_pool import Recycler
 
 __all__ = ["BulkTransport", "BulkLink", "BulkListener", "SCHEME"]
@@ -230,9 +229,7 @@ class BulkListener(Listener):
         self._sock = sock
         self._key = key
         self._recycler = recycler
-        self._handler: Callable[[Received], None] | None = None
-        self._queue: collections.deque[Received] = collections.deque()
-        self._waiter: asyncio.Future | None = None
+        self._inbox = Inbox(loop)
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -243,7 +240,7 @@ class BulkListener(Listener):
         return f"<BulkListener {self.endpoints[SCHEME]} connections={len(self._conns)}>"
 
     def set_handler(self, handler: Callable[[Received], None]) -> None:
-        self._handler = handler
+        self._inbox.handler = handler
 
     async def recv(self) -> Received:
         """Next frame set, for callers that did not set a handler (tests, tools).
@@ -251,15 +248,7 @@ class BulkListener(Listener):
         Raises:
             ClosedError: the listener is closed and nothing is left to read.
         """
-        while not self._queue:
-            if self._closed:
-                raise ClosedError("listener is closed")
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._queue.popleft()
+        return await self._inbox.recv()
 
     def _accept(self) -> None:
         while True:
@@ -328,20 +317,12 @@ class BulkListener(Listener):
         transport, is handled before it). The sender waits for each acknowledgement
         before sending more on this stream, so this small write never blocks."""
         try:
-            if self._handler is not None:
-                self._handler(received)
-            else:
-                self._queue.append(received)
-                self._wake()
+            self._inbox.deliver(received)
         finally:
             try:
                 stream.send_ack()
             except OSError as exc:
                 log.debug("rlinf: bulk acknowledgement not sent: %r", exc)
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
 
     def close(self) -> None:
         with self._lock:
@@ -354,7 +335,7 @@ class BulkListener(Listener):
         except OSError:
             pass
         self._sock.close()
-        self._wake()
+        self._inbox.close()
         for conn in conns:
             try:
                 conn.shutdown(socket.SHUT_RDWR)

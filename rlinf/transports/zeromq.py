@@ -30,7 +30,7 @@ from zmq.backend import Socket as _BackendSocket
 
 from ..errors import ClosedError, PeerLostError, TransportUnavailableError
 from ..security import ClusterKeys
-from .base import Link, Listener, Received, Transport
+from .base import Inbox, Link, Listener, Received, Transport
 
 __all__ = ["ZmqTransport", "ZmqLink", "ZmqListener", "make_ipc_dir"]
 
@@ -75,37 +75,19 @@ class ZmqListener(Listener):
         self._loop = loop
         self._sockets = sockets
         self._ipc_dir = ipc_dir
-        self._handler: Callable[[Received], None] | None = None
-        self._queue: collections.deque[Received] = collections.deque()
-        self._waiter: asyncio.Future | None = None
+        self._inbox = Inbox(loop)
         self._closed = False
         for sock in sockets:
             loop.add_reader(sock.FD, self._on_readable, sock)
 
     def set_handler(self, handler: Callable[[Received], None]) -> None:
-        self._handler = handler
+        self._inbox.handler = handler
         for sock in self._sockets:
             self._loop.call_soon(self._on_readable, sock)
 
     async def recv(self) -> Received:
         """Next frame set, for callers that did not set a handler (tests, tools)."""
-        while not self._queue:
-            if self._closed:
-                raise ClosedError("listener is closed")
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._queue.popleft()
-
-    def _deliver(self, received: Received) -> None:
-        if self._handler is not None:
-            self._handler(received)
-            return
-        self._queue.append(received)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        return await self._inbox.recv()
 
     def _on_readable(self, sock: zmq.Socket) -> None:
         """Read one frame set, then drain the rest after the callbacks it made ready.
@@ -156,7 +138,7 @@ class ZmqListener(Listener):
         while frame.more:
             frame = _recv(sock, _NOBLOCK, False)
             frames.append(frame.buffer)
-        self._deliver(Received(peer, header, frames))
+        self._inbox.deliver(Received(peer, header, frames))
         return True
 
     def _read_failed(self, exc: zmq.ZMQError) -> None:
@@ -176,8 +158,7 @@ class ZmqListener(Listener):
                 sock.close(0)
         if self._ipc_dir:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_exception(ClosedError("listener is closed"))
+        self._inbox.close()
 
 
 class ReleaseWatcher:

@@ -12,6 +12,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -121,8 +122,7 @@ async def ignores_cancel(comm):
 async def blocks_loop(comm, driver: str):
     await comm.send("blocking", driver, tag=2, timeout=60)
     await comm.recv(driver, tag=3, timeout=60)   # our send has left once the ack is here
-    while True:
-        time.sleep(0.5)   # a stuck C call: the loop never runs again
+    threading.Event().wait()   # a stuck C call, never to return: the loop never runs again
 
 
 def not_async(comm):
