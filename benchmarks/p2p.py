@@ -7,8 +7,8 @@ P2: 1 KiB one-way message rate — rlinf vs zmq.asyncio PUSH/PULL.
 P3: 40 MiB nested 10-tensor object over TCP (different RLINF_NODE_IDs) vs pyzmq
     multipart (msgpack header + raw frames), receiver touches every page, acks.
 P4: one 128 MiB tensor over TCP vs one raw pyzmq frame.
-TCP rows are measured with CURVE encryption (the default) and with
-RLINF_TCP_ENCRYPTION=0 (PLAIN authentication, the raw baseline's conditions).
+TCP rows are measured with encryption (the default: CURVE on ZeroMQ, AEGIS-256 on
+bulk streams) and with RLINF_TCP_ENCRYPTION=0 (PLAIN authentication, the raw baseline's conditions).
 
 ``--quick`` (what ``rlinf bench --quick`` and the test suite run) takes fewer messages
 and repeats, and sends numpy arrays instead of torch tensors in P3/P4 (the raw baseline's
@@ -256,9 +256,9 @@ def _run(quick: bool) -> list[Row]:
         Row("P1 64 B round trip p50", rl["rtt_p50"], "blocking pyzmq", p50(blocking), "s"),
         Row("P1 64 B round trip p99", rl["rtt_p99"], "zmq.asyncio+uvloop", asyncio_lat[int(len(asyncio_lat) * .99)], "s"),
         Row("P2 1 KiB one-way rate", rl["rate"], "zmq.asyncio PUSH/PULL", rate, "msg/s", True, ">= 2x"),
-        Row("P3 40 MiB nested, TCP (CURVE)", rl["nested"], "pyzmq multipart tcp", raw_nested, "s", target=">= 0.9x"),
+        Row("P3 40 MiB nested, TCP (encrypted)", rl["nested"], "pyzmq multipart tcp", raw_nested, "s", target=">= 0.9x"),
         Row("P3 40 MiB nested, TCP (PLAIN)", rl_plain["nested"], "pyzmq multipart tcp", raw_nested, "s", target=">= 0.9x"),
-        Row("P4 128 MiB tensor, TCP (CURVE)", rl["big"], "one pyzmq frame tcp", raw_big, "s", target=">= 1.5x"),
+        Row("P4 128 MiB tensor, TCP (encrypted)", rl["big"], "one pyzmq frame tcp", raw_big, "s", target=">= 1.5x"),
         Row("P4 128 MiB tensor, TCP (PLAIN)", rl_plain["big"], "one pyzmq frame tcp", raw_big, "s", target=">= 1.5x"),
     ]
 

@@ -36,7 +36,7 @@ import zmq
 
 from . import wire
 from .arrival import bulk_header
-from .errors import AuthenticationError, ClosedError, PeerLostError
+from .errors import AuthenticationError, ClosedError, PeerLostError, TransportUnavailableError
 from .info import WorkerInfo
 from .routing import BULK
 from .stats import Counters
@@ -276,7 +276,7 @@ class Outbox:
             if self._bulk_link is None:
                 try:
                     self._bulk_link = await self.bulk()
-                except (ClosedError, PeerLostError, AuthenticationError) as exc:
+                except (ClosedError, PeerLostError, AuthenticationError, TransportUnavailableError) as exc:
                     if self.error is None:
                         log.warning("rlinf: no bulk TCP to %s (%s); large payloads go through ZeroMQ",
                                     self.address, exc)

@@ -1,14 +1,26 @@
 """Authenticated encryption for bulk TCP streams, from libsodium through ctypes.
 
 The library is the libsodium that pyzmq's wheels bundle for CURVE (``pyzmq.libs/``),
-else the system's. AES-256-GCM where the CPU has AES instructions (~2.4 GB/s per core on
-this project's machines), else ChaCha20-Poly1305 (IETF). ctypes releases the GIL during
-each call, so the bulk sender's and reader's threads encrypt without stopping the loop.
+else the system's. Three AEADs, in order of preference (single-core rates on this
+project's 2-vCPU machines, 16 MiB records):
+
+==========================  ==========  =======================================
+cipher                      ~GB/s       needs
+==========================  ==========  =======================================
+``aegis256``                4.4         libsodium >= 1.0.19 (software fallback
+                                        without AES instructions)
+``aes256gcm``               1.4-2.4     AES and CLMUL instructions
+``chacha20poly1305_ietf``   0.8         any libsodium
+==========================  ==========  =======================================
+
+Each end offers the set it can run (:func:`offered`, a bit mask); a connection uses the
+first of the list both ends offer (:func:`choose`). ctypes releases the GIL during each
+call, so the bulk sender's and reader's threads encrypt without stopping the loop.
 
 Each :class:`Sealer` is one direction of one connection: a 32-byte key used with a
-96-bit counter nonce that never repeats (a key is made per connection, from both ends'
-fresh nonces; see :mod:`.tcp_bulk`). Records are sealed into a separate buffer and
-opened in place; a record that fails its tag raises and the connection is dropped.
+counter nonce that never repeats (a key is made per connection, from both ends' fresh
+nonces; see :mod:`.tcp_bulk`). Records are sealed into a separate buffer and opened in
+place; a record that fails its tag raises and the connection is dropped.
 """
 
 from __future__ import annotations
@@ -22,9 +34,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["available", "Sealer", "TAG", "AuthenticationFailed"]
+__all__ = ["available", "offered", "choose", "Sealer", "AuthenticationFailed", "CIPHERS"]
 
-TAG = 16
+#: Every cipher this module knows, in order of preference; bit ``i`` of an offer is
+#: ``CIPHERS[i]``.
+CIPHERS = ("aegis256", "aes256gcm", "chacha20poly1305_ietf")
 _U8 = np.uint8
 
 
@@ -55,21 +69,36 @@ def _load() -> Any:
     return None
 
 
-class _Lib:
-    """The loaded library and the chosen AEAD's two functions (loaded on first use)."""
+class _Cipher:
+    """One AEAD's two functions and sizes."""
 
-    def __init__(self) -> None:
-        self.lib = lib = _load()
-        self.name = None
-        if lib is None:
-            return
-        prefix = "crypto_aead_aes256gcm" if lib.crypto_aead_aes256gcm_is_available() \
-            else "crypto_aead_chacha20poly1305_ietf"
-        self.name = prefix.removeprefix("crypto_aead_")
+    def __init__(self, lib: Any, name: str) -> None:
+        prefix = f"crypto_aead_{name}"
+        self.name = name
         self.encrypt = getattr(lib, f"{prefix}_encrypt_detached")
         self.decrypt = getattr(lib, f"{prefix}_decrypt_detached")
         for fn in (self.encrypt, self.decrypt):
             fn.restype = ctypes.c_int
+        self.key_bytes = getattr(lib, f"{prefix}_keybytes")()
+        self.nonce_bytes = getattr(lib, f"{prefix}_npubbytes")()
+        self.tag_bytes = getattr(lib, f"{prefix}_abytes")()
+
+
+class _Lib:
+    """The loaded library and the ciphers it can run here (loaded on first use)."""
+
+    def __init__(self) -> None:
+        self.ciphers: dict[str, _Cipher] = {}
+        lib = _load()
+        if lib is None:
+            return
+        for name in CIPHERS:
+            if name == "aes256gcm" and not lib.crypto_aead_aes256gcm_is_available():
+                continue
+            try:
+                self.ciphers[name] = _Cipher(lib, name)
+            except AttributeError:        # an older libsodium (AEGIS came in 1.0.19)
+                continue
 
 
 @functools.cache
@@ -78,10 +107,21 @@ def _lib() -> _Lib:
     return _Lib()
 
 
+def offered() -> int:
+    """The bit mask of :data:`CIPHERS` this process can run (0 without libsodium)."""
+    have = _lib().ciphers
+    return sum(1 << i for i, name in enumerate(CIPHERS) if name in have)
+
+
+def choose(mine: int, theirs: int) -> str | None:
+    """The preferred cipher both offers hold, or None when they share none."""
+    both = mine & theirs
+    return next((name for i, name in enumerate(CIPHERS) if both >> i & 1), None)
+
+
 def available() -> str | None:
-    """The AEAD in use (``"aes256gcm"`` or ``"chacha20poly1305_ietf"``), or None when no
-    libsodium can be loaded."""
-    return _lib().name
+    """The cipher this process prefers, or None when no libsodium can be loaded."""
+    return choose(offered(), offered())
 
 
 def _address(view: memoryview) -> int:
@@ -93,31 +133,34 @@ class Sealer:
 
     Args:
         key: 32 bytes, used by this direction only.
+        cipher: one of :data:`CIPHERS` that this process offers.
     """
 
-    __slots__ = ("_key", "_counter", "_lib")
+    __slots__ = ("_key", "_counter", "_cipher", "tag_bytes")
 
-    def __init__(self, key: bytes) -> None:
-        if len(key) != 32:
-            raise ValueError("an AEAD key is 32 bytes")
-        lib = _lib()
-        if lib.name is None:
-            raise RuntimeError("libsodium is not available")
-        self._lib = lib
+    def __init__(self, key: bytes, cipher: str) -> None:
+        found = _lib().ciphers.get(cipher)
+        if found is None:
+            raise RuntimeError(f"cipher {cipher!r} is not available here")
+        if len(key) != found.key_bytes:
+            raise ValueError(f"a {cipher} key is {found.key_bytes} bytes")
+        self._cipher = found
         self._key = key
         self._counter = 0
+        #: The size of each record's tag.
+        self.tag_bytes: int = found.tag_bytes
 
     def _nonce(self) -> bytes:
         self._counter += 1
-        return self._counter.to_bytes(12, "little")
+        return self._counter.to_bytes(self._cipher.nonce_bytes, "little")
 
     def seal(self, src: memoryview, dst: memoryview) -> bytes:
-        """Encrypt ``src`` into ``dst`` (at least as large); returns the 16-byte tag."""
+        """Encrypt ``src`` into ``dst`` (at least as large); returns the record's tag."""
         n = src.nbytes
-        tag = ctypes.create_string_buffer(TAG)
-        rc = self._lib.encrypt(ctypes.c_void_p(_address(dst)), tag, None, ctypes.c_void_p(_address(src)),
-                               ctypes.c_ulonglong(n), None, ctypes.c_ulonglong(0), None,
-                               self._nonce(), self._key)
+        tag = ctypes.create_string_buffer(self.tag_bytes)
+        rc = self._cipher.encrypt(ctypes.c_void_p(_address(dst)), tag, None, ctypes.c_void_p(_address(src)),
+                                  ctypes.c_ulonglong(n), None, ctypes.c_ulonglong(0), None,
+                                  self._nonce(), self._key)
         if rc != 0:
             raise RuntimeError("encryption failed")
         return tag.raw
@@ -129,7 +172,7 @@ class Sealer:
             AuthenticationFailed: the record is not the next one this key sealed.
         """
         address = ctypes.c_void_p(_address(buf))
-        rc = self._lib.decrypt(address, None, address, ctypes.c_ulonglong(buf.nbytes), tag,
-                               None, ctypes.c_ulonglong(0), self._nonce(), self._key)
+        rc = self._cipher.decrypt(address, None, address, ctypes.c_ulonglong(buf.nbytes), tag,
+                                  None, ctypes.c_ulonglong(0), self._nonce(), self._key)
         if rc != 0:
             raise AuthenticationFailed("a bulk record failed authentication")

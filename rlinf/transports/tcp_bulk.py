@@ -12,15 +12,16 @@ Security: the stream is authenticated both ways by an HMAC-SHA256 challenge with
 derived from the cluster token, bound to both ends' fresh nonces and to the sender's
 identity; a connection that fails it is closed before any frame is read. When either
 end asks for encryption (``RLINF_TCP_ENCRYPTION``, on by default, as for ZeroMQ's CURVE
-links), every record after the handshake is sealed with AES-256-GCM (or
-ChaCha20-Poly1305) under per-connection, per-direction keys derived from the same
-handshake (:mod:`._aead`: libsodium, the one pyzmq bundles): frame tables and headers as
+links), every record after the handshake is sealed with AEGIS-256 (or AES-256-GCM, or
+ChaCha20-Poly1305: the first both ends offer) under per-connection, per-direction keys
+derived from the same handshake (:mod:`._aead`: libsodium, the one pyzmq bundles): frame tables and headers as
 one record, payloads in records of at most 1 MiB read into their destination and opened
 in place, and each acknowledgement as an empty record. Without encryption the stream
 is authenticated at connection time only, like the PLAIN ZeroMQ links.
 
-Handshake: the client sends a magic, its nonce, whether it encrypts and its identity;
-the server answers with its nonce, whether it encrypts and a MAC over all of it proving
+Handshake: the client sends a magic, its nonce, whether it encrypts, the ciphers it
+offers and its identity; the server answers with its nonce, whether it encrypts, its
+ciphers and a MAC over all of it proving
 it holds the key; the client answers with its own MAC; the server confirms with one
 byte. Stream, after the handshake, per frame set (unencrypted)::
 
@@ -65,7 +66,7 @@ log = logging.getLogger("rlinf.transports.tcp_bulk")
 
 #: The endpoint key a worker advertises this listener under.
 SCHEME = "bulk"
-_MAGIC = b"RLINFBK1"
+_MAGIC = b"RLINFBK2"
 _NONCE = 32
 _MAC = 32
 _MAX_IDENTITY = 1024
@@ -120,12 +121,12 @@ class _Stream:
     """One end of a bulk connection after the handshake: frame sets and acknowledgements,
     sealed when ``keys`` (``(outgoing, incoming)`` 32-byte keys) are given."""
 
-    def __init__(self, sock: socket.socket, keys: tuple[bytes, bytes] | None) -> None:
+    def __init__(self, sock: socket.socket, keys: tuple[bytes, bytes] | None, cipher: str | None = None) -> None:
         self.sock = sock
         self.out = self.into = None
         self._scratch: memoryview | None = None
         if keys is not None:
-            self.out, self.into = _aead.Sealer(keys[0]), _aead.Sealer(keys[1])
+            self.out, self.into = _aead.Sealer(keys[0], cipher), _aead.Sealer(keys[1], cipher)
 
     @property
     def encrypted(self) -> bool:
@@ -178,7 +179,7 @@ class _Stream:
             if not 12 <= n <= 4 + 8 * _MAX_FRAMES + _MAX_HEADER:
                 raise ValueError(f"bad sealed bulk table of {n} bytes")
             head = memoryview(bytearray(_recv_exact(self.sock, n)))
-            self.into.open(head, _recv_exact(self.sock, _aead.TAG))
+            self.into.open(head, _recv_exact(self.sock, self.into.tag_bytes))
             (count,) = struct.unpack_from("!I", head)
             if not 1 <= count <= _MAX_FRAMES or n < 4 + 8 * count:
                 raise ValueError(f"bad bulk frame count {count}")
@@ -197,7 +198,7 @@ class _Stream:
                 for start in range(0, k, _RECORD):
                     piece = buf[start:start + _RECORD]
                     _recv_into(self.sock, piece)
-                    self.into.open(piece, _recv_exact(self.sock, _aead.TAG))
+                    self.into.open(piece, _recv_exact(self.sock, self.into.tag_bytes))
             frames.append(buf)
         return header, frames
 
@@ -209,13 +210,29 @@ class _Stream:
             if _recv_exact(self.sock, 1) != _ACK:
                 raise ConnectionError("bad acknowledgement")
         else:
-            self.into.open(_EMPTY, _recv_exact(self.sock, _aead.TAG))
+            self.into.open(_EMPTY, _recv_exact(self.sock, self.into.tag_bytes))
 
 
-def _session_keys(key: bytes, client_nonce: bytes, server_nonce: bytes, identity: bytes) -> tuple[bytes, bytes]:
-    """(client -> server, server -> client) keys of one connection."""
-    return (_mac(key, b"k-c2s", client_nonce, server_nonce, identity),
-            _mac(key, b"k-s2c", client_nonce, server_nonce, identity))
+def _terms(encrypt: bool) -> bytes:
+    """This end's two handshake bytes: whether it asks for encryption, the ciphers it offers."""
+    return bytes((int(encrypt), _aead.offered()))
+
+
+def _stream(sock: socket.socket, key: bytes, client: tuple[bytes, bytes], server: tuple[bytes, bytes],
+            identity: bytes, *, outgoing: str) -> _Stream:
+    """The stream both ends agreed on. ``client`` and ``server`` are each end's
+    ``(nonce, terms)``; ``outgoing`` is this end's direction (``"c2s"`` or ``"s2c"``).
+
+    Raises:
+        PermissionError: encryption is asked for and the two ends share no cipher.
+    """
+    if not (client[1][0] or server[1][0]):
+        return _Stream(sock, None)
+    cipher = _aead.choose(client[1][1], server[1][1])
+    if cipher is None:
+        raise PermissionError("encryption was asked for and the two ends share no cipher")
+    keys = [_mac(key, b"k-" + way, client[0], server[0], identity, cipher.encode()) for way in (b"c2s", b"s2c")]
+    return _Stream(sock, tuple(keys if outgoing == "c2s" else keys[::-1]), cipher)
 
 
 class BulkListener(Listener):
@@ -265,25 +282,23 @@ class BulkListener(Listener):
 
     def _handshake(self, conn: socket.socket) -> tuple[bytes, _Stream]:
         conn.settimeout(_HANDSHAKE_TIMEOUT)
-        hello = _recv_exact(conn, len(_MAGIC) + _NONCE + 3)
+        hello = _recv_exact(conn, len(_MAGIC) + _NONCE + 4)
         if hello[:len(_MAGIC)] != _MAGIC:
             raise PermissionError("not an rlinf bulk client")
         client_nonce = hello[len(_MAGIC):len(_MAGIC) + _NONCE]
-        client_seals, (n,) = hello[-3:-2], struct.unpack("!H", hello[-2:])
-        if n > _MAX_IDENTITY or client_seals not in (b"\0", b"\1"):
+        client_terms, (n,) = hello[-4:-2], struct.unpack("!H", hello[-2:])
+        if n > _MAX_IDENTITY or client_terms[0] > 1:
             raise PermissionError("malformed hello")
         identity = _recv_exact(conn, n)
-        nonce = secrets.token_bytes(_NONCE)
-        seals = b"\1" if self._encrypt else b"\0"
-        conn.sendall(nonce + seals + _mac(self._key, b"s", client_nonce, client_seals, nonce, seals, identity))
+        nonce, terms = secrets.token_bytes(_NONCE), _terms(self._encrypt)
+        conn.sendall(nonce + terms + _mac(self._key, b"s", client_nonce, client_terms, nonce, terms, identity))
         proof = _recv_exact(conn, _MAC)
-        if not hmac.compare_digest(proof, _mac(self._key, b"c", nonce, seals, client_nonce, client_seals, identity)):
+        if not hmac.compare_digest(proof, _mac(self._key, b"c", nonce, terms, client_nonce, client_terms, identity)):
             raise PermissionError("the client does not hold the cluster token")
+        stream = _stream(conn, self._key, (client_nonce, client_terms), (nonce, terms), identity, outgoing="s2c")
         conn.sendall(_ACK)
         conn.settimeout(None)
-        sealed = self._encrypt or client_seals == b"\1"
-        keys = _session_keys(self._key, client_nonce, nonce, identity) if sealed else None
-        return identity, _Stream(conn, keys[::-1] if keys else None)
+        return identity, stream
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -465,20 +480,23 @@ class BulkTransport(Transport):
             raise PeerLostError(f"cannot reach bulk endpoint {host}:{port}: {exc}") from exc
         try:
             _tune(sock)
-            nonce = secrets.token_bytes(_NONCE)
-            seals = b"\1" if self._encrypt else b"\0"
-            sock.sendall(_MAGIC + nonce + seals + struct.pack("!H", len(identity)) + identity)
-            reply = _recv_exact(sock, _NONCE + 1 + _MAC)
-            server_nonce, server_seals, proof = reply[:_NONCE], reply[_NONCE:_NONCE + 1], reply[_NONCE + 1:]
-            expected = _mac(self._key, b"s", nonce, seals, server_nonce, server_seals, identity)
+            nonce, terms = secrets.token_bytes(_NONCE), _terms(self._encrypt)
+            sock.sendall(_MAGIC + nonce + terms + struct.pack("!H", len(identity)) + identity)
+            reply = _recv_exact(sock, _NONCE + 2 + _MAC)
+            server_nonce, server_terms, proof = reply[:_NONCE], reply[_NONCE:_NONCE + 2], reply[_NONCE + 2:]
+            expected = _mac(self._key, b"s", nonce, terms, server_nonce, server_terms, identity)
             if not hmac.compare_digest(proof, expected):
                 raise AuthenticationError(f"bulk endpoint {host}:{port} does not hold the cluster token")
-            sock.sendall(_mac(self._key, b"c", server_nonce, server_seals, nonce, seals, identity))
+            try:
+                stream = _stream(sock, self._key, (nonce, terms), (server_nonce, server_terms), identity,
+                                 outgoing="c2s")
+            except PermissionError as exc:
+                raise TransportUnavailableError(f"bulk endpoint {host}:{port}: {exc}") from None
+            sock.sendall(_mac(self._key, b"c", server_nonce, server_terms, nonce, terms, identity))
             if _recv_exact(sock, 1) != _ACK:
                 raise ConnectionError("bad handshake acknowledgement")
             sock.settimeout(None)
-            sealed = self._encrypt or server_seals == b"\1"
-            return _Stream(sock, _session_keys(self._key, nonce, server_nonce, identity) if sealed else None)
+            return stream
         except OSError as exc:
             sock.close()
             raise PeerLostError(f"bulk handshake with {host}:{port} failed: {exc}") from exc

@@ -113,7 +113,7 @@ _TRANSPORTS = [
     pytest.param("zmq-tcp", id="zmq-tcp"),
     pytest.param("shm", id="shm"),
     pytest.param("shm-capped", id="shm-capped"),     # cap 0: every send falls back inline
-    pytest.param("bulk-tcp", id="bulk-tcp"),               # sealed (AES-GCM / ChaCha20-Poly1305)
+    pytest.param("bulk-tcp", id="bulk-tcp"),               # sealed (AEGIS-256, else AES-GCM / ChaCha20-Poly1305)
     pytest.param("bulk-tcp-plain", id="bulk-tcp-plain"),
     pytest.param("cuda_ipc", id="cuda_ipc", marks=pytest.mark.cuda),
 ]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import rlinf
+from rlinf.transports import _aead
 from rlinf.transports.tcp_bulk import BulkTransport
 
 from ..integration.wait import until
@@ -55,8 +56,8 @@ async def test_a_client_that_fails_the_proof_gets_nothing_delivered(listener):
         loop = asyncio.get_running_loop()
         sock = await loop.run_in_executor(None, socket.create_connection, _host_port(listener))
         try:
-            sock.sendall(b"RLINFBK1" + b"n" * 32 + b"\0" + struct.pack("!H", 3) + b"x|1")
-            await loop.run_in_executor(None, sock.recv, 32 + 1 + 32, socket.MSG_WAITALL)   # nonce, flag, MAC
+            sock.sendall(b"RLINFBK2" + b"n" * 32 + b"\0\7" + struct.pack("!H", 3) + b"x|1")
+            await loop.run_in_executor(None, sock.recv, 32 + 2 + 32, socket.MSG_WAITALL)   # nonce, terms, MAC
             sock.sendall(b"p" * 32 + struct.pack("!IQQ", 2, 1, 3) + b"hxyz")
             assert await _closed_by_peer(sock)     # closed, no ack
         finally:
@@ -85,7 +86,7 @@ async def test_oversized_announcements_close_the_connection(listener):
     limits ends that connection only."""
     async with asyncio.timeout(20):
         if listener._encrypt:     # a sealed table: its length, then a record that fails its tag
-            bad = [struct.pack("!I", 0), struct.pack("!I", 1 << 30), struct.pack("!I", 40) + bytes(56)]
+            bad = [struct.pack("!I", 0), struct.pack("!I", 1 << 30), struct.pack("!I", 40) + bytes(40 + 32)]
         else:
             bad = [struct.pack("!I", 0), struct.pack("!I", 1 << 20), struct.pack("!IQ", 1, 1 << 50)]
         for announce in bad:
@@ -134,7 +135,7 @@ async def test_a_forged_record_is_dropped_with_its_connection(listener):
 
             def seal(self, src, dst):
                 tag = self.real.seal(src, dst)
-                return bytes(16) if src.nbytes == 1000 else tag
+                return bytes(len(tag)) if src.nbytes == 1000 else tag
 
         link._stream.out = Forger(link._stream.out)
         with pytest.raises(rlinf.PeerLostError):
@@ -143,3 +144,36 @@ async def test_a_forged_record_is_dropped_with_its_connection(listener):
         await other.send(b"fine", [])
         assert (await listener.recv()).header == b"fine"
         other.close()
+
+
+@pytest.mark.parametrize("cipher", _aead.CIPHERS)
+async def test_each_cipher_both_ends_offer_carries_a_stream(monkeypatch, cipher):
+    """Ends that share only ``cipher`` use it; a payload crosses it intact."""
+    if cipher not in _aead._lib().ciphers:
+        pytest.skip(f"{cipher} is not available on this machine")
+    monkeypatch.setattr(_aead, "offered", lambda: 1 << _aead.CIPHERS.index(cipher))
+    async with asyncio.timeout(20):
+        lst = await BulkTransport(KEY, encrypt=True).listen()
+        try:
+            link = await BulkTransport(KEY, encrypt=True).connect(lst.endpoints["bulk"], identity=b"a|1")
+            assert link._stream.out._cipher.name == cipher
+            data = np.arange(5 << 19, dtype=np.uint8)
+            await link.send(b"h", [data])
+            assert np.array_equal(np.frombuffer((await lst.recv()).frames[0], np.uint8), data)
+            link.close()
+        finally:
+            lst.close()
+
+
+async def test_ends_that_share_no_cipher_never_send_in_clear(monkeypatch):
+    """An end that asks for encryption and shares no cipher with the other is refused
+    with TransportUnavailableError (its sender then uses ZeroMQ), never sent in clear."""
+    async with asyncio.timeout(20):
+        lst = await BulkTransport(KEY, encrypt=True).listen()
+        try:
+            monkeypatch.setattr(_aead, "offered", lambda: 0)     # the client has no libsodium
+            with pytest.raises(rlinf.TransportUnavailableError, match="share no cipher"):
+                await BulkTransport(KEY, encrypt=False).connect(lst.endpoints["bulk"], identity=b"a|1")
+            await until(lambda: lst.rejected == 1, what="the listener's rejection")
+        finally:
+            lst.close()
