@@ -70,6 +70,12 @@ class Dec:
                     if d[4]:
                         t.requires_grad_()
                     return t
+        elif code == 2 and data == b"\x00":  # W.X_OOB bytes, the small-message hot path
+            i = self.next
+            buf = self.bufs[i] if i < self.nbufs else None
+            if type(buf) is memoryview and buf.nbytes <= self.max_bytes:
+                self.next = i + 1
+                return buf.tobytes()
         return _EXT_TABLE[code & 0xFF](self, data)
 
     def lst(self, items: list) -> Any:
