@@ -306,6 +306,8 @@ class Communicator:
         future = self._enqueue(obj, dst, tag, wire.USER, need_future=False)
         if future is not None:
             await self._wait(future, timeout, f"send to {dst}")
+        if self._shm is not None and self._shm.behind(dst):
+            await self._shm.room(dst)   # backpressure: ``dst`` holds a window of our slots
 
     def async_send(self, obj: Any, dst: str, *, tag: int = 0) -> Work[None]:
         """Start a send now (ordering is fixed by this call) and return its :class:`Work`."""
@@ -771,6 +773,8 @@ class Communicator:
         future = self._enqueue(obj, dst, tag, wire.USER, need_future=False)
         if future is not None:
             await self._wait(future, timeout, f"send to {dst}")
+        if self._shm is not None and self._shm.behind(dst):
+            await self._shm.room(dst)   # backpressure: ``dst`` holds a window of our slots
 
     def _async_send_internal(self, obj: Any, dst: str, tag: str) -> asyncio.Future:
         return self._enqueue(obj, dst, tag, wire.USER, need_future=True)

@@ -136,6 +136,8 @@ class ShmPool:
         self.created = 0      # segments ever created (the rest of the exports reused one)
         self.exports = 0
         self.fallbacks = 0
+        #: reader -> ``[slots, bytes]`` it holds now (see :meth:`held`).
+        self._held: dict[str, list[int]] = {}
         self.closed = False
         self._warned = False
         _POOLS.add(self)
@@ -149,6 +151,20 @@ class ShmPool:
     def busy(self) -> int:
         """Slots a reader still holds."""
         return len(self._busy)
+
+    def held(self, reader: str) -> tuple[int, int]:
+        """``(slots, bytes)`` that ``reader`` holds now: sent to it and not yet released."""
+        held = self._held.get(reader)
+        return (held[0], held[1]) if held else (0, 0)
+
+    def _hold(self, slot: _Slot, reader: str, sign: int) -> None:
+        held = self._held.get(reader)
+        if held is None:
+            held = self._held[reader] = [0, 0]
+        held[0] += sign
+        held[1] += sign * slot.size
+        if held[0] <= 0:
+            del self._held[reader]
 
     def segment_names(self) -> list[str]:
         """Names of the segments this pool holds now (busy and free)."""
@@ -170,6 +186,8 @@ class ShmPool:
                 return None
         slot.generation = next(self._generations)
         slot.readers = dict(readers)
+        for reader in readers:
+            self._hold(slot, reader, 1)
         slot.private = private
         self._busy[slot.name] = slot
         self.exports += 1
@@ -250,6 +268,8 @@ class ShmPool:
     def cancel(self, slot: _Slot) -> None:
         """Give back a slot whose message was never sent."""
         if self._busy.pop(slot.name, None) is slot:
+            for reader in slot.readers:
+                self._hold(slot, reader, -1)
             self._park(slot)
 
     def _park(self, slot: _Slot) -> None:
@@ -273,6 +293,7 @@ class ShmPool:
             slot.readers[reader] = left
         else:
             del slot.readers[reader]
+            self._hold(slot, reader, -1)
             if not slot.readers:
                 del self._busy[name]
                 self._park(slot)
@@ -293,6 +314,8 @@ class ShmPool:
         retired = [s for s in self._busy.values() if reader in s.readers]
         for slot in retired:
             del self._busy[slot.name]
+            for other in slot.readers:
+                self._hold(slot, other, -1)
             self._drop(slot)
         return len(retired)
 
@@ -307,6 +330,7 @@ class ShmPool:
             self._drop(slot)
         self._busy.clear()
         self._free.clear()
+        self._held.clear()
         for path in list(self.links):
             self.unlink_link(path)
 

@@ -19,6 +19,16 @@ from ._shm_reader import ShmReader
 
 log = logging.getLogger("rlinf.transports.shm")
 
+#: A reader holding this many of our slots (or :data:`WINDOW_BYTES`) is behind: a
+#: send to it waits for one back (:meth:`ShmSession.room`) instead of growing the pool
+#: by a new segment per message.
+WINDOW_SLOTS = 32
+WINDOW_BYTES = 256 << 20
+#: Seconds without a release after which a reader at its window counts as holding its
+#: views (a queue that keeps items, say): sends to it stop waiting until it is down to
+#: half its window.
+STALL = 0.05
+
 
 class ShmSession:
     """A communicator's shared-memory state: its pool, its reader, and the notices
@@ -50,6 +60,8 @@ class ShmSession:
         self._pending: dict[str, tuple[list, list]] = {}
         self._owed = 0
         self._changed: asyncio.Event | None = None
+        self._room: dict[str, asyncio.Event] = {}     # reader -> set on its releases
+        self._holding: set[str] = set()
 
     def __repr__(self) -> str:
         return f"<ShmSession {self.pool!r} {self.reader!r} views={self.views}>"
@@ -76,6 +88,38 @@ class ShmSession:
         else:
             ShmPool.fill(slot, full, offsets)
         return slot, [-n if n else 0 for n in sizes], copying
+
+    def behind(self, reader: str) -> bool:
+        """Whether a send to ``reader`` should wait for :meth:`room` (cheap: one lookup)."""
+        slots, nbytes = self.pool.held(reader)
+        if slots >= WINDOW_SLOTS or nbytes >= WINDOW_BYTES:
+            return reader not in self._holding
+        if reader in self._holding and slots <= WINDOW_SLOTS // 2 and nbytes <= WINDOW_BYTES // 2:
+            self._holding.discard(reader)
+        return False
+
+    async def room(self, reader: str) -> None:
+        """Wait while ``reader`` is at its window and keeps releasing slots (each release
+        restarts the :data:`STALL` clock); a reader that releases nothing for that long
+        is taken to be holding its views, and is not waited for again until it is down
+        to half its window. Returns early if ``reader`` goes away."""
+        event = self._room.get(reader)
+        if event is None:
+            event = self._room[reader] = asyncio.Event()
+        while self.behind(reader):
+            event.clear()
+            try:
+                async with asyncio.timeout(STALL):
+                    await event.wait()
+            except TimeoutError:
+                self._holding.add(reader)
+                log.debug("rlinf: %s holds %s slots; not waiting for it", reader, self.pool.held(reader))
+                return
+
+    def _wake(self, reader: str) -> None:
+        event = self._room.get(reader)
+        if event is not None:
+            event.set()
 
     def discard(self, slot: _Slot, copying: asyncio.Future | None, reader: str) -> None:
         """``reader``'s message in ``slot`` was dropped unsent: count it as released
@@ -164,6 +208,8 @@ class ShmSession:
             if not (isinstance(item, list) and len(item) == 2
                     and (self.pool.release(src, *item) or self.relay.release(src, *item))):
                 log.debug("rlinf: ignored a release from %s that matches no slot sent to it: %r", src, item)
+        if obj[0]:
+            self._wake(src)
         if self._changed is not None:
             self._changed.set()
 
@@ -175,6 +221,10 @@ class ShmSession:
         self.relay.reader_gone(address)
         self.fd_maps.peer_gone(address)
         self._owed -= sum(map(len, self._pending.pop(address, ((), ()))))
+        self._holding.discard(address)
+        event = self._room.pop(address, None)
+        if event is not None:
+            event.set()
         for pid in self.reader.peer_gone(address):
             if pid != os.getpid() and process_gone(pid):
                 sweep(pid)

@@ -91,6 +91,49 @@ async def test_no_slot_reuse_while_a_view_lives(cluster, driver):
         assert await group.join() == ["bye"]
 
 
+async def test_a_sender_ahead_of_its_reader_waits_for_slots_instead_of_growing(cluster, driver):
+    """A reader that consumes slower than its sender sends: the sender's sends wait once
+    the reader holds a window of slots, so the pool stays at about that many segments
+    instead of a new one per message."""
+    from rlinf.transports._shm_session import WINDOW_SLOTS
+
+    n = 4 * WINDOW_SLOTS
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers_shm.consume, "consumer", 1, args=("driver:0", n))
+        msg = {"x": np.ones(256 << 10, np.float32)}      # 1 MiB: shared memory
+        await driver.send(msg, "consumer:0")
+        assert await driver.recv("consumer:0", tag=2) == "ready"
+        for _ in range(n):
+            await driver.send(msg, "consumer:0")
+            assert driver._shm.pool.held("consumer:0")[0] <= WINDOW_SLOTS
+        await group.join()
+        assert driver._shm.pool.created <= WINDOW_SLOTS + 2
+
+
+async def test_a_reader_that_keeps_its_views_does_not_block_its_sender(cluster, driver):
+    """A reader that keeps every message (a queue, say): past the window the sender
+    waits once, for a short while, then sends on; nothing is lost, and the slots come
+    back when the reader drops its views."""
+    from rlinf.transports._shm_session import WINDOW_SLOTS
+
+    n = WINDOW_SLOTS + 20
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers_shm.keep_all, "keeper", 1, args=("driver:0", n))
+        msg = {"x": np.ones(256 << 10, np.float32)}
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        for _ in range(n):
+            await driver.send(msg, "keeper:0")
+        assert loop.time() - start < 10            # not one stall per message
+        assert await driver.recv("keeper:0", tag=2) == n
+        assert driver._shm.pool.held("keeper:0")[0] == n
+        await driver.send("drop", "keeper:0", tag=3)
+        assert await driver.recv("keeper:0", tag=2) == "dropped"
+        await until(lambda: driver._shm.pool.held("keeper:0") == (0, 0), what="the slots to come back")
+        await driver.send("bye", "keeper:0", tag=4)
+        await group.join()
+
+
 async def test_copy_out_option_releases_the_slot_at_once(cluster):
     async with asyncio.timeout(60):
         comm = await cluster.connect("copier:0", shm_views=False).start()

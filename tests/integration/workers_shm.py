@@ -111,3 +111,25 @@ async def shared_tensor_peer(comm, src: str, n: int):
         del obj, t
         await comm.send("wrote", src, tag=31, timeout=60)
     return {**shm_state(comm), "fd_maps": len(comm._shm.fd_maps._maps)}
+
+
+async def consume(comm, src: str, n: int):
+    """Receive one message from ``src`` and say so (tag 2), then receive ``n`` more,
+    reading each and dropping it."""
+    await comm.recv(src, timeout=60)
+    await comm.send("ready", src, tag=2, timeout=60)
+    for _ in range(n):
+        obj = await comm.recv(src, timeout=60)
+        assert float(obj["x"][-1]) == 1.0
+        del obj
+
+
+async def keep_all(comm, src: str, n: int):
+    """Receive ``n`` messages from ``src`` and keep them all; report (tag 2), drop them
+    when ``src`` says so (tag 3), report again."""
+    kept = [await comm.recv(src, timeout=60) for _ in range(n)]
+    await comm.send(len(kept), src, tag=2, timeout=60)
+    await comm.recv(src, tag=3, timeout=60)
+    kept.clear()
+    await comm.send("dropped", src, tag=2, timeout=60)
+    await comm.recv(src, tag=4, timeout=60)
