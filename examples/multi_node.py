@@ -1,6 +1,6 @@
 """Rehearse a multi-node job on one machine: workers with different RLINF_NODE_ID.
 
-rlinf treats workers with the same node id as one node (ipc sockets, shared memory)
+rlinf treats workers with the same node id as one node (stream sockets, shared memory)
 and the others as remote (TCP). Giving two groups different ``RLINF_NODE_ID`` values
 makes them talk as if they ran on two machines, so cross-node paths can be tried on a
 laptop. Each worker swaps an array with its same-"node" neighbour and with its peer on

@@ -26,7 +26,7 @@ import zmq
 from . import control, devices, routing, wire
 from .arrival import ArrivalOrder
 from .codec import Codec, is_device_buffer
-from .errors import ClosedError, CommTimeoutError, PeerLostError, ProtocolError, TransportUnavailableError
+from .errors import AuthenticationError, ClosedError, CommTimeoutError, PeerLostError, ProtocolError, TransportUnavailableError
 from .inbound import FrameReader
 from .info import MembershipEvent, WorkerInfo, parse_address
 from .mailbox import Mailbox, Message
@@ -35,6 +35,7 @@ from .security import ClusterKeys, ZapHandler, tcp_encryption_enabled
 from .stats import CommStats, Counters
 from .transports import shm, tcp_bulk
 from .transports.base import Received
+from .transports.stream import StreamTransport
 from .transports.zeromq import ZmqTransport
 from .work import Work
 
@@ -132,6 +133,7 @@ class Communicator:
         self._shm_views = shm_views
         self._shm: shm.ShmSession | None = None
         self._bulk: tcp_bulk.BulkTransport | None = None   # large payloads from/to other nodes
+        self._stream: StreamTransport | None = None        # frame sets from/to this node's processes
         self._recycler = shm.Recycler()   # receive-side private memory (chunk reassembly, copy-outs)
         self._shm_routes: dict[str, bool] = {}     # peer -> large CPU payloads go by shm
 
@@ -181,6 +183,8 @@ class Communicator:
                 transports += (routing.SHM,)
             self._inbound = FrameReader(self._shm, self._recycler, self._pid_of, self._counters.dropped)
             self._listener.set_handler(self._arrival.zmq)
+            if routing.STREAM not in self._routing.disabled and StreamTransport.available():
+                transports += await self._start_stream(endpoints)
             self.info = WorkerInfo(
                 address=self.address, incarnation=self.incarnation, node_id=devices.node_id(),
                 host=socket.gethostname(), pid=os.getpid(), endpoints=endpoints,
@@ -211,6 +215,21 @@ class Communicator:
         self._bulk_listener.set_handler(self._arrival.bulk)
         endpoints.update(self._bulk_listener.endpoints)
         return (routing.BULK,)
+
+    async def _start_stream(self, endpoints: dict[str, str]) -> tuple[str, ...]:
+        """Listen for stream links (frame sets from this node's processes); the
+        transports this adds to what we advertise (none when it cannot run here)."""
+        try:
+            self._stream = StreamTransport(self._keys.bulk_key, recycler=self._recycler)
+            self._stream_listener = await self._stream.listen()
+        except TransportUnavailableError as exc:
+            log.warning("rlinf %s: no stream transport (%s); this node's messages go through ZeroMQ ipc",
+                        self.address, exc)
+            self._stream = None
+            return ()
+        self._stream_listener.set_handler(self._arrival.zmq)   # one link per peer: counted as ZeroMQ's
+        endpoints.update(self._stream_listener.endpoints)
+        return (routing.STREAM,)
 
     async def aclose(self) -> None:
         """Deregister, fail pending operations with ``ClosedError``, release everything.
@@ -246,16 +265,21 @@ class Communicator:
             if control_client is not None:
                 await control_client.close(deregister=deregister, bye_to=bye_to)
         finally:
+            flushing = []
             for outbox in self._outboxes.values():
                 outbox.flush()
-                outbox.close(_GRACEFUL_LINGER_MS, error)
+                flushed = outbox.close(_GRACEFUL_LINGER_MS, error)
+                if flushed is not None:
+                    flushing.append(flushed)
+            if flushing:    # stream links write what they buffered from this loop
+                await asyncio.wait(flushing, timeout=_GRACEFUL_LINGER_MS / 1000 + 0.5)
             self._mailbox.close(error)
             for queue in self._subscribers:
                 queue.put_nowait(None)
             transport = getattr(self, "_transport", None)
             if transport is not None:
                 transport.close()
-            for name in ("_listener", "_bulk_listener"):
+            for name in ("_listener", "_bulk_listener", "_stream_listener"):
                 listener = getattr(self, name, None)
                 if listener is not None:
                     listener.close()
@@ -479,14 +503,36 @@ class Communicator:
         return outbox
 
     def _connect(self, outbox: Outbox, info: WorkerInfo) -> None:
-        scheme = routing.select_scheme(self.info, info)
-        endpoint = info.endpoints.get(scheme) or next(iter(info.endpoints.values()))
+        """Give ``outbox`` its link to ``info``: at once for ZeroMQ; for a stream, once it
+        is connected and authenticated (sends queue meanwhile)."""
+        scheme = routing.select_scheme(self.info, info, config=self._routing)
         if self._bulk is not None:
             probe = devices.BufferInfo("cpu", max(1, self._routing.bulk_threshold))
             if routing.select_transport(self.info, info, probe, config=self._routing).transport == routing.BULK:
                 outbox.bulk = functools.partial(self._bulk.connect, info.endpoints[tcp_bulk.SCHEME],
                                                 identity=self._identity)
-        outbox.attach(self._transport.connect_now(endpoint, identity=self._identity), info)
+        if scheme == routing.STREAM and self._stream is not None:
+            outbox.info = info
+            outbox.resolving = self._loop.create_task(self._dial_stream(outbox, info))
+            return
+        outbox.attach(self._zmq_link(info, scheme), info)
+
+    def _zmq_link(self, info: WorkerInfo, scheme: str):
+        endpoint = info.endpoints.get(scheme) or info.endpoints.get("ipc") or info.endpoints["tcp"]
+        return self._transport.connect_now(endpoint, identity=self._identity)
+
+    async def _dial_stream(self, outbox: Outbox, info: WorkerInfo) -> None:
+        """Open the stream link of ``outbox``; a stream that cannot be opened (a peer
+        that refuses or stopped listening) is not an error: ZeroMQ carries the messages."""
+        try:
+            link = await self._stream.connect(info.endpoints[routing.STREAM], identity=self._identity)
+        except (PeerLostError, AuthenticationError) as exc:
+            log.warning("rlinf %s: no stream to %s (%s); using ZeroMQ", self.address, outbox.address, exc)
+            link = self._zmq_link(info, "ipc")
+        if outbox.error is not None:
+            link.close()
+            return
+        outbox.attach(link, info)
 
     async def _resolve(self, outbox: Outbox) -> None:
         """Find a peer that is not in our roster yet (waits for it to join)."""
@@ -503,6 +549,7 @@ class Communicator:
             if info is not None and outbox.link is None and outbox.error is None:
                 self._roster.setdefault(info.address, info)
                 self._connect(outbox, info)
+                return
 
     # -- receiving ---------------------------------------------------------------------
     async def recv(self, src: str, *, tag: int = 0, timeout: float | None = None) -> Any:

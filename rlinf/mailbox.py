@@ -74,9 +74,18 @@ class Mailbox:
     def deliver(self, msg: Message) -> None:
         msg.seq = next(self._arrivals)
         key = (msg.src, msg.tag)
-        if self._hand_over(self._waiters.get(key), msg) or self._hand_over(self._any_waiters.get(msg.tag), msg):
+        waiters = self._waiters.get(key)
+        if waiters and self._hand_over(waiters, msg):
             return
-        self._push(msg, front=False)
+        waiters = self._any_waiters.get(msg.tag)
+        if waiters and self._hand_over(waiters, msg):
+            return
+        queue = self._queues.get(key)       # the hot path: queued at the back, inline
+        if queue is None:
+            queue = self._queues[key] = collections.deque()
+            self._sources_by_tag[msg.tag].add(msg.src)
+        queue.append(msg)
+        self.queued += 1
 
     def _hand_over(self, waiters: collections.deque[_Waiter] | None, msg: Message) -> bool:
         while waiters:
@@ -86,16 +95,14 @@ class Mailbox:
                 return True
         return False
 
-    def _push(self, msg: Message, *, front: bool) -> None:
+    def _push_front(self, msg: Message) -> None:
+        """Queue ``msg`` ahead of the others from its source and tag (a put-back)."""
         key = (msg.src, msg.tag)
         queue = self._queues.get(key)
         if queue is None:
             queue = self._queues[key] = collections.deque()
-        if front:
-            queue.appendleft(msg)
-        else:
-            queue.append(msg)
-        self._sources_by_tag[msg.tag].add(msg.src)
+            self._sources_by_tag[msg.tag].add(msg.src)
+        queue.appendleft(msg)
         self.queued += 1
 
     def _pop(self, key: tuple[str, Any]) -> Message:
@@ -116,14 +123,15 @@ class Mailbox:
             return
         if not (self._hand_over(self._waiters.get((msg.src, msg.tag)), msg)
                 or self._hand_over(self._any_waiters.get(msg.tag), msg)):
-            self._push(msg, front=True)
+            self._push_front(msg)
 
     # -- receiving ---------------------------------------------------------------------
     def get_nowait(self, src: str | None, tag: Any) -> Message | None:
         """The next matching message, or None. Raises if none can ever come."""
         if src is not None:
-            if (src, tag) in self._queues:
-                return self._pop((src, tag))
+            key = (src, tag)
+            if key in self._queues:
+                return self._pop(key)
             if src in self._lost:
                 raise PeerLostError(str(self._lost[src]), peer=src) from self._lost[src].__cause__
         else:
@@ -154,7 +162,7 @@ class Mailbox:
             return await future
         except asyncio.CancelledError:
             if future.done() and not future.cancelled() and future.exception() is None:
-                self._push(future.result(), front=True)   # handed over, then cancelled: put back
+                self._push_front(future.result())   # handed over, then cancelled: put back
             raise
         finally:
             waiters = table.get(key)

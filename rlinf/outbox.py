@@ -36,6 +36,7 @@ import zmq
 
 from . import wire
 from .arrival import bulk_header
+from .transports.base import WouldBlock
 from .errors import AuthenticationError, ClosedError, PeerLostError, TransportUnavailableError
 from .info import WorkerInfo
 from .routing import BULK
@@ -347,7 +348,7 @@ class Outbox:
             self._zmq_sent += 1
             self._sent_at = self._clock()
             return True, tracker
-        except zmq.Again:
+        except (zmq.Again, WouldBlock):
             self._blocked = True
             asyncio.get_running_loop().create_task(self._wait_writable())
         except PeerLostError as exc:
@@ -408,9 +409,13 @@ class Outbox:
             self.link = None
         self._drop_bulk()
 
-    def close(self, linger_ms: int, exc: BaseException) -> None:
-        """Graceful close: flushed frames still go out for up to ``linger_ms``."""
+    def close(self, linger_ms: int, exc: BaseException) -> Awaitable | None:
+        """Graceful close: flushed frames still go out for up to ``linger_ms``. Returns
+        what to await for that when the link's own loop writes them (a stream link),
+        else None (ZeroMQ's I/O thread does, until the context terminates)."""
+        flushed = None
         if self.link is not None:
-            self.link.close_gracefully(linger_ms)
+            flushed = self.link.close_gracefully(linger_ms)
             self.link = None
         self.fail(exc)
+        return flushed

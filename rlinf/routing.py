@@ -53,7 +53,12 @@ __all__ = [
 ]
 
 INLINE = "zmq"
-"""The buffer travels as a ZeroMQ frame of the message (``ipc://`` same node, else ``tcp://``)."""
+"""The buffer travels inside the message's frame set, over the peer's data link: the
+stream socket on one node (:data:`STREAM`), else ZeroMQ (``ipc://``, ``tcp://``)."""
+STREAM = "stream"
+"""The link that carries frame sets between processes of one node: a Unix stream socket
+written and read by the event loops (``rlinf/transports/stream.py``); disabled, ZeroMQ
+``ipc://`` carries them."""
 SHM = "shm"
 """Same-node shared memory; only a descriptor goes through ZeroMQ."""
 BULK = "bulk"
@@ -66,7 +71,7 @@ NCCL = "nccl"
 STAGED = "staged"
 """A GPU buffer copied to pinned host memory, then sent inline; needs only ZeroMQ."""
 
-TRANSPORTS: tuple[str, ...] = (INLINE, SHM, BULK, CUDA_IPC, NCCL, STAGED)
+TRANSPORTS: tuple[str, ...] = (INLINE, SHM, BULK, CUDA_IPC, NCCL, STAGED, STREAM)
 ALWAYS_AVAILABLE: frozenset[str] = frozenset({INLINE, STAGED})
 """Transports every process has; they are the last resort of each row and cannot be disabled."""
 
@@ -194,19 +199,25 @@ class Route:
     reason: str
 
 
-def select_scheme(src: WorkerInfo, dst: WorkerInfo) -> str:
-    """Choose which of ``dst``'s ZeroMQ endpoints ``src`` connects to.
+def select_scheme(src: WorkerInfo, dst: WorkerInfo, *, config: RoutingConfig | None = None) -> str:
+    """Choose which of ``dst``'s data endpoints ``src`` connects to.
 
     Args:
         src: the sender.
         dst: the receiver.
+        config: its ``disabled`` set may hold :data:`STREAM`.
 
     Returns:
-        ``"ipc"`` when both share a node and ``dst`` has an ``ipc`` endpoint, else
-        ``"tcp"``.
+        ``"stream"`` when both share a node and both have a stream endpoint (and it is
+        not disabled), else ``"ipc"`` when they share a node and ``dst`` has an ``ipc``
+        endpoint, else ``"tcp"``.
     """
-    if src.node_id == dst.node_id and "ipc" in dst.endpoints:
-        return "ipc"
+    if src.node_id == dst.node_id:
+        cfg = _DEFAULT_CONFIG if config is None else config
+        if STREAM in dst.endpoints and STREAM in src.endpoints and STREAM not in cfg.disabled:
+            return STREAM
+        if "ipc" in dst.endpoints:
+            return "ipc"
     return "tcp"
 
 
@@ -238,7 +249,7 @@ def select_transport(
     same_node = src.node_id == dst.node_id
     kind = info.kind
     large = info.nbytes >= (cfg.shm_threshold if same_node else cfg.bulk_threshold)
-    scheme = select_scheme(src, dst)
+    scheme = select_scheme(src, dst, config=cfg)
     row = next(r for r in ROUTING_TABLE if r.matches(kind, same_node, large))
 
     situation = f"{kind}, {'same node' if same_node else 'other node'}"

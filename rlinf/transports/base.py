@@ -23,7 +23,12 @@ from typing import Any, Callable, Sequence
 
 from ..errors import ClosedError
 
-__all__ = ["Received", "Link", "Listener", "Transport", "Inbox"]
+__all__ = ["Received", "Link", "Listener", "Transport", "Inbox", "WouldBlock"]
+
+
+class WouldBlock(Exception):
+    """A link's ``try_send`` cannot take the frame set now (its buffer is full); wait
+    for room with its ``wait_writable``. Never escapes the communicator."""
 
 
 @dataclass(slots=True)

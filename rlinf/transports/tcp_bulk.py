@@ -46,10 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
-import hmac
 import logging
-import secrets
 import socket
 import struct
 import threading
@@ -57,6 +54,7 @@ from typing import Any, Callable, Sequence
 
 from ..errors import AuthenticationError, ClosedError, PeerLostError, TransportUnavailableError
 from . import _aead
+from ._proof import MAC as _MAC, NONCE as _NONCE, mac as _mac, nonce as _new_nonce, same as _same
 from .base import Inbox, Link, Listener, Received, Transport
 from ._shm_pool import Recycler
 
@@ -67,8 +65,6 @@ log = logging.getLogger("rlinf.transports.tcp_bulk")
 #: The endpoint key a worker advertises this listener under.
 SCHEME = "bulk"
 _MAGIC = b"RLINFBK2"
-_NONCE = 32
-_MAC = 32
 _MAX_IDENTITY = 1024
 _MAX_FRAMES = 1 << 16
 _MAX_HEADER = 64 << 20
@@ -78,10 +74,6 @@ _EMPTY = memoryview(b"")
 _RECORD = 1 << 20
 _SOCKET_BUFFER = 4 << 20
 _HANDSHAKE_TIMEOUT = 10.0
-
-
-def _mac(key: bytes, role: bytes, *parts: bytes) -> bytes:
-    return hmac.new(key, role + b"".join(parts), hashlib.sha256).digest()
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -290,10 +282,10 @@ class BulkListener(Listener):
         if n > _MAX_IDENTITY or client_terms[0] > 1:
             raise PermissionError("malformed hello")
         identity = _recv_exact(conn, n)
-        nonce, terms = secrets.token_bytes(_NONCE), _terms(self._encrypt)
+        nonce, terms = _new_nonce(), _terms(self._encrypt)
         conn.sendall(nonce + terms + _mac(self._key, b"s", client_nonce, client_terms, nonce, terms, identity))
         proof = _recv_exact(conn, _MAC)
-        if not hmac.compare_digest(proof, _mac(self._key, b"c", nonce, terms, client_nonce, client_terms, identity)):
+        if not _same(proof, _mac(self._key, b"c", nonce, terms, client_nonce, client_terms, identity)):
             raise PermissionError("the client does not hold the cluster token")
         stream = _stream(conn, self._key, (client_nonce, client_terms), (nonce, terms), identity, outgoing="s2c")
         conn.sendall(_ACK)
@@ -480,12 +472,12 @@ class BulkTransport(Transport):
             raise PeerLostError(f"cannot reach bulk endpoint {host}:{port}: {exc}") from exc
         try:
             _tune(sock)
-            nonce, terms = secrets.token_bytes(_NONCE), _terms(self._encrypt)
+            nonce, terms = _new_nonce(), _terms(self._encrypt)
             sock.sendall(_MAGIC + nonce + terms + struct.pack("!H", len(identity)) + identity)
             reply = _recv_exact(sock, _NONCE + 2 + _MAC)
             server_nonce, server_terms, proof = reply[:_NONCE], reply[_NONCE:_NONCE + 2], reply[_NONCE + 2:]
             expected = _mac(self._key, b"s", nonce, terms, server_nonce, server_terms, identity)
-            if not hmac.compare_digest(proof, expected):
+            if not _same(proof, expected):
                 raise AuthenticationError(f"bulk endpoint {host}:{port} does not hold the cluster token")
             try:
                 stream = _stream(sock, self._key, (nonce, terms), (server_nonce, server_terms), identity,

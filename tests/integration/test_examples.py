@@ -68,7 +68,7 @@ def test_ray_pipeline_runs_unchanged_with_the_local_launcher():
 def test_multi_node():
     out = _example("multi_node.py")
     assert "nodeA:0 (nodeA) -> nodeB:0 (nodeB): bulk over tcp" in out
-    assert "nodeA:0 (nodeA) -> nodeA:1 (nodeA)" in out and "over ipc" in out
+    assert "nodeA:0 (nodeA) -> nodeA:1 (nodeA): shm over stream" in out
 
 
 def test_rollout_server():

@@ -161,6 +161,16 @@ async def test_killed_peer_fails_pending_ops_fast(cluster, driver):
         assert "victim:1" in {p.address for p in await driver.peers()}
 
 
+@pytest.mark.parametrize(("env", "expected"), [({}, "StreamLink"),
+                                               ({"RLINF_DISABLE_TRANSPORTS": "stream"}, "ZmqLink")],
+                         ids=["stream", "disabled"])
+async def test_same_node_messages_take_the_stream_unless_disabled(cluster, driver, env, expected):
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers.link_kind, "sender", 1, args=("driver:0",), env=env)
+        assert await driver.recv("sender:0") == "hi"
+        assert await group.join() == [expected]
+
+
 async def test_late_joiner_is_reachable(cluster, driver):
     async with asyncio.timeout(60):
         send = driver.async_send({"hello": 1}, "late:0")     # not registered yet: waits

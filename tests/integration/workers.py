@@ -64,3 +64,9 @@ async def return_tensor(comm):
     import torch
 
     return {"t": torch.arange(5), "ok": True}
+
+
+async def link_kind(comm, peer: str):
+    """Send one message to ``peer``; return the class name of the link it went over."""
+    await comm.send("hi", peer, timeout=30)
+    return type(comm._outboxes[peer].link).__name__

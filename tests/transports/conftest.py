@@ -18,6 +18,7 @@ import zmq
 from rlinf.security import ClusterKeys, ZapHandler
 from rlinf.transports.base import Link, Listener
 from rlinf.transports.shm import ShmTransport, available as shm_available
+from rlinf.transports.stream import StreamTransport
 from rlinf.transports.tcp_bulk import BulkTransport
 from rlinf.transports.zeromq import ZmqTransport
 
@@ -103,6 +104,21 @@ async def _bulk_pair(name: str, encrypt: bool) -> Pair:
     return pair
 
 
+async def _stream_pair(name: str) -> Pair:
+    keys = ClusterKeys(secrets.token_hex(16))
+    receiver, sender = StreamTransport(keys.bulk_key), StreamTransport(keys.bulk_key)
+    listener = await receiver.listen()
+    endpoint = listener.endpoints["stream"]
+
+    async def connect(identity: bytes) -> Link:
+        return await sender.connect(endpoint, identity=identity)
+
+    link = await connect(b"sender|1")
+    pair = Pair(name, listener, link, connect, sender, receiver)
+    pair.closers += [listener.close]
+    return pair
+
+
 async def _cuda_pair(name: str) -> Pair:
     # GPU transports (CUDA IPC, NCCL) join the suite here once they exist.
     pytest.skip(f"the {name} transport is not implemented yet")
@@ -115,6 +131,7 @@ _TRANSPORTS = [
     pytest.param("shm-capped", id="shm-capped"),     # cap 0: every send falls back inline
     pytest.param("bulk-tcp", id="bulk-tcp"),               # sealed (AEGIS-256, else AES-GCM / ChaCha20-Poly1305)
     pytest.param("bulk-tcp-plain", id="bulk-tcp-plain"),
+    pytest.param("stream", id="stream"),
     pytest.param("cuda_ipc", id="cuda_ipc", marks=pytest.mark.cuda),
 ]
 
@@ -131,6 +148,8 @@ async def pair(request) -> Pair:
             p = await _shm_pair(name, 0)
         elif name.startswith("bulk-tcp"):
             p = await _bulk_pair(name, encrypt=name == "bulk-tcp")
+        elif name == "stream":
+            p = await _stream_pair(name)
         else:
             p = await _cuda_pair(name)
     try:

@@ -282,6 +282,27 @@ def test_select_scheme(dst, expected):
     assert select_transport(worker("a:0"), dst, CPU_SMALL).scheme == expected
 
 
+_STREAMING = {"stream": "unix:///tmp/rlinf-x/s", "ipc": "ipc:///tmp/rlinf-x/d", "tcp": "tcp://10.0.0.1:1"}
+
+
+@pytest.mark.parametrize(
+    ("src_endpoints", "dst", "disabled", "expected"),
+    [
+        (_STREAMING, worker("b:0", endpoints=_STREAMING), (), "stream"),
+        (_STREAMING, worker("b:0", endpoints=_STREAMING), ("stream",), "ipc"),
+        (None, worker("b:0", endpoints=_STREAMING), (), "ipc"),          # the sender has no stream
+        (_STREAMING, worker("b:0"), (), "ipc"),                           # the receiver has none
+        (_STREAMING, worker("b:0", node="node-b", endpoints=_STREAMING), (), "tcp"),
+    ],
+    ids=["both", "disabled", "sender-without", "receiver-without", "other-node"],
+)
+def test_select_scheme_prefers_the_stream_on_one_node(src_endpoints, dst, disabled, expected):
+    src = worker("a:0", endpoints=src_endpoints)
+    config = RoutingConfig(disabled=frozenset(disabled))
+    assert select_scheme(src, dst, config=config) == expected
+    assert select_transport(src, dst, CPU_SMALL, config=config).scheme == expected
+
+
 # ----------------------------------------------------------------- raw buffers
 
 

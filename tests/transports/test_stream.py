@@ -1,0 +1,153 @@
+"""Stream transport specifics beyond the conformance suite: authentication, hostile
+input and backpressure."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+import numpy as np
+import pytest
+
+import rlinf
+from rlinf.transports.base import WouldBlock
+from rlinf.transports.stream import StreamTransport
+
+from ..integration.wait import until
+
+KEY = b"k" * 32
+
+
+@pytest.fixture
+async def listener():
+    lst = await StreamTransport(KEY).listen()
+    yield lst
+    lst.close()
+
+
+def _path(listener) -> str:
+    return listener.endpoints["stream"][len("unix://"):]
+
+
+async def _raw(listener) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    await asyncio.get_running_loop().run_in_executor(None, sock.connect, _path(listener))
+    return sock
+
+
+async def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the peer closed ``sock`` (EOF or a reset), reading past what it sent."""
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            data = await loop.run_in_executor(None, sock.recv, 4096)
+            if not data:
+                return True
+    except ConnectionResetError:
+        return True
+
+
+async def test_the_socket_lives_in_a_private_directory(listener):
+    import os
+    import stat
+
+    mode = os.stat(os.path.dirname(_path(listener))).st_mode
+    assert stat.S_IMODE(mode) == 0o700
+
+
+async def test_a_client_without_the_key_is_refused(listener):
+    async with asyncio.timeout(20):
+        with pytest.raises(rlinf.AuthenticationError):
+            await StreamTransport(b"x" * 32).connect(listener.endpoints["stream"], identity=b"evil|1")
+        good = await StreamTransport(KEY).connect(listener.endpoints["stream"], identity=b"good|1")
+        await good.send(b"h", [b"payload"])
+        received = await listener.recv()
+        assert (received.peer, received.header, bytes(received.frames[0])) == (b"good|1", b"h", b"payload")
+        good.close()
+
+
+async def test_a_client_that_fails_the_proof_gets_nothing_delivered(listener):
+    """A client that knows the protocol but not the key: the listener closes the
+    connection at the proof, and never reads a frame set from it."""
+    async with asyncio.timeout(20):
+        sock = await _raw(listener)
+        try:
+            sock.sendall(b"RLINFST1" + b"n" * 32 + struct.pack("<H", 3) + b"x|1")
+            await asyncio.get_running_loop().run_in_executor(None, sock.recv, 64, socket.MSG_WAITALL)
+            sock.sendall(b"p" * 32 + struct.pack("<IQQ", 2, 1, 3) + b"hxyz")
+            assert await _closed_by_peer(sock)
+        finally:
+            sock.close()
+        await until(lambda: listener.rejected == 1, what="the rejection")
+        with pytest.raises(asyncio.TimeoutError):
+            async with asyncio.timeout(0.2):      # nothing was delivered
+                await listener.recv()
+
+
+@pytest.mark.parametrize("junk", [b"GET / HTTP/1.1\r\n\r\n" + bytes(100), bytes(range(256)) * 64])
+async def test_junk_does_not_break_the_listener(listener, junk):
+    async with asyncio.timeout(20):
+        sock = await _raw(listener)
+        sock.sendall(junk)
+        assert await _closed_by_peer(sock)
+        sock.close()
+        link = await StreamTransport(KEY).connect(listener.endpoints["stream"], identity=b"a|1")
+        data = np.arange(1 << 20, dtype=np.uint8)
+        await link.send(b"h", [data, b""])
+        received = await listener.recv()
+        assert np.array_equal(np.frombuffer(received.frames[0], np.uint8), data)
+        assert received.frames[1].nbytes == 0
+        link.close()
+
+
+@pytest.mark.parametrize("announce", [struct.pack("<I", 0), struct.pack("<I", 1 << 20),
+                                      struct.pack("<IQ", 1, 1 << 40)], ids=["no-frames", "too-many", "too-large"])
+async def test_oversized_announcements_close_that_connection_only(listener, announce):
+    """Sizes are checked before anything is allocated."""
+    async with asyncio.timeout(20):
+        bad = await StreamTransport(KEY).connect(listener.endpoints["stream"], identity=b"bad|1")
+        bad._transport.write(announce)
+        await until(lambda: listener.dropped == 1, what="the dropped connection")
+        await until(lambda: bad._closed is not None, what="the sender to see it")
+        with pytest.raises(rlinf.PeerLostError):
+            bad.try_send([b"h"])
+        ok = await StreamTransport(KEY).connect(listener.endpoints["stream"], identity=b"ok|1")
+        await ok.send(b"still", [])
+        assert (await listener.recv()).header == b"still"
+        ok.close()
+
+
+async def test_a_full_buffer_pushes_back_and_nothing_is_lost(listener):
+    """With the receiver not reading, try_send raises WouldBlock once the buffer is
+    full; once it reads again, every frame set arrives, in order."""
+    async with asyncio.timeout(30):
+        link = await StreamTransport(KEY).connect(listener.endpoints["stream"], identity=b"a|1")
+        await link.send(b"first", [])
+        await listener.recv()                       # connected and delivering
+        for conn in listener._conns:
+            conn._transport.pause_reading()
+        chunk = np.ones(1 << 20, np.uint8)
+        sent = 0
+        with pytest.raises(WouldBlock):
+            for sent in range(1000):
+                link.try_send([str(sent).encode(), chunk])
+        for conn in listener._conns:
+            conn._transport.resume_reading()
+        await link.wait_writable()
+        link.try_send([b"last", chunk])
+        for i in range(sent):
+            assert (await listener.recv()).header == str(i).encode()
+        assert (await listener.recv()).header == b"last"
+        link.close()
+
+
+async def test_a_send_to_a_closed_listener_is_peer_lost(listener):
+    async with asyncio.timeout(20):
+        link = await StreamTransport(KEY).connect(listener.endpoints["stream"], identity=b"a|1")
+        listener.close()
+        await until(lambda: link._closed is not None, what="the sender to see the close")
+        with pytest.raises(rlinf.PeerLostError):
+            await link.send(b"h", [np.zeros(1 << 20, np.uint8)])
+        with pytest.raises(rlinf.PeerLostError):
+            await StreamTransport(KEY).connect(listener.endpoints["stream"], identity=b"a|2")
