@@ -2,7 +2,9 @@
 
     python benchmarks/p2p.py [--quick]
 
-P1: 64 B round trip p50/p99 — rlinf vs blocking pyzmq vs zmq.asyncio on uvloop.
+P1: 64 B round trip p50/p99 — rlinf vs blocking pyzmq vs zmq.asyncio on uvloop, and
+    vs a Ray actor call (``ray.get(actor.echo.remote(payload))``, a private local Ray)
+    when ray is installed (full runs only: starting Ray costs seconds).
 P2: 1 KiB one-way message rate — rlinf vs zmq.asyncio PUSH/PULL.
 P3: 40 MiB nested 10-tensor object over TCP (different RLINF_NODE_IDs) vs pyzmq
     multipart (msgpack header + raw frames), receiver touches every page, acks.
@@ -230,6 +232,35 @@ def _raw_tcp(obj_arrays: list[np.ndarray], reps: int) -> float:
     return statistics.median(times[1:])
 
 
+def _ray_rtt(n: int) -> list[float] | None:
+    """Sorted round trips of a 64 B argument through a Ray actor call (None without ray)."""
+    try:
+        import ray
+    except ImportError:
+        return None
+
+    @ray.remote(num_cpus=0)
+    class Echo:
+        def echo(self, x):
+            return x
+
+    # a private local instance: never a Ray cluster that happens to run on this machine
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        actor = Echo.remote()
+        payload = b"x" * 64
+        for _ in range(200):
+            ray.get(actor.echo.remote(payload))
+        lat = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            ray.get(actor.echo.remote(payload))
+            lat.append(time.perf_counter() - t0)
+        return sorted(lat)
+    finally:
+        ray.shutdown()
+
+
 def run(quick: bool = False) -> list[Row]:
     try:
         return _run(quick)
@@ -246,13 +277,17 @@ def _run(quick: bool) -> list[Row]:
     blocking = _raw_rtt_blocking(n)
     asyncio_lat = run_loop(_raw_rtt_async(n))
     rate = run_loop(_raw_rate_async(10000 if quick else 200000))
+    ray_lat = None if quick else _ray_rtt(5000)
     nested = nested_object(40 << 20, torch_tensors=False)
     nested_arrays = list(nested["tensors"].values())
     raw_nested = _raw_tcp(nested_arrays, reps)
     raw_big = _raw_tcp([np.ones((128 << 20) // 4, dtype=np.float32)], reps)
     p50 = lambda lat: lat[len(lat) // 2]  # noqa: E731
+    ray_rows = [] if ray_lat is None else [
+        Row("P1 64 B round trip p50", rl["rtt_p50"], "Ray actor call", p50(ray_lat), "s", target=">= 4x")]
     return [
         Row("P1 64 B round trip p50", rl["rtt_p50"], "zmq.asyncio+uvloop", p50(asyncio_lat), "s", target=">= 1.0x"),
+        *ray_rows,
         Row("P1 64 B round trip p50", rl["rtt_p50"], "blocking pyzmq", p50(blocking), "s"),
         Row("P1 64 B round trip p99", rl["rtt_p99"], "zmq.asyncio+uvloop", asyncio_lat[int(len(asyncio_lat) * .99)], "s"),
         Row("P2 1 KiB one-way rate", rl["rate"], "zmq.asyncio PUSH/PULL", rate, "msg/s", True, ">= 2x"),
