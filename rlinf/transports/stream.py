@@ -84,7 +84,7 @@ def _path(endpoint: str) -> str:
     return endpoint[len("unix://"):]
 
 
-def pack_table(frames: Sequence[Any]) -> tuple[bytes, list[memoryview]]:
+def _pack_table(frames: Sequence[Any]) -> tuple[bytes, list[memoryview]]:
     """The frame table of one frame set, and its frames as byte views."""
     views = [f if type(f) is memoryview and f.format == "B" and f.ndim == 1 else memoryview(f).cast("B")
              for f in frames]
@@ -156,6 +156,10 @@ class _Server(asyncio.BufferedProtocol):
         self._end += nbytes
         if self._identity is None and not self._handshake():
             return
+        self._deliver()
+
+    def _deliver(self) -> None:
+        """:meth:`_frames`, closing the connection on a malformed frame set."""
         try:
             self._frames()
         except ValueError as exc:
@@ -241,12 +245,7 @@ class _Server(asyncio.BufferedProtocol):
         self._paused = False
         if self._transport is not None and not self._transport.is_closing():
             self._transport.resume_reading()
-            try:
-                self._frames()
-            except ValueError as exc:
-                self._listener.dropped += 1
-                log.warning("rlinf: closed a stream connection from %r: %s", self._identity, exc)
-                self.close()
+            self._deliver()
 
 
 class StreamListener(Listener):
@@ -366,7 +365,7 @@ class StreamLink(Link):
             raise self._closed
         if self._paused:
             raise WouldBlock()
-        table, views = pack_table(frames)
+        table, views = _pack_table(frames)
         if len(views) <= 2 and views[-1].nbytes <= 1 << 16:
             self._write(b"".join((table, *views)))      # one write: one syscall
         else:

@@ -89,11 +89,10 @@ async def _shm_pair(name: str, cap: int | None) -> Pair:
     return pair
 
 
-async def _bulk_pair(name: str, encrypt: bool) -> Pair:
-    keys = ClusterKeys(secrets.token_hex(16))
-    receiver, sender = BulkTransport(keys.bulk_key, encrypt=encrypt), BulkTransport(keys.bulk_key, encrypt=encrypt)
+async def _keyed_pair(name: str, receiver: Any, sender: Any, scheme: str) -> Pair:
+    """A pair of transports that authenticate with a shared key (bulk TCP, stream)."""
     listener = await receiver.listen()
-    endpoint = listener.endpoints["bulk"]
+    endpoint = listener.endpoints[scheme]
 
     async def connect(identity: bytes) -> Link:
         return await sender.connect(endpoint, identity=identity)
@@ -102,21 +101,16 @@ async def _bulk_pair(name: str, encrypt: bool) -> Pair:
     pair = Pair(name, listener, link, connect, sender, receiver)
     pair.closers += [listener.close]
     return pair
+
+
+async def _bulk_pair(name: str, encrypt: bool) -> Pair:
+    key = ClusterKeys(secrets.token_hex(16)).bulk_key
+    return await _keyed_pair(name, BulkTransport(key, encrypt=encrypt), BulkTransport(key, encrypt=encrypt), "bulk")
 
 
 async def _stream_pair(name: str) -> Pair:
-    keys = ClusterKeys(secrets.token_hex(16))
-    receiver, sender = StreamTransport(keys.bulk_key), StreamTransport(keys.bulk_key)
-    listener = await receiver.listen()
-    endpoint = listener.endpoints["stream"]
-
-    async def connect(identity: bytes) -> Link:
-        return await sender.connect(endpoint, identity=identity)
-
-    link = await connect(b"sender|1")
-    pair = Pair(name, listener, link, connect, sender, receiver)
-    pair.closers += [listener.close]
-    return pair
+    key = ClusterKeys(secrets.token_hex(16)).bulk_key
+    return await _keyed_pair(name, StreamTransport(key), StreamTransport(key), "stream")
 
 
 async def _cuda_pair(name: str) -> Pair:

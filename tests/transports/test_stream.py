@@ -15,6 +15,7 @@ from rlinf.transports.base import WouldBlock
 from rlinf.transports.stream import StreamTransport
 
 from ..integration.wait import until
+from ._keyed import check_a_client_without_the_key_is_refused, closed_by_peer
 
 KEY = b"k" * 32
 
@@ -36,18 +37,6 @@ async def _raw(listener) -> socket.socket:
     return sock
 
 
-async def _closed_by_peer(sock: socket.socket) -> bool:
-    """Whether the peer closed ``sock`` (EOF or a reset), reading past what it sent."""
-    loop = asyncio.get_running_loop()
-    try:
-        while True:
-            data = await loop.run_in_executor(None, sock.recv, 4096)
-            if not data:
-                return True
-    except ConnectionResetError:
-        return True
-
-
 async def test_the_socket_lives_in_a_private_directory(listener):
     import os
     import stat
@@ -57,14 +46,7 @@ async def test_the_socket_lives_in_a_private_directory(listener):
 
 
 async def test_a_client_without_the_key_is_refused(listener):
-    async with asyncio.timeout(20):
-        with pytest.raises(rlinf.AuthenticationError):
-            await StreamTransport(b"x" * 32).connect(listener.endpoints["stream"], identity=b"evil|1")
-        good = await StreamTransport(KEY).connect(listener.endpoints["stream"], identity=b"good|1")
-        await good.send(b"h", [b"payload"])
-        received = await listener.recv()
-        assert (received.peer, received.header, bytes(received.frames[0])) == (b"good|1", b"h", b"payload")
-        good.close()
+    await check_a_client_without_the_key_is_refused(StreamTransport, KEY, listener, "stream")
 
 
 async def test_a_client_that_fails_the_proof_gets_nothing_delivered(listener):
@@ -76,7 +58,7 @@ async def test_a_client_that_fails_the_proof_gets_nothing_delivered(listener):
             sock.sendall(b"RLINFST1" + b"n" * 32 + struct.pack("<H", 3) + b"x|1")
             await asyncio.get_running_loop().run_in_executor(None, sock.recv, 64, socket.MSG_WAITALL)
             sock.sendall(b"p" * 32 + struct.pack("<IQQ", 2, 1, 3) + b"hxyz")
-            assert await _closed_by_peer(sock)
+            assert await closed_by_peer(sock)
         finally:
             sock.close()
         await until(lambda: listener.rejected == 1, what="the rejection")
@@ -90,7 +72,7 @@ async def test_junk_does_not_break_the_listener(listener, junk):
     async with asyncio.timeout(20):
         sock = await _raw(listener)
         sock.sendall(junk)
-        assert await _closed_by_peer(sock)
+        assert await closed_by_peer(sock)
         sock.close()
         link = await StreamTransport(KEY).connect(listener.endpoints["stream"], identity=b"a|1")
         data = np.arange(1 << 20, dtype=np.uint8)

@@ -14,6 +14,7 @@ from rlinf.transports import _aead
 from rlinf.transports.tcp_bulk import BulkTransport
 
 from ..integration.wait import until
+from ._keyed import check_a_client_without_the_key_is_refused, closed_by_peer
 
 KEY = b"k" * 32
 
@@ -25,28 +26,13 @@ async def listener(request):
     lst.close()
 
 
-async def _closed_by_peer(sock: socket.socket) -> bool:
-    """Whether the peer closed ``sock`` without sending anything (EOF or a reset)."""
-    try:
-        return await asyncio.get_running_loop().run_in_executor(None, sock.recv, 1) == b""
-    except ConnectionResetError:
-        return True
-
-
 def _host_port(listener) -> tuple[str, int]:
     host, port = listener.endpoints["bulk"][len("tcp://"):].rsplit(":", 1)
     return host, int(port)
 
 
 async def test_a_client_without_the_key_is_refused(listener):
-    async with asyncio.timeout(20):
-        with pytest.raises(rlinf.AuthenticationError):
-            await BulkTransport(b"x" * 32).connect(listener.endpoints["bulk"], identity=b"evil|1")
-        good = await BulkTransport(KEY).connect(listener.endpoints["bulk"], identity=b"good|1")
-        await good.send(b"h", [b"payload"])
-        received = await listener.recv()
-        assert (received.peer, received.header, bytes(received.frames[0])) == (b"good|1", b"h", b"payload")
-        good.close()
+    await check_a_client_without_the_key_is_refused(BulkTransport, KEY, listener, "bulk")
 
 
 async def test_a_client_that_fails_the_proof_gets_nothing_delivered(listener):
@@ -59,7 +45,7 @@ async def test_a_client_that_fails_the_proof_gets_nothing_delivered(listener):
             sock.sendall(b"RLINFBK2" + b"n" * 32 + b"\0\7" + struct.pack("!H", 3) + b"x|1")
             await loop.run_in_executor(None, sock.recv, 32 + 2 + 32, socket.MSG_WAITALL)   # nonce, terms, MAC
             sock.sendall(b"p" * 32 + struct.pack("!IQQ", 2, 1, 3) + b"hxyz")
-            assert await _closed_by_peer(sock)     # closed, no ack
+            assert await closed_by_peer(sock)     # closed, no ack
         finally:
             sock.close()
         await until(lambda: listener.rejected == 1, what="the rejection")
@@ -92,7 +78,7 @@ async def test_oversized_announcements_close_the_connection(listener):
         for announce in bad:
             link = await BulkTransport(KEY, encrypt=False).connect(listener.endpoints["bulk"], identity=b"a|1")
             link._sock.sendall(announce)
-            assert await _closed_by_peer(link._sock)
+            assert await closed_by_peer(link._sock)
             link.close()
         ok = await BulkTransport(KEY).connect(listener.endpoints["bulk"], identity=b"a|2")
         await ok.send(b"still", [])

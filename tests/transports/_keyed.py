@@ -1,0 +1,31 @@
+"""Checks shared by the transports that open with the key challenge (bulk TCP, stream)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+import rlinf
+
+
+async def closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the peer closed ``sock`` without sending anything (EOF or a reset)."""
+    try:
+        return await asyncio.get_running_loop().run_in_executor(None, sock.recv, 1) == b""
+    except ConnectionResetError:
+        return True
+
+
+async def check_a_client_without_the_key_is_refused(transport, key: bytes, listener, scheme: str) -> None:
+    """A client with another key fails with AuthenticationError; a good one still gets
+    its frame set delivered, under its identity."""
+    async with asyncio.timeout(20):
+        with pytest.raises(rlinf.AuthenticationError):
+            await transport(b"x" * 32).connect(listener.endpoints[scheme], identity=b"evil|1")
+        good = await transport(key).connect(listener.endpoints[scheme], identity=b"good|1")
+        await good.send(b"h", [b"payload"])
+        received = await listener.recv()
+        assert (received.peer, received.header, bytes(received.frames[0])) == (b"good|1", b"h", b"payload")
+        good.close()
