@@ -369,6 +369,13 @@ class Communicator:
             outbox = self._outbox(dst)
         elif outbox.error is not None:
             raise outbox.error
+        if self._shm is not None and self._shm.owed:
+            notice = self._shm.take(dst)
+            if notice is not None:   # the slots we owe dst go back with this message, ahead of it
+                self._queue_notice(outbox, notice, hold=True)
+                future = self._queue(outbox, kind, tag, codec_header, buffers, need_future)
+                outbox.flush()
+                return future
         return self._queue(outbox, kind, tag, codec_header, buffers, need_future)
 
     def _stage_device_buffers(self, buffers: list, dst: str) -> list:
@@ -396,8 +403,6 @@ class Communicator:
     def _queue(self, outbox: Outbox, kind: int, tag: Any, codec_header: bytes, buffers: list,
                need_future: bool) -> asyncio.Future | None:
         """Route and queue one encoded message to ``outbox`` (the rest of the hot path)."""
-        if self._shm is not None and self._shm.owed:
-            self._shm.flush()   # slots we owe go back ahead of what we send next: a peer may wait for one
         nbytes = 0
         for b in buffers:
             nbytes += b.nbytes if type(b) is memoryview else memoryview(b).nbytes
@@ -700,7 +705,7 @@ class Communicator:
         return info.pid if info is not None else None
 
     def _send_shm_notice(self, dst: str, obj: Any) -> None:
-        """Queue a SYSTEM "shm" notice (releases, mappings) — also while closing, so
+        """Send a SYSTEM "shm" notice (releases, mappings) now — also while closing, so
         what we owe a sender goes out ahead of our goodbye."""
         outbox = self._outboxes.get(dst)
         if outbox is None:
@@ -708,9 +713,15 @@ class Communicator:
             outbox = self._outbox(dst)
         if outbox.error is not None:
             raise outbox.error
-        codec_header, buffers = self._codec.encode(obj)
-        self._queue(outbox, wire.SYSTEM, "shm", codec_header, buffers, False)
-        outbox.flush()       # notices are flushed once per loop iteration at most: send now
+        self._queue_notice(outbox, obj, hold=False)
+        outbox.flush()       # notices are already batched (ShmSession): send now
+
+    def _queue_notice(self, outbox: Outbox, obj: Any, *, hold: bool) -> None:
+        """Queue a notice (a small SYSTEM message without buffers) to ``outbox``; with
+        ``hold``, it waits for the next flush (it goes out with the message queued next)."""
+        codec_header, _ = self._codec.encode(obj)
+        entry = [wire.SYSTEM, "shm", codec_header, []]
+        outbox.put(OutMessage(entry, [], len(codec_header), None, False), self._loop, hold=hold)
 
     # -- membership --------------------------------------------------------------------
     def _on_event(self, event: MembershipEvent, bye_sent: bool = False) -> None:

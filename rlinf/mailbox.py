@@ -91,7 +91,7 @@ class Mailbox:
         while waiters:
             waiter = waiters.popleft()
             if not waiter.future.done():
-                waiter.future.set_result(msg)
+                waiter.future.set_result([msg])   # a box: see wait()
                 return True
         return False
 
@@ -152,17 +152,23 @@ class Mailbox:
 
     async def wait(self, src: str | None, tag: Any) -> Message:
         """Wait for the next matching message to be delivered, when :meth:`get_nowait`
-        just returned None (nothing matching is queued). Cancellation-safe."""
+        just returned None (nothing matching is queued). Cancellation-safe.
+
+        The message is handed over in a one-item list that this empties: the loop keeps
+        the finished future (and so its result) alive until the receiving task yields,
+        and a message held that long would keep its shared-memory slot from going back
+        to the sender after the caller dropped everything decoded from it.
+        """
         future = asyncio.get_running_loop().create_future()
         waiter = _Waiter(future, src, tag)
         table = self._waiters if src is not None else self._any_waiters
         key = (src, tag) if src is not None else tag
         table.setdefault(key, collections.deque()).append(waiter)
         try:
-            return await future
+            return (await future).pop()
         except asyncio.CancelledError:
-            if future.done() and not future.cancelled() and future.exception() is None:
-                self._push_front(future.result())   # handed over, then cancelled: put back
+            if future.done() and not future.cancelled() and future.exception() is None and future.result():
+                self._push_front(future.result().pop())   # handed over, then cancelled: put back
             raise
         finally:
             waiters = table.get(key)

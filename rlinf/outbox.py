@@ -170,19 +170,20 @@ class Outbox:
         """True when a small send can complete at once (connected, not pushed back)."""
         return self.link is not None and not self._blocked and self.error is None
 
-    def put(self, msg: OutMessage, loop: asyncio.AbstractEventLoop) -> None:
+    def put(self, msg: OutMessage, loop: asyncio.AbstractEventLoop, *, hold: bool = False) -> None:
         """Queue ``msg`` and send it now or at the next loop iteration.
 
         It goes out at once when it is alone and the link is idle (see the module
         docstring); otherwise a flush is scheduled for the next iteration, or runs now
-        when the pending batch is full.
+        when the pending batch is full. With ``hold`` it is never sent alone: the
+        caller queues another message behind it and flushes both as one frame set.
         """
         if self.error is not None:
             raise self.error
         queue = self.queue
         queue.append(msg)
         if not self._scheduled:
-            if len(queue) == 1 and self._clock() - self._sent_at >= IN_FLIGHT:
+            if len(queue) == 1 and not hold and self._clock() - self._sent_at >= IN_FLIGHT:
                 self._batched = 0
                 self._send_alone(msg)
                 return

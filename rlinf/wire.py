@@ -49,6 +49,7 @@ its life.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -138,10 +139,19 @@ class FdRef:
 
 def parse_segment_name(name: Any) -> int:
     """The pid in a segment name; raises ``ProtocolError`` for anything else."""
-    match = _SEGMENT_NAME.fullmatch(name) if isinstance(name, str) else None
-    if match is None:
-        raise ProtocolError(f"bad shared-memory segment name {name!r}")
-    return int(match.group(1))
+    if type(name) is str:
+        pid = _segment_pid(name)
+        if pid is not None:
+            return pid
+    raise ProtocolError(f"bad shared-memory segment name {name!r}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _segment_pid(name: str) -> int | None:
+    """Memo of :func:`parse_segment_name` (a pure function): every message through
+    shared memory names one of a few segments."""
+    match = _SEGMENT_NAME.fullmatch(name)
+    return None if match is None else int(match.group(1))
 
 
 def slot_layout(sizes: list[int]) -> tuple[list[int], int]:
@@ -217,16 +227,19 @@ def _unpack_entry(raw: Any, limit: int, low: int) -> tuple[Entry, int]:
     slot = _unpack_slot(raw[4]) if len(raw) >= 5 and (len(raw) == 5 or raw[4] is not None) else None
     relays = _unpack_relays(raw[5]) if len(raw) == 6 else None
     total = in_slot = 0
+    align = SLOT_ALIGN - 1
     for c in counts:
-        if type(c) is list:
+        if type(c) is int:
+            if c < 0:
+                if slot is None or c < -MAX_SLOT:
+                    raise ProtocolError("bad buffer layout")
+                in_slot += (align - c) & ~align
+            elif low <= c <= limit:
+                total += c
+            else:
+                raise ProtocolError("bad buffer layout")
+        elif type(c) is list:
             _relayed_place(c, relays)
-            continue
-        if type(c) is not int or c > limit:
-            raise ProtocolError("bad buffer layout")
-        if c >= low:
-            total += c
-        elif c < 0 and slot is not None and c >= -MAX_SLOT:
-            in_slot += (-c + SLOT_ALIGN - 1) & ~(SLOT_ALIGN - 1)
         else:
             raise ProtocolError("bad buffer layout")
     if slot is not None and not 0 < in_slot <= slot.size:

@@ -52,6 +52,9 @@ class ShmReader:
         self._by_peer: dict[str, set[str]] = collections.defaultdict(set)
         #: slots with live views, for :meth:`locate`: key -> (start address, SlotRef)
         self._live: dict[int, tuple[int, wire.SlotRef]] = {}
+        self._bases: dict[str, int] = {}     # shared segment -> address of its mapping
+        #: id(weak reference to a slot's exporter) -> (that reference, _released's arguments)
+        self._watched: dict[int, tuple] = {}
         self._keys = itertools.count()
         self.closed = False
 
@@ -94,6 +97,8 @@ class ShmReader:
         mm = cache.get(slot.segment)
         if mm is None:
             mm = cache[slot.segment] = self._map(slot)
+            if not slot.private:
+                self._bases[slot.segment] = np.frombuffer(mm, _U8, 0).ctypes.data
             self._by_peer[src].add(slot.segment)
             if self._on_map is not None:
                 self._on_map(src, slot.segment)
@@ -102,10 +107,17 @@ class ShmReader:
         exporter = np.frombuffer(mm, _U8, slot.size, slot.offset)
         key = next(self._keys)
         if not slot.private:
-            self._live[key] = (exporter.ctypes.data, slot)
-        done = weakref.finalize(exporter, self._released, src, slot, mm if slot.private else None, key)
-        done.atexit = False
+            self._live[key] = (self._bases[slot.segment] + slot.offset, slot)
+        # a weak reference with a callback, kept until it fires: a third of the cost of
+        # weakref.finalize, which matters once per received message
+        ref = weakref.ref(exporter, self._gone)
+        self._watched[id(ref)] = (ref, src, slot, mm if slot.private else None, key)
         return memoryview(exporter)
+
+    def _gone(self, ref: weakref.ref) -> None:
+        watched = self._watched.pop(id(ref), None)
+        if watched is not None:
+            self._released(*watched[1:])
 
     @property
     def relayable(self) -> bool:
@@ -165,6 +177,7 @@ class ShmReader:
         for name in names:
             self._shared.pop(name, None)
             self._private.pop(name, None)
+            self._bases.pop(name, None)
         return {wire.parse_segment_name(name) for name in names}
 
     def close(self) -> None:
@@ -172,5 +185,6 @@ class ShmReader:
         self.closed = True
         self._shared.clear()
         self._private.clear()
+        self._bases.clear()
         self._by_peer.clear()
         self._live.clear()

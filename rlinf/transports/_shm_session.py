@@ -28,11 +28,16 @@ WINDOW_BYTES = 256 << 20
 #: views (a queue that keeps items, say): sends to it stop waiting until it is down to
 #: half its window.
 STALL = 0.05
+#: Seconds a notice (a release or a first mapping) may wait for company: what we owe a
+#: sender goes out with our next message to it (:meth:`ShmSession.take`), else with
+#: the other notices collected within this delay, in one message per sender. The
+#: communicator flushes earlier once many are owed.
+NOTICE_DELAY = 0.5e-3
 
 
 class ShmSession:
     """A communicator's shared-memory state: its pool, its reader, and the notices
-    (releases, first mappings) it owes each sender, batched per loop iteration.
+    (releases, first mappings) it owes each sender, batched (see :data:`NOTICE_DELAY`).
 
     Args:
         loop: the communicator's loop (notices are sent from it).
@@ -59,6 +64,7 @@ class ShmSession:
         self._send_notice = send_notice
         self._pending: dict[str, tuple[list, list]] = {}
         self._owed = 0
+        self._timer: asyncio.TimerHandle | None = None
         self._changed: asyncio.Event | None = None
         self._room: dict[str, asyncio.Event] = {}     # reader -> set on its releases
         self._holding: set[str] = set()
@@ -173,8 +179,8 @@ class ShmSession:
     def _note(self, src: str, segment: str, generation: int | None) -> None:
         if self.reader.closed:
             return
-        if not self._pending:
-            self._loop.call_soon(self.flush)
+        if self._timer is None:
+            self._timer = self._loop.call_later(NOTICE_DELAY, self.flush)
         self._owed += 1
         releases, mapped = self._pending.setdefault(src, ([], []))
         if generation is None:
@@ -187,14 +193,31 @@ class ShmSession:
         """How many notices are waiting to be sent."""
         return self._owed
 
+    def take(self, src: str) -> list | None:
+        """What we owe ``src`` (the notice's body), to send with a message to it now;
+        None if nothing."""
+        owed = self._pending.pop(src, None)
+        if owed is None:
+            return None
+        self._owed -= len(owed[0]) + len(owed[1])
+        if not self._pending:
+            self._stop_timer()
+        return list(owed)
+
     def flush(self) -> None:
         """Send the notices collected so far, one message per sender."""
+        self._stop_timer()
         pending, self._pending, self._owed = self._pending, {}, 0
         for src, (releases, mapped) in pending.items():
             try:
                 self._send_notice(src, [releases, mapped])
             except RlinfError as exc:   # the sender is gone: it retires or sweeps its slots
                 log.debug("rlinf: shared-memory notice to %s not sent: %r", src, exc)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def on_notice(self, src: str, obj: Any) -> None:
         """A SYSTEM ``"shm"`` message from ``src``: ``[[[segment, generation], ...], [segment, ...]]``."""
@@ -260,6 +283,7 @@ class ShmSession:
         """Send what is owed, stop reporting, and unlink the pool. Idempotent."""
         if not self.reader.closed:
             self.flush()
+        self._stop_timer()
         self.reader.close()
         self.relay.close()
         self.fd_maps.close()

@@ -15,10 +15,11 @@ Design (see ``docs/transports.md`` for the whole picture):
   :func:`rlinf.wire.slot_layout`) and sends only a small descriptor
   (:class:`rlinf.wire.SlotRef`). The slot is *busy* until every reader released it.
 * **Views** (:class:`ShmReader`, the receiver's side). The receiver maps each sender
-  segment once (cached, pre-faulted) and gets writable zero-copy views. A
-  ``weakref.finalize`` on the object that exports them fires when the last view is
+  segment once (cached, pre-faulted) and gets writable zero-copy views. A weak
+  reference to the object that exports them fires when the last view is
   garbage-collected (on whatever thread) and reports the release; the communicator
-  batches releases into one SYSTEM message per sender and loop iteration. A slot is
+  batches releases into one SYSTEM message per sender, sent with the next message to
+  that sender or within ``NOTICE_DELAY`` (:mod:`._shm_session`). A slot is
   never rewritten while a reader holds a view into it: only a release frees it, and
   one from a peer it was not sent to, or for an older use of the slot, is ignored.
 * **Several readers** (multicast): the slot carries a reader count and is mapped

@@ -134,6 +134,22 @@ async def test_a_reader_that_keeps_its_views_does_not_block_its_sender(cluster, 
         await group.join()
 
 
+async def test_a_reply_carries_the_release_of_what_it_answers(cluster, driver):
+    """A reader that drops a message and then replies returns the slot in the same
+    frame set as the reply, ahead of it: once the reply is here the slot is free (no
+    separate release message, and no wait for one)."""
+    n = 5
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers_shm.drop_and_ack, "acker", 1, args=("driver:0", n))
+        for i in range(n):
+            await driver.send({"x": np.ones(256 << 10, np.float32), "i": i}, "acker:0")
+            assert driver._shm.pool.held("acker:0") == (1, 1 << 20)
+            assert await driver.recv("acker:0", tag=1) == i
+            assert driver._shm.pool.held("acker:0") == (0, 0)
+        await group.join()
+        assert driver._shm.pool.created == 1       # the one slot, released each time, serves every message
+
+
 async def test_copy_out_option_releases_the_slot_at_once(cluster):
     async with asyncio.timeout(60):
         comm = await cluster.connect("copier:0", shm_views=False).start()

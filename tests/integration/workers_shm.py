@@ -133,3 +133,12 @@ async def keep_all(comm, src: str, n: int):
     kept.clear()
     await comm.send("dropped", src, tag=2, timeout=60)
     await comm.recv(src, tag=4, timeout=60)
+
+
+async def drop_and_ack(comm, src: str, n: int):
+    """``n`` times: receive a message from ``src``, drop it, ack with its ``"i"`` (tag 1)."""
+    for _ in range(n):
+        obj = await comm.recv(src, timeout=60)
+        i = obj["i"]
+        del obj
+        await comm.send(i, src, tag=1, timeout=60)

@@ -1,0 +1,53 @@
+"""rlinf.mailbox: hand-over to waiting receivers, lifetimes, and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+
+import numpy as np
+
+from rlinf.mailbox import Mailbox, Message
+
+
+def _message(tag: int = 0) -> tuple[Message, weakref.ref]:
+    buf = np.ones(16, np.uint8)     # stands for a view of a shared-memory slot
+    return Message("a:0", "inc", tag, b"", [buf]), weakref.ref(buf)
+
+
+async def test_a_handed_over_message_dies_when_the_receiver_drops_it():
+    """The loop keeps a finished future alive until the receiving task yields; the
+    message handed over through it must not live that long (its buffers may hold a
+    shared-memory slot the sender is waiting for)."""
+    mailbox = Mailbox()
+
+    async def receiver() -> bool:
+        msg = await mailbox.wait("a:0", 0)
+        del msg
+        return ref() is None     # gone before this task yields
+
+    task = asyncio.create_task(receiver())
+    await asyncio.sleep(0)                   # let it park
+    msg, ref = _message()
+    mailbox.deliver(msg)
+    del msg
+    async with asyncio.timeout(5):
+        assert await task
+
+
+async def test_a_receive_cancelled_after_the_hand_over_puts_the_message_back():
+    mailbox = Mailbox()
+    task = asyncio.create_task(mailbox.wait("a:0", 0))
+    await asyncio.sleep(0)
+    first, _ = _message()
+    mailbox.deliver(first)                   # handed over; the task has not resumed yet
+    task.cancel()
+    async with asyncio.timeout(5):
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+    second, _ = _message()
+    mailbox.deliver(second)
+    assert mailbox.get_nowait("a:0", 0) is first    # back at the front, nothing lost
+    assert mailbox.get_nowait("a:0", 0) is second
