@@ -162,7 +162,7 @@ def _d_torch(st: Dec, data: bytes) -> Any:
         raise DecodeError(f"the header refers to more than the {st.nbufs} buffers given")
     buf = st.bufs[i]
     st.next = i + 1
-    if type(buf) is memoryview and n and buf.nbytes == n and not buf.readonly \
+    if dev < 0 and type(buf) is memoryview and n and buf.nbytes == n and not buf.readonly \
             and n <= st.max_bytes:  # the common case, e.g. decoding what encode returned
         t = _from_numpy(_ndarray(shape, npdt, buf))
         if view:

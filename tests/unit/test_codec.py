@@ -36,6 +36,7 @@ from rlinf.codec import (
     encode,
     is_device_buffer,
 )
+from rlinf.codec import _wire as W
 from rlinf.errors import EncodeError
 
 # --------------------------------------------------------------------------------------
@@ -687,6 +688,31 @@ def test_cuda_tensors():
     staged = decode(header, host)  # a transport fell back to host memory
     for k, v in ts.items():
         assert_same(v, staged[k], k)
+    writable = [memoryview(bytearray(h)) for h in host]   # as the staged path delivers them
+    staged = decode(header, writable)
+    for k, v in ts.items():
+        assert_same(v, staged[k], k)
+
+
+def test_host_bytes_of_a_cuda_tensor_go_to_the_current_device(monkeypatch):
+    """A CUDA tensor whose bytes came through host memory (the staged path hands the
+    codec writable memoryviews) is moved to this process's device, never left on the
+    host by the fast path for CPU tensors. CPU-only: the move is recorded, not made."""
+    header, bufs = encode({"t": torch.arange(6, dtype=torch.float32)})
+    header = header.replace(W.HEAD_T.pack(W.TORCH_ENC[torch.float32][0], 0, -1, 1),
+                            W.HEAD_T.pack(W.TORCH_ENC[torch.float32][0], 0, 0, 1))  # as if on cuda:0
+    moved = []
+
+    def to(self, *args, **kwargs):
+        moved.append(args)
+        return self
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    for _ in range(2):      # the second decode would hit the descriptor cache
+        out = decode(header, [memoryview(bytearray(memoryview(b).cast("B"))) for b in bufs])
+        assert out["t"].tolist() == list(range(6))
+    assert moved == [("cuda",), ("cuda",)]
 
 
 @pytest.mark.cuda
