@@ -69,7 +69,8 @@ CUDA_IPC = "cuda_ipc"
 NCCL = "nccl"
 """NCCL point-to-point between GPUs (any node)."""
 STAGED = "staged"
-"""A GPU buffer copied to pinned host memory, then sent inline; needs only ZeroMQ."""
+"""A GPU buffer copied to host memory (``Tensor.cpu()``), then sent as a CPU buffer (inline
+or through shared memory); the receiver moves it to its current device."""
 
 TRANSPORTS: tuple[str, ...] = (INLINE, SHM, BULK, CUDA_IPC, NCCL, STAGED, STREAM)
 ALWAYS_AVAILABLE: frozenset[str] = frozenset({INLINE, STAGED})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
+import numpy as np
 import pytest
 
 import rlinf
@@ -29,3 +30,15 @@ async def check_a_client_without_the_key_is_refused(transport, key: bytes, liste
         received = await listener.recv()
         assert (received.peer, received.header, bytes(received.frames[0])) == (b"good|1", b"h", b"payload")
         good.close()
+
+
+async def check_it_still_serves(transport, key: bytes, listener, scheme: str) -> None:
+    """A new client's frame set (1 MiB and an empty buffer) is delivered whole: what
+    went before did not break the listener."""
+    link = await transport(key).connect(listener.endpoints[scheme], identity=b"a|1")
+    data = np.arange(1 << 20, dtype=np.uint8)
+    await link.send(b"h", [data, b""])
+    received = await listener.recv()
+    assert np.array_equal(np.frombuffer(received.frames[0], np.uint8), data)
+    assert received.frames[1].nbytes == 0
+    link.close()

@@ -15,7 +15,7 @@ from rlinf.transports.base import WouldBlock
 from rlinf.transports.stream import StreamTransport
 
 from ..integration.wait import until
-from ._keyed import check_a_client_without_the_key_is_refused, closed_by_peer
+from ._keyed import check_a_client_without_the_key_is_refused, check_it_still_serves, closed_by_peer
 
 KEY = b"k" * 32
 
@@ -74,13 +74,7 @@ async def test_junk_does_not_break_the_listener(listener, junk):
         sock.sendall(junk)
         assert await closed_by_peer(sock)
         sock.close()
-        link = await StreamTransport(KEY).connect(listener.endpoints["stream"], identity=b"a|1")
-        data = np.arange(1 << 20, dtype=np.uint8)
-        await link.send(b"h", [data, b""])
-        received = await listener.recv()
-        assert np.array_equal(np.frombuffer(received.frames[0], np.uint8), data)
-        assert received.frames[1].nbytes == 0
-        link.close()
+        await check_it_still_serves(StreamTransport, KEY, listener, "stream")
 
 
 @pytest.mark.parametrize("announce", [struct.pack("<I", 0), struct.pack("<I", 1 << 20),

@@ -14,7 +14,7 @@ from rlinf.transports import _aead
 from rlinf.transports.tcp_bulk import BulkTransport
 
 from ..integration.wait import until
-from ._keyed import check_a_client_without_the_key_is_refused, closed_by_peer
+from ._keyed import check_a_client_without_the_key_is_refused, check_it_still_serves, closed_by_peer
 
 KEY = b"k" * 32
 
@@ -58,13 +58,7 @@ async def test_junk_does_not_break_the_listener(listener, junk):
         sock = await loop.run_in_executor(None, socket.create_connection, _host_port(listener))
         sock.sendall(junk)
         sock.close()
-        link = await BulkTransport(KEY).connect(listener.endpoints["bulk"], identity=b"a|1")
-        data = np.arange(1 << 20, dtype=np.uint8)
-        await link.send(b"h", [data, b""])
-        received = await listener.recv()
-        assert np.array_equal(np.frombuffer(received.frames[0], np.uint8), data)
-        assert received.frames[1].nbytes == 0
-        link.close()
+        await check_it_still_serves(BulkTransport, KEY, listener, "bulk")
 
 
 async def test_oversized_announcements_close_the_connection(listener):
