@@ -28,7 +28,8 @@ from .comm import Communicator
 from .errors import ClosedError, CommTimeoutError, WorkerFailedError
 from .launch import REAP_TIMEOUT, LaunchSpec, Launcher, RankHandle, WorkerGroup, remove_leftovers
 from .manager import Manager
-from .worker import child_main, is_worker_class, pipe_recv, pipe_send
+from .pipe import MessagePipe
+from .worker import child_main, is_worker_class
 
 __all__ = ["Cluster", "WorkerGroup"]
 
@@ -46,43 +47,32 @@ def _exit_reason(code: int | None) -> str:
 
 
 class _Proc(RankHandle):
-    """A rank that is a child process of this driver: its process and pipe."""
+    """A rank that is a child process of this driver: its process and pipe (``conn``,
+    owned from now on)."""
 
     def __init__(self, address: str, process, conn, loop: asyncio.AbstractEventLoop, takes_calls: bool) -> None:
         super().__init__(address, loop, takes_calls, pid=process.pid)
         self.process = process
-        self.conn = conn
-        loop.add_reader(conn.fileno(), self._on_message)
+        self.pipe = MessagePipe(conn)
+        self.pipe.start(loop, self._handle)   # its EOF says nothing the exit sentinel does not
         loop.add_reader(process.sentinel, self._on_exit)
-
-    def _on_message(self) -> None:
-        try:
-            while not self.conn.closed and self.conn.poll():
-                self._handle(pipe_recv(self.conn))
-        except (EOFError, OSError):
-            self._stop_reading(self.conn)
 
     def _on_exit(self) -> None:
         """The process is gone: reap it, fail what waits on it, remove its leftovers."""
         if self.exited.done():
             return
-        if not self.conn.closed:
-            self._on_message()   # a result may still sit in the pipe
+        # A result may still sit in the pipe: the child wrote all of it before exiting.
+        self.pipe.drain()
         self._stop_reading(self.process.sentinel)
         remove_leftovers(self.pid, self.ipc_dir)   # before reaping: until then the pid cannot be reused
         # The sentinel fires as the process closes its files, a moment before it can be
         # reaped: this wait is that moment (bounded), not a wait for the process to finish.
         self.process.join(1.0)
-        if not self.conn.closed:
-            self._stop_reading(self.conn)
-            self.conn.close()
+        self.pipe.close()
         code = self.process.exitcode
         self._finish(_exit_reason(code), code)
 
-    def _stop_reading(self, source) -> None:
-        fd = source if isinstance(source, int) else (None if source.closed else source.fileno())
-        if fd is None:
-            return
+    def _stop_reading(self, fd: int) -> None:
         try:
             self.loop.remove_reader(fd)
         except (ValueError, OSError):
@@ -91,11 +81,11 @@ class _Proc(RankHandle):
     def send(self, message: tuple) -> None:
         if self.error is not None:
             raise self.error
-        if self.conn.closed:
+        if self.pipe.closed:
             raise WorkerFailedError(f"worker {self.address} is gone", address=self.address)
         try:
-            pipe_send(self.conn, message)
-        except (BrokenPipeError, OSError) as exc:
+            self.pipe.send(message)   # queued; written as the child reads
+        except OSError as exc:
             raise WorkerFailedError(f"worker {self.address} is gone", address=self.address) from exc
 
     def _signal(self, signum: int) -> None:

@@ -133,7 +133,9 @@ class _RankActor:
                     self._keep(await asyncio.get_running_loop().run_in_executor(None, self._conn.recv_bytes))
                     while self._conn.poll():
                         self._keep(self._conn.recv_bytes())
-                except EOFError:
+                except (EOFError, ConnectionResetError):
+                    # Reset: the worker closed its end with a request of ours unread (a
+                    # "finish" sent while it wrote its result); what it sent was read first.
                     self._eof = True
             if not self._unacked:
                 ray.actor.exit_actor()

@@ -13,7 +13,9 @@ Driver to child: ``("call", call_id, method, args, kwargs)``; ``("finish",)`` (a
 without ``run()`` returns None; others ignore it); ``("stop",)`` (cancel the work and
 close cleanly: what closing the cluster sends). SIGTERM means ``stop`` too. The pipe
 closing means the driver died: the child stops as well instead of lingering (and exits
-hard if stopping takes longer than a grace period).
+hard if stopping takes longer than a grace period). Messages travel as ``rlinf.pipe``
+frames; the result is written after the loop has finished, blocking until it is all
+in the pipe.
 
 :func:`run_worker` is the whole child side and needs no process of its own: the local
 launcher runs it as a process (:func:`child_main`), the Ray launcher on a thread of an
@@ -25,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
-import pickle
 import signal
 import sys
 import threading
@@ -34,23 +35,9 @@ from typing import Any
 
 from . import control
 from .comm import Communicator
+from .pipe import MessagePipe
 
-__all__ = ["Worker", "pipe_send", "pipe_recv", "run_worker"]
-
-
-def pipe_send(conn, message: tuple) -> None:
-    """Send ``message`` over a driver<->child pipe, pickled by value.
-
-    multiprocessing's own pickler would pass torch tensors as shared-memory file
-    descriptors, which the receiver cannot open once the sender has exited (a worker's
-    return value is sent just before it exits). Plain pickle copies them instead.
-    """
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def pipe_recv(conn) -> tuple:
-    """Receive a message sent with :func:`pipe_send` (the driver and its own children only)."""
-    return pickle.loads(conn.recv_bytes())
+__all__ = ["Worker", "run_worker"]
 
 #: Seconds a child whose driver died may take to close cleanly before it exits hard.
 _ORPHAN_GRACE = 10.0
@@ -88,36 +75,34 @@ def is_worker_class(target: Any) -> bool:
 
 
 class _Child:
-    """The child's end of the pipe: dispatches the driver's requests on the loop."""
+    """The child's end of the pipe, while the loop runs: dispatches the driver's requests.
+    ``run_worker`` owns the pipe; this only starts and stops watching it."""
 
-    def __init__(self, conn, main_task: asyncio.Task) -> None:
-        self.conn = conn
+    def __init__(self, pipe: MessagePipe, main_task: asyncio.Task) -> None:
+        self.pipe = pipe
         self.main_task = main_task
         self.loop = asyncio.get_running_loop()
         self.worker: Worker | None = None
         self.finish = asyncio.Event()
         self.stopping = False
         self.tasks: set[asyncio.Task] = set()
-        self.loop.add_reader(conn.fileno(), self._on_readable)
         # Only a process of its own treats SIGTERM as "stop" (signals reach the main thread).
         self.on_signals = threading.current_thread() is threading.main_thread()
         if self.on_signals:
             self.loop.add_signal_handler(signal.SIGTERM, self.stop)
+        pipe.start(self.loop, self._dispatch, self._orphaned)   # EOF: the driver died, do not outlive it
 
     def close(self) -> None:
         for task in self.tasks:
             task.cancel()
-        try:
-            self.loop.remove_reader(self.conn.fileno())
-        except (ValueError, OSError):
-            pass
+        self.pipe.stop()   # what is still queued goes out with the result
         if self.on_signals:
             self.loop.remove_signal_handler(signal.SIGTERM)
 
     def send(self, message: tuple) -> None:
         try:
-            pipe_send(self.conn, message)
-        except (BrokenPipeError, EOFError, OSError):
+            self.pipe.send(message)
+        except OSError:
             self._orphaned()
 
     def stop(self) -> None:
@@ -131,17 +116,6 @@ class _Child:
         timer = threading.Timer(_ORPHAN_GRACE, os._exit, (1,))
         timer.daemon = True
         timer.start()
-
-    def _on_readable(self) -> None:
-        try:
-            while self.conn.poll():
-                self._dispatch(pipe_recv(self.conn))
-        except (EOFError, OSError):   # the driver died: do not outlive it
-            try:
-                self.loop.remove_reader(self.conn.fileno())
-            except (ValueError, OSError):
-                pass
-            self._orphaned()
 
     def _dispatch(self, request: tuple) -> None:
         kind = request[0]
@@ -167,16 +141,16 @@ class _Child:
         except Exception:
             reply = ("reply", call_id, False, traceback.format_exc())
         try:
-            pipe_send(self.conn, reply)
-        except (BrokenPipeError, EOFError, OSError):
+            self.pipe.send(reply)
+        except OSError:
             self._orphaned()
         except Exception:   # the result cannot be pickled: report that instead
             self.send(("reply", call_id, False, traceback.format_exc()))
 
 
 async def _run_child(target, address: str, rank: int, world_size: int, manager: str, token: str,
-                     args: tuple, kwargs: dict, conn) -> Any:
-    child = _Child(conn, asyncio.current_task())
+                     args: tuple, kwargs: dict, pipe: MessagePipe) -> Any:
+    child = _Child(pipe, asyncio.current_task())
     try:
         async with Communicator(address, manager=manager, token=token) as comm:
             ipc = comm.info.endpoints.get("ipc", "") if comm.info else ""
@@ -202,23 +176,25 @@ async def _run_child(target, address: str, rank: int, world_size: int, manager: 
 
 def run_worker(target, address: str, rank: int, world_size: int, manager: str, token: str,
                args: tuple, kwargs: dict, conn) -> bool:
-    """Run one rank to the end on a new event loop, report its result over ``conn`` and
-    close ``conn``. Returns whether it succeeded. Any thread may run it."""
+    """Run one rank to the end on a new event loop, report its result over ``conn`` (a
+    ``multiprocessing`` pipe end, which it owns from now on) and close ``conn``. Returns
+    whether it succeeded. Any thread may run it."""
+    pipe = MessagePipe(conn)
     try:
-        result = control.run(_run_child(target, address, rank, world_size, manager, token, args, kwargs, conn))
+        result = control.run(_run_child(target, address, rank, world_size, manager, token, args, kwargs, pipe))
         message = ("result", True, result)
     except asyncio.CancelledError:
         message = ("result", False, f"{address} was stopped before it returned\n")
     except BaseException:
         message = ("result", False, traceback.format_exc())
     try:
-        pipe_send(conn, message)
-    except (BrokenPipeError, EOFError, OSError):
-        pass
+        pipe.send_blocking(message)   # no loop any more: wait until the driver has it all
+    except OSError:
+        pass   # the driver is gone: nobody is left to tell
     except Exception:   # the result cannot be pickled: report that instead
-        pipe_send(conn, ("result", False, traceback.format_exc()))
+        pipe.send_blocking(("result", False, traceback.format_exc()))
     finally:
-        conn.close()
+        pipe.close()
     return message[1]
 
 

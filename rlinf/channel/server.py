@@ -34,6 +34,7 @@ from ..errors import (
     RlinfError,
     WorkerFailedError,
 )
+from ..pipe import MessagePipe
 from ._core import ChannelCore
 from ._state import Handle
 from ._wire import decode_ops, encode_ops
@@ -219,35 +220,27 @@ def _tune_gc() -> None:
     gc.set_threshold(_GC_THRESHOLD, *gc.get_threshold()[1:])
 
 
-async def _process_serve(name: str, manager: str, token: str, config: dict, conn) -> None:
+async def _process_serve(name: str, manager: str, token: str, config: dict, pipe: MessagePipe) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
 
-    def on_pipe() -> None:
-        try:
-            while conn.poll():
-                if conn.recv()[0] == "stop":
-                    stop.set()
-        except (EOFError, OSError):      # the parent died: do not outlive it
+    def on_message(message: tuple) -> None:
+        if message[0] == "stop":
             stop.set()
-            loop.remove_reader(conn.fileno())
 
     server = ChannelServer(name, manager=manager, token=token, **config)
     await server.start()
     _tune_gc()
-    loop.add_reader(conn.fileno(), on_pipe)
-    conn.send(("ready", os.getpid()))
+    pipe.start(loop, on_message, stop.set)   # EOF: the parent died, do not outlive it
     finished = loop.create_task(server.wait_done())
     stopped = loop.create_task(stop.wait())
     try:
+        pipe.send(("ready", os.getpid()))
         await asyncio.wait({finished, stopped}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         finished.cancel()
         stopped.cancel()
-        try:
-            loop.remove_reader(conn.fileno())
-        except (ValueError, OSError):
-            pass
+        pipe.stop()
         try:
             async with asyncio.timeout(_STOP_GRACE):
                 await server.aclose()
@@ -257,16 +250,17 @@ async def _process_serve(name: str, manager: str, token: str, config: dict, conn
 
 def _process_main(name: str, manager: str, token: str, config: dict, conn) -> None:
     """Entry point of a channel process (module level so the spawn context imports it)."""
+    pipe = MessagePipe(conn)
     try:
-        control.run(_process_serve(name, manager, token, config, conn))
+        control.run(_process_serve(name, manager, token, config, pipe))
     except BaseException:
         try:
-            conn.send(("failed", traceback.format_exc()))
-        except (OSError, ValueError):
-            pass
+            pipe.send_blocking(("failed", traceback.format_exc()))   # no loop any more
+        except OSError:
+            pass   # the parent is gone: nobody is left to tell
         raise
     finally:
-        conn.close()
+        pipe.close()
 
 
 class ServerProcess:
@@ -275,7 +269,8 @@ class ServerProcess:
     def __init__(self, name: str, *, manager: str, token: str, config: dict) -> None:
         self.name = name
         mp = multiprocessing.get_context("spawn")
-        self._conn, child = mp.Pipe()
+        conn, child = mp.Pipe()
+        self._pipe = MessagePipe(conn)
         self.process = mp.Process(target=_process_main, name=f"rlinf-channel-{name}", daemon=False,
                                   args=(name, manager, token, config, child))
         self.process.start()
@@ -298,13 +293,9 @@ class ServerProcess:
         loop = asyncio.get_running_loop()
         ready = loop.create_future()
 
-        def on_ready() -> None:
+        def on_message(message: tuple) -> None:
             if ready.done():
                 return
-            try:
-                message = self._conn.recv()
-            except (EOFError, OSError):
-                message = ("failed", f"channel process exited with code {self.process.exitcode}")
             if message[0] == "ready":
                 ready.set_result(None)
             else:
@@ -312,7 +303,10 @@ class ServerProcess:
                                                       address=server_address(self.name),
                                                       remote_traceback=message[1]))
 
-        loop.add_reader(self._conn.fileno(), on_ready)
+        def on_eof() -> None:
+            on_message(("failed", f"channel process exited with code {self.process.exitcode}"))
+
+        self._pipe.start(loop, on_message, on_eof)
         try:
             async with asyncio.timeout(timeout):
                 await ready
@@ -323,17 +317,15 @@ class ServerProcess:
             await self.stop()
             raise
         finally:
-            try:
-                loop.remove_reader(self._conn.fileno())
-            except (ValueError, OSError):
-                pass
+            self._pipe.stop()
 
     async def stop(self) -> None:
         """Ask the child to stop, then terminate, then kill it; reap it. Idempotent."""
         loop = asyncio.get_running_loop()
         if self.process.is_alive():
             try:
-                self._conn.send(("stop",))
+                # Blocking, but cannot block: a few bytes, and the only message we ever send.
+                self._pipe.send_blocking(("stop",))
             except (OSError, ValueError):
                 pass
             await loop.run_in_executor(None, self.process.join, _STOP_GRACE + 1.0)
@@ -343,4 +335,4 @@ class ServerProcess:
         if self.process.is_alive():
             self.process.kill()
             await loop.run_in_executor(None, self.process.join, 2.0)
-        self._conn.close()
+        self._pipe.close()
