@@ -25,6 +25,7 @@ import zmq
 
 from . import control, devices, routing, wire
 from .arrival import ArrivalOrder
+from .busypoll import BusyPoll
 from .codec import Codec, is_device_buffer
 from .errors import AuthenticationError, ClosedError, CommTimeoutError, PeerLostError, ProtocolError, TransportUnavailableError
 from .inbound import FrameReader
@@ -110,13 +111,14 @@ class Communicator:
         self._meta = dict(meta or {})
         self._roster: dict[str, WorkerInfo] = {}
         self._outboxes: dict[str, Outbox] = {}
-        self._mailbox = Mailbox()
+        self._busy_poll = BusyPoll.from_env()
+        self._mailbox = Mailbox(self._busy_poll)
         self._dead: set[tuple[str, str]] = set()
         self._valid: set[str] = set()      # addresses already checked (hot-path memo)
         self._system_handlers: dict[str, Callable[[str, Any], None]] = {}
         self._gone_hooks: list[Callable[[str, str], None]] = []
         self._closers: list[Callable[[], Any]] = []
-        self._stats_providers: dict[str, Callable[[], dict]] = {}
+        self._stats_providers: dict[str, Callable[[], dict]] = {"busy_poll": self._busy_poll.report}
         self._subscribers: list[asyncio.Queue] = []
         self._counters = Counters(address)
         self._identity = f"{address}|{self.incarnation}".encode()

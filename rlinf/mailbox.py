@@ -20,6 +20,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
+from .busypoll import BusyPoll
 from .errors import ClosedError, PeerLostError
 
 __all__ = ["Mailbox", "Message"]
@@ -57,7 +58,8 @@ class _Waiter:
 class Mailbox:
     """Per-``(src, tag)`` queues and waiters of one communicator (loop thread only)."""
 
-    def __init__(self) -> None:
+    def __init__(self, busy_poll: BusyPoll | None = None) -> None:
+        self._busy_poll = busy_poll
         self._queues: dict[tuple[str, Any], collections.deque[Message]] = {}
         self._sources_by_tag: dict[Any, set[str]] = collections.defaultdict(set)
         self._waiters: dict[tuple[str, Any], collections.deque[_Waiter]] = {}
@@ -165,6 +167,8 @@ class Mailbox:
         key = (src, tag) if src is not None else tag
         table.setdefault(key, collections.deque()).append(waiter)
         try:
+            if self._busy_poll is not None:
+                return (await self._busy_poll.wait(future)).pop()
             return (await future).pop()
         except asyncio.CancelledError:
             if future.done() and not future.cancelled() and future.exception() is None and future.result():
