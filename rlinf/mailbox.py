@@ -56,7 +56,12 @@ class _Waiter:
 
 
 class Mailbox:
-    """Per-``(src, tag)`` queues and waiters of one communicator (loop thread only)."""
+    """Per-``(src, tag)`` queues and waiters of one communicator (loop thread only).
+
+    Args:
+        busy_poll: how a receive that finds nothing waits (:class:`rlinf.busypoll.BusyPoll`:
+            polling the loop a moment before it sleeps); None: it sleeps at once.
+    """
 
     def __init__(self, busy_poll: BusyPoll | None = None) -> None:
         self._busy_poll = busy_poll
