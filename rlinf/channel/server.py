@@ -320,8 +320,10 @@ class ServerProcess:
             self._pipe.stop()
 
     async def stop(self) -> None:
-        """Ask the child to stop, then terminate, then kill it; reap it. Idempotent."""
+        """Ask the child to stop, then terminate, then kill it; reap it. Idempotent.
+        Safe while :meth:`wait_ready` still watches the pipe (its timeout calls this)."""
         loop = asyncio.get_running_loop()
+        self._pipe.stop()       # the one message below is written blocking
         if self.process.is_alive():
             try:
                 # Blocking, but cannot block: a few bytes, and the only message we ever send.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
 
@@ -188,6 +189,15 @@ async def test_channel_process_killed_fails_pending_calls(cluster, driver):
             await ch.put("after")
         with pytest.raises(rlinf.PeerLostError):
             await ch.get(timeout=5)
+
+
+async def test_a_channel_process_not_ready_in_time_is_stopped_and_the_timeout_reported(driver):
+    """``create_channel``'s timeout ends in CommTimeoutError, and the process it started
+    does not outlive it (stopping it while its pipe is still watched must work)."""
+    async with asyncio.timeout(60):
+        with pytest.raises(rlinf.CommTimeoutError, match="did not start"):
+            await driver.create_channel("late", timeout=0.001)
+    assert not [p for p in multiprocessing.active_children() if p.name == "rlinf-channel-late"]
 
 
 async def test_channel_process_exits_when_its_creator_is_killed(cluster, driver):
