@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from .errors import CommTimeoutError, WorkerFailedError
+from .pipe import dump_value, load_value
 
 __all__ = ["LaunchSpec", "Launcher", "RankHandle", "WorkerGroup", "remove_leftovers", "wait_gone"]
 
@@ -145,19 +146,21 @@ class RankHandle:
         elif kind == "reply":
             fut = self.calls.pop(message[1], None)
             if fut is not None and not fut.done():
-                ok, payload = message[2], message[3]
-                if ok:
-                    fut.set_result(payload)
-                else:
-                    fut.set_exception(WorkerFailedError(f"call on {self.address} raised",
-                                                        address=self.address, remote_traceback=payload))
+                self._settle(fut, message[2], message[3], f"call on {self.address}", "raised")
         elif kind == "result" and not self.result.done():
-            ok, payload = message[1], message[2]
-            if ok:
-                self.result.set_result(payload)
-            else:
-                self.result.set_exception(WorkerFailedError(f"worker {self.address} failed",
-                                                            address=self.address, remote_traceback=payload))
+            self._settle(self.result, message[1], message[2], f"worker {self.address}", "failed")
+
+    def _settle(self, fut: asyncio.Future, ok: bool, payload: Any, who: str, failed: str) -> None:
+        """Complete ``fut`` with a pickled value (``ok``) or a remote traceback."""
+        if not ok:
+            fut.set_exception(WorkerFailedError(f"{who} {failed}", address=self.address, remote_traceback=payload))
+            return
+        try:
+            value = load_value(payload, f"the value returned by the {who}")
+        except ValueError as exc:
+            fut.set_exception(WorkerFailedError(str(exc), address=self.address))
+        else:
+            fut.set_result(value)
 
     def _restarted(self) -> None:
         log.warning("rlinf: %s was restarted (pid %s before)", self.address, self.pid)
@@ -289,9 +292,11 @@ class WorkerGroup:
             The results, in the order of ``ranks`` (rank order by default).
 
         Raises:
-            TypeError: the group runs a function, not a :class:`rlinf.Worker`.
+            TypeError: the group runs a function, not a :class:`rlinf.Worker`, or the
+                arguments cannot be pickled (nothing was sent).
             ValueError: ``method`` is private or a rank is out of range.
-            WorkerFailedError: a call raised (remote traceback attached) or a worker died.
+            WorkerFailedError: a call raised (remote traceback attached), its arguments
+                could not be unpickled in the worker or its result here, or a worker died.
             CommTimeoutError: not all answered within ``timeout`` (the calls keep running).
         """
         if not isinstance(method, str) or not method.isidentifier():
@@ -301,6 +306,10 @@ class WorkerGroup:
         ranks_ = self._select(ranks)
         if ranks_ and not ranks_[0].takes_calls:
             raise TypeError(f"group {self.name!r} runs a function; only rlinf.Worker subclasses take calls")
+        try:
+            arguments = dump_value((args, kwargs))   # once for every rank
+        except Exception as exc:
+            raise TypeError(f"the arguments of {method}() cannot be pickled: {exc!r}") from exc
         futures = []
         for p in ranks_:
             await p.ready   # spawn() returned, so this is done unless the worker died (or restarts)
@@ -309,7 +318,7 @@ class WorkerGroup:
             fut.add_done_callback(_retrieve)   # a second failure after the first is raised is moot
             p.calls[call_id] = fut
             try:
-                p.send(("call", call_id, method, args, kwargs))
+                p.send(("call", call_id, method, arguments))
             except BaseException:
                 p.calls.pop(call_id, None)
                 for f in futures:

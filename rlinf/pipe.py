@@ -14,6 +14,11 @@ signed length, or -1 and an 8-byte length from 2 GiB on, then the payload. The p
 is plain ``pickle`` by value: multiprocessing's own pickler would pass torch tensors as
 shared-memory file descriptors, which the receiver cannot open once the sender has
 exited (a worker's return value is sent just before it exits). Plain pickle copies them.
+
+A message whose receiver cannot unpickle it is lost: nothing in it can be read, not even
+which request it answers. So a user's value (a call's arguments, its reply, a worker's
+result) travels pickled once more, as bytes inside the message (:func:`dump_value`),
+and the receiver unpickles it where it can report a failure (:func:`load_value`).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import pickle
 import struct
 from typing import Any, Callable
 
-__all__ = ["MessagePipe"]
+__all__ = ["MessagePipe", "dump_value", "load_value"]
 
 _SHORT = struct.Struct("!i")
 _LONG = struct.Struct("!Q")
@@ -39,6 +44,28 @@ _CHUNK = 256 * 1024
 _READ_BUDGET = 4 * 1024 * 1024
 #: Buffers given to one ``os.writev``.
 _IOV = 64
+
+
+def dump_value(value: Any) -> bytes:
+    """``value`` pickled, to travel as bytes inside a message (see the module docstring).
+
+    Raises:
+        pickle.PicklingError, TypeError, AttributeError, ...: it cannot be pickled.
+    """
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def load_value(data: bytes, what: str) -> Any:
+    """The value :func:`dump_value` made ``data`` of; ``what`` names it in the error.
+
+    Raises:
+        ValueError: it cannot be unpickled in this process (a class that is not
+            importable here, say); the message says what and why.
+    """
+    try:
+        return pickle.loads(data)
+    except Exception as exc:
+        raise ValueError(f"{what} cannot be unpickled in this process: {exc!r}") from exc
 
 
 def _frame(message: Any) -> tuple[bytes, bytes]:

@@ -129,21 +129,27 @@ class _RankActor:
                 self._unacked.popleft()
         async with self._reading:   # one reader of the pipe at a time, also across retries
             if not self._unacked and not self._eof:
-                try:
-                    self._keep(await asyncio.get_running_loop().run_in_executor(None, self._conn.recv_bytes))
-                    while self._conn.poll():
-                        self._keep(self._conn.recv_bytes())
-                except (EOFError, ConnectionResetError):
-                    # Reset: the worker closed its end with a request of ours unread (a
-                    # "finish" sent while it wrote its result); what it sent was read first.
-                    self._eof = True
+                batch, self._eof = await asyncio.get_running_loop().run_in_executor(None, self._read)
+                for data in batch:
+                    self._seq += 1
+                    self._unacked.append((self._seq, data))
             if not self._unacked:
                 ray.actor.exit_actor()
         return self._node, self._incarnation, list(self._unacked)
 
-    def _keep(self, data: bytes) -> None:
-        self._seq += 1
-        self._unacked.append((self._seq, data))
+    def _read(self) -> tuple[list[bytes], bool]:
+        """On a thread (the reads block): the worker's next message and those already
+        behind it, and whether its end has closed."""
+        batch: list[bytes] = []
+        try:
+            batch.append(self._conn.recv_bytes())
+            while self._conn.poll():
+                batch.append(self._conn.recv_bytes())
+        except (EOFError, ConnectionResetError):
+            # Reset: the worker closed its end with a request of ours unread (a "finish"
+            # sent while it wrote its result); what it sent was read first.
+            return batch, True
+        return batch, False
 
     async def send(self, data: bytes) -> None:
         """Pass a pickled request to the worker (in the order sent; never blocks the actor)."""

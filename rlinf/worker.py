@@ -9,13 +9,17 @@ Driver and child talk over a private pipe. Child to driver: ``("started", info)`
 the communicator is up (``info`` names the ipc socket directory, which the driver
 removes if the child is killed before it can), ``("ready",)`` after ``setup()``,
 ``("reply", call_id, ok, value_or_traceback)``, ``("result", ok, value_or_traceback)``.
-Driver to child: ``("call", call_id, method, args, kwargs)``; ``("finish",)`` (a Worker
+Driver to child: ``("call", call_id, method, arguments)``; ``("finish",)`` (a Worker
 without ``run()`` returns None; others ignore it); ``("stop",)`` (cancel the work and
 close cleanly: what closing the cluster sends). SIGTERM means ``stop`` too. The pipe
 closing means the driver died: the child stops as well instead of lingering (and exits
 hard if stopping takes longer than a grace period). Messages travel as ``rlinf.pipe``
 frames; the result is written after the loop has finished, blocking until it is all
-in the pipe.
+in the pipe. A value (a reply's or the result's, when ``ok``) and a call's ``arguments``
+(``(args, kwargs)``) travel pickled a second time, as bytes inside the message: a side
+that cannot unpickle one (its class is not importable there, say) fails that call or
+that result with the reason, instead of losing the message and leaving its caller
+waiting.
 
 :func:`run_worker` is the whole child side and needs no process of its own: the local
 launcher runs it as a process (:func:`child_main`), the Ray launcher on a thread of an
@@ -35,7 +39,7 @@ from typing import Any
 
 from . import control
 from .comm import Communicator
-from .pipe import MessagePipe
+from .pipe import MessagePipe, dump_value, load_value
 
 __all__ = ["Worker", "run_worker"]
 
@@ -128,24 +132,20 @@ class _Child:
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
-    async def _answer(self, call_id: int, method: str, args: tuple, kwargs: dict) -> None:
+    async def _answer(self, call_id: int, method: str, arguments: bytes) -> None:
         try:
             if self.worker is None:
                 raise TypeError("this worker runs a function; only rlinf.Worker subclasses take calls")
             if method.startswith("_"):
                 raise AttributeError(f"{method!r} is private and cannot be called remotely")
+            args, kwargs = load_value(arguments, f"the arguments of {method}()")
             result = getattr(self.worker, method)(*args, **kwargs)
             if inspect.isawaitable(result):
                 result = await result
-            reply = ("reply", call_id, True, result)
-        except Exception:
+            reply = ("reply", call_id, True, dump_value(result))
+        except Exception:   # also: the result cannot be pickled
             reply = ("reply", call_id, False, traceback.format_exc())
-        try:
-            self.pipe.send(reply)
-        except OSError:
-            self._orphaned()
-        except Exception:   # the result cannot be pickled: report that instead
-            self.send(("reply", call_id, False, traceback.format_exc()))
+        self.send(reply)
 
 
 async def _run_child(target, address: str, rank: int, world_size: int, manager: str, token: str,
@@ -182,17 +182,15 @@ def run_worker(target, address: str, rank: int, world_size: int, manager: str, t
     pipe = MessagePipe(conn)
     try:
         result = control.run(_run_child(target, address, rank, world_size, manager, token, args, kwargs, pipe))
-        message = ("result", True, result)
+        message = ("result", True, dump_value(result))
     except asyncio.CancelledError:
         message = ("result", False, f"{address} was stopped before it returned\n")
-    except BaseException:
+    except BaseException:   # also: the result cannot be pickled
         message = ("result", False, traceback.format_exc())
     try:
         pipe.send_blocking(message)   # no loop any more: wait until the driver has it all
     except OSError:
         pass   # the driver is gone: nobody is left to tell
-    except Exception:   # the result cannot be pickled: report that instead
-        pipe.send_blocking(("result", False, traceback.format_exc()))
     finally:
         pipe.close()
     return message[1]

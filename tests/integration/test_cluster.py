@@ -49,6 +49,9 @@ class Counter(rlinf.Worker):
     def unpicklable(self):
         return lambda: None
 
+    def unloadable(self):
+        return Unloadable()
+
     async def share(self, nbytes: int = 1 << 20) -> list:
         """Send a large array to the driver, who keeps it: our slot stays in use."""
         await self.comm.send(np.ones(nbytes // 8), "driver:0", tag=5, timeout=30)
@@ -79,6 +82,21 @@ class BadSetup(rlinf.Worker):
 async def returns(comm, value):
     return {"address": comm.address, "value": value, "flag": os.environ.get("MY_FLAG"),
             "node": comm.info.node_id}
+
+
+def _refuse(why: str):
+    raise RuntimeError(why)
+
+
+class Unloadable:
+    """Pickles anywhere, unpickles nowhere (say, a class the other side cannot import)."""
+
+    def __reduce__(self):
+        return _refuse, ("no unpickling this",)
+
+
+async def returns_unloadable(comm):
+    return Unloadable()
 
 
 async def fail_after_others_wait(comm):
@@ -197,7 +215,17 @@ async def test_spawn_call_join_round_trip(launcher, cluster):
             await group.call("unpicklable", ranks=[1])
         with pytest.raises(rlinf.CommTimeoutError):
             await group.call("hang", timeout=0.3)
+        # values one side cannot unpickle fail their call (they were lost: it waited forever)
+        with pytest.raises(rlinf.WorkerFailedError, match="returned by the call on ctr:0 cannot be unpickled"):
+            await group.call("unloadable", ranks=[0], timeout=20)
+        with pytest.raises(rlinf.WorkerFailedError, match=r"arguments of add\(\) cannot be unpickled"):
+            await group.call("add", Unloadable(), ranks=[2], timeout=20)
+        with pytest.raises(TypeError, match=r"arguments of add\(\) cannot be pickled"):
+            await group.call("add", lambda: None)                           # nothing is sent
         assert await group.call("add", 0) == [12, 102, 212]                 # still serving
+        unloadables = await cluster.spawn(returns_unloadable, "unl", 1, launcher=launcher)
+        with pytest.raises(rlinf.WorkerFailedError, match="returned by the worker unl:0 cannot be unpickled"):
+            await unloadables.join(timeout=20)
 
         assert await functions.join() == [{"address": "fn:0", "value": [1, 2], "flag": "on", "node": "node-x"}]
         assert await group.join() == [None, None, None]                       # told to finish
