@@ -34,6 +34,7 @@ from ._collective import Call, calls_made, execute
 from .codec import buffer_nbytes, is_device_buffer
 from .errors import ProtocolError
 from .info import parse_address
+from .memory import page_aligned, page_aligned_like
 from .work import Work
 
 __all__ = ["Group", "REDUCE_OPS", "canonical_members", "group_id", "tree_children", "choose_broadcast",
@@ -142,7 +143,11 @@ def reduce_in_order(parts: Sequence[Any], op: str) -> Any:
     bitwise-equal results). ``mean`` divides by ``len(parts)``. Returns a new array."""
     first = parts[0]
     is_np = isinstance(first, np.ndarray)
-    acc = first.copy() if is_np else first.clone()
+    if is_np:
+        acc = page_aligned_like(first)   # not first.copy(): see rlinf.memory
+        np.copyto(acc, first)
+    else:
+        acc = first.clone()
     for p in parts[1:]:
         if op in ("sum", "mean"):
             if is_np or acc.dtype != _torch().bool:
@@ -233,7 +238,7 @@ async def _chain_member(call: Call, parent: str, info: dict) -> Any:
     for size in sizes:
         offsets.append(total)
         total += -(-size // _ALIGN) * _ALIGN
-    blob = np.empty(total, np.uint8)
+    blob = page_aligned(total)   # chunks are copied in: see rlinf.memory
     if successor is not None:
         call.send("h", info, successor)
     for _ in chunk_plan(sizes):
@@ -333,7 +338,7 @@ async def _all_reduce(call: Call, array: Any, op: str, inplace: bool) -> Any:
         got[call.me] = flat[bounds[me][0]:bounds[me][1]]
         mine = await _reduce([got[m] for m in members], op, nbytes)
         await call.fan_out("ag", mine, call.others)
-        result = np.empty_like(flat) if family == "numpy" else _torch().empty_like(flat)
+        result = page_aligned_like(flat) if family == "numpy" else _torch().empty_like(flat)
         result[bounds[me][0]:bounds[me][1]] = mine
         for src, payload in (await call.collect("ag", call.others)).items():
             lo, hi = bounds[members.index(src)]

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import wire
+from ..memory import page_aligned
 from ._shm_common import default_cap, SHM_DIR, _NUMPY_COPY, _prefault, _slot_size, _U8
 
 log = logging.getLogger("rlinf.transports.shm")
@@ -55,7 +56,7 @@ class Recycler:
             if buf is not None:
                 self._kept -= size
         if buf is None:
-            buf = np.empty(size, _U8)
+            buf = page_aligned(size)   # not np.empty: see rlinf.memory
         owner = (ctypes.c_uint8 * n).from_buffer(buf)
         weakref.finalize(owner, self._give_back, buf).atexit = False
         return np.frombuffer(owner, _U8, n)
