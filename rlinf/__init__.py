@@ -14,6 +14,7 @@ from .cluster import Cluster, WorkerGroup
 from .comm import Communicator, connect
 from .facade import SyncCommunicator, init, shutdown
 from .errors import (
+    AddressInUseError,
     AuthenticationError,
     ClosedError,
     CommTimeoutError,
@@ -37,6 +38,7 @@ from .worker import Worker
 __version__ = "0.1.0"
 
 __all__ = [
+    "AddressInUseError",
     "AuthenticationError",
     "Channel",
     "ChannelStats",

@@ -86,11 +86,14 @@ class Communicator:
             garbage-collected), or owned copies made at receive time (False: one more
             copy, but nothing of the sender's is held). Default ``$RLINF_SHM_VIEWS``
             (``0`` for copies), else True.
+        exclusive: join only if no live worker holds ``address`` (else ``start``
+            raises :class:`~rlinf.AddressInUseError`). By default a second worker under
+            a live address replaces the first, as a restarted worker does.
     """
 
     def __init__(self, address: str | None = None, *, manager: str | None = None, token: str | None = None,
                  codec: Codec | None = None, connect_timeout: float = 30.0, meta: dict | None = None,
-                 shm_views: bool | None = None) -> None:
+                 shm_views: bool | None = None, exclusive: bool = False) -> None:
         address = address or os.environ.get("RLINF_ADDRESS")
         if not address:
             raise ValueError("no worker address: pass address='group:rank' or set RLINF_ADDRESS")
@@ -109,6 +112,7 @@ class Communicator:
         self._codec = codec or Codec()
         self._connect_timeout = connect_timeout
         self._meta = dict(meta or {})
+        self._exclusive = bool(exclusive)
         self._roster: dict[str, WorkerInfo] = {}
         self._outboxes: dict[str, Outbox] = {}
         self._busy_poll = BusyPoll.from_env()
@@ -159,6 +163,7 @@ class Communicator:
 
         Raises:
             AuthenticationError: the manager refused the token.
+            AddressInUseError: ``exclusive`` and a live worker holds our address.
             CommTimeoutError: no manager answered within ``connect_timeout``.
         """
         if self._started:
@@ -194,7 +199,8 @@ class Communicator:
                 meta={"machine": control.machine_id(), **self._meta},
             )
             self._control = control.ControlClient(self._context, self._keys, self.manager_address, self.info,
-                                                  self._on_event, stats=self._heartbeat_stats)
+                                                  self._on_event, stats=self._heartbeat_stats,
+                                                  exclusive=self._exclusive)
             await self._control.register(timeout=self._connect_timeout)
         except BaseException:
             await self._teardown(deregister=False)

@@ -22,7 +22,7 @@ import msgpack
 import zmq
 import zmq.utils.monitor
 
-from .errors import AuthenticationError, ClosedError, CommTimeoutError, ProtocolError
+from .errors import AddressInUseError, AuthenticationError, ClosedError, CommTimeoutError, ProtocolError
 from .info import MembershipEvent, WorkerInfo
 from .security import ClusterKeys
 
@@ -110,9 +110,10 @@ class ControlClient:
 
     def __init__(self, context: zmq.Context, keys: ClusterKeys, manager: str, info: WorkerInfo,
                  on_event: Callable[[MembershipEvent], None],
-                 stats: Callable[[], dict] | None = None) -> None:
+                 stats: Callable[[], dict] | None = None, exclusive: bool = False) -> None:
         self.manager = manager
         self.info = info
+        self.exclusive = exclusive
         self._on_event = on_event
         self._stats = stats
         self._ids = itertools.count(1)
@@ -184,7 +185,10 @@ class ControlClient:
         once every live worker has had time to come back.
         """
         reply = await self.request("register", timeout=timeout, info=self.info.to_wire(),
-                                   on_reply=lambda r: self._resync_from(r, report_lost=not rebuilding))
+                                   exclusive=self.exclusive and not rebuilding,
+                                   on_reply=lambda r: "taken" in r or self._resync_from(r, report_lost=not rebuilding))
+        if "taken" in reply:
+            raise AddressInUseError(reply["taken"])
         self.manager_reachable = True
         roster = [WorkerInfo.from_wire(w) for w in reply["roster"]]
         if rebuilding:

@@ -44,6 +44,11 @@ class PeerLostError(RlinfError):
         self.peer = peer
 
 
+class AddressInUseError(RlinfError, ValueError):
+    """A worker joining with ``exclusive=True`` found its address held by another live
+    worker (without it, a second registration replaces the first, as a restart does)."""
+
+
 class CommTimeoutError(RlinfError, TimeoutError):
     """An operation did not complete within its ``timeout``."""
 

@@ -201,6 +201,11 @@ class Manager:
         op = req["op"]
         if op == "register":
             info = WorkerInfo.from_wire(req["info"])
+            old = self._roster.get(info.address)
+            if req.get("exclusive") and old is not None and old.incarnation != info.incarnation:
+                self._reply(identity, req, ok=False, taken=f"{info.address} is held by a live worker "
+                                                           f"(pid {old.pid} on {old.host})")
+                return
             self._register(identity, info)
             self._reply(identity, req, ok=True, version=self.version,
                         roster=[w.to_wire() for w in self._roster.values()],

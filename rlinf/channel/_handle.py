@@ -13,6 +13,7 @@ import collections
 import itertools
 import logging
 import math
+import numbers
 import sys
 import time
 from typing import Any, Callable
@@ -28,6 +29,7 @@ log = logging.getLogger("rlinf.channel")
 
 _hids = itertools.count(1)
 _KEY_TYPES = (str, int, bytes, type(None))
+_KEY_MIN, _KEY_MAX = -(1 << 63), (1 << 64) - 1
 _MEMORY_PERIOD = 0.1
 _MAX_BATCH = 1024      # ops per message before a tight loop flushes (and put yields once)
 
@@ -38,11 +40,23 @@ def _check_key(key: Any) -> None:
             _check_key(part)
     elif not isinstance(key, _KEY_TYPES):
         raise TypeError(f"a channel key must be None, str, int, bytes or a tuple of them, got {type(key).__name__}")
+    elif isinstance(key, int):
+        if not _KEY_MIN <= key <= _KEY_MAX:     # what msgpack can carry
+            raise ValueError(f"a channel key int must lie in [-2**63, 2**64 - 1], got {key}")
+    elif isinstance(key, str):
+        try:
+            key.encode()
+        except UnicodeEncodeError as exc:       # lone surrogates
+            raise ValueError(f"a channel key str must be valid Unicode text: {exc}") from None
 
 def _check_weight(weight: Any) -> float:
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-        raise TypeError(f"weight must be a number, got {type(weight).__name__}")
-    weight = float(weight)
+    kind = type(weight)
+    if kind is not float and kind is not int and (isinstance(weight, bool) or not isinstance(weight, numbers.Real)):
+        raise TypeError(f"weight must be a real number, got {kind.__name__}")
+    try:
+        weight = float(weight)
+    except OverflowError:
+        raise ValueError(f"weight must be finite and >= 0, got {weight!r}") from None
     if not (math.isfinite(weight) and weight >= 0):
         raise ValueError(f"weight must be finite and >= 0, got {weight!r}")
     return weight
@@ -236,6 +250,10 @@ class HandleBase:
         credit = self._acc_credit[key] = self._acc_credit.get(key, 0) + 1
         if credit * 2 >= self._prefetch:
             self._must_yield = True
+        try:
+            obj = unpack(self._codec, payload)
+        except (DecodeError, ValueError) as exc:
+            raise self._drop_undecodable(item_id, [], exc) from exc
         took = self._acc_took.get(ack)
         if took is None:
             took = self._acc_took[ack] = []
@@ -243,7 +261,6 @@ class HandleBase:
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush_soon)
-        obj = unpack(self._codec, payload)
         if ack:
             self._unacked.setdefault(id(obj), collections.deque()).append((item_id, now, obj))
         else:
@@ -252,9 +269,15 @@ class HandleBase:
         return obj
 
     def _deliver(self, items: list, ack: bool) -> list[Any]:
+        objects = []
+        for item_id, _weight, payload in items:
+            try:
+                objects.append(unpack(self._codec, payload))
+            except (DecodeError, ValueError) as exc:
+                back = [i[0] for i in items if i[0] != item_id]
+                raise self._drop_undecodable(item_id, back, exc) from exc
         ids = [i[0] for i in items]
         self._took(ids, ack)
-        objects = [unpack(self._codec, i[2]) for i in items]
         now = self._clock()
         if ack:
             for (item_id, _w, _p), obj in zip(items, objects):
@@ -264,6 +287,18 @@ class HandleBase:
                 self._working_since = now
             self._working.extend(ids)
         return objects
+
+    def _drop_undecodable(self, item_id: int, back: list[int], exc: BaseException) -> DecodeError:
+        """Item ``item_id`` cannot be decoded here: it is consumed and dropped (given back,
+        it would come round again and again), and the other items of the same get
+        (``back``) return to the channel. Returns the error the get raises."""
+        self._took([item_id], False)
+        self._done([item_id], 0.0)
+        if back:
+            self._op(("unget", back))
+        returned = f"; the other {len(back)} items of this get went back to the channel" if back else ""
+        return DecodeError(f"channel {self.name!r}: an item cannot be decoded here and was dropped "
+                           f"({exc}){returned}")
 
     def _report_done(self) -> None:
         if self._working:
@@ -316,7 +351,7 @@ class HandleBase:
         self._must_yield = False
         try:
             future = self._flush()
-        except RlinfError as exc:
+        except Exception as exc:   # the ops are gone: fail what waits on them, never leave it hanging
             self._fail(_error_factory(exc, self))
             return
         if future is not None and not future.done():

@@ -11,10 +11,11 @@ import asyncio
 import collections
 import itertools
 import os
+import pickle
 import weakref
 from typing import Any, Callable
 
-from ..errors import ClosedError, CommTimeoutError, EndOfChannel, RlinfError, WouldBlock
+from ..errors import AddressInUseError, ClosedError, CommTimeoutError, EndOfChannel, RlinfError, WouldBlock
 from ..outbox import SMALL_MESSAGE
 from ..work import Work
 from ._handle import (
@@ -150,6 +151,8 @@ class Channel(HandleBase):
             future.set_result(None)
         else:
             _chain(entry[2], future)
+            # cancelled while waiting for space: withdrawn, as put() does
+            future.add_done_callback(lambda f: f.cancelled() and self._withdraw(entry))
         return Work(future, f"put to channel {self.name}")
 
     async def flush(self, timeout: float | None = None) -> None:
@@ -457,23 +460,35 @@ async def create_channel(comm, name: str, *, maxsize: int = 0, policy: Any = "fi
     drained, or until ``comm`` closes (which stops it).
 
     Raises:
-        ValueError: a bad name, maxsize or policy name, or the channel already exists.
-        TypeError: a bad policy object.
+        ValueError: a bad name, maxsize or policy name.
+        AddressInUseError (a ValueError): the channel already exists, or another
+            creator started it first (of two racing for one name, one wins).
+        TypeError: a bad policy object, or one that cannot be pickled (without
+            ``in_process``, the policy travels to the channel process).
         WorkerFailedError: its process failed to start. CommTimeoutError.
     """
     check_name(name)
     if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:
         raise ValueError(f"maxsize must be an int >= 0 (0: unbounded), got {maxsize!r}")
     make_policy(policy)                      # fail here, not in the server
+    if not in_process:
+        try:
+            pickle.dumps(policy)
+        except Exception as exc:
+            raise TypeError(f"policy {policy!r} cannot be pickled for the channel process ({exc!r}): "
+                            "define its class at module level, or pass in_process=True") from None
     _check_timeout(timeout)
     comm._check_open()
     address = server_address(name)
     if await comm._control.lookup(address, wait=False, timeout=timeout) is not None:
-        raise ValueError(f"a channel named {name!r} already exists")
+        raise AddressInUseError(f"a channel named {name!r} already exists")
     config = {"maxsize": maxsize, "policy": policy, "work_stealing": bool(work_stealing)}
     if in_process:
         server = ChannelServer(name, manager=comm.manager_address, token=comm._token, **config)
-        await server.start()
+        try:
+            await server.start()
+        except AddressInUseError as exc:
+            raise AddressInUseError(f"a channel named {name!r} already exists ({exc})") from None
         comm.add_closer(server.aclose)
         watcher = asyncio.get_running_loop().create_task(_close_when_done(server))
         _watchers.add(watcher)

@@ -15,6 +15,7 @@ parent died), so a channel process never outlives the worker that created it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import multiprocessing
@@ -26,6 +27,7 @@ from typing import Any
 from .. import control
 from ..comm import Communicator
 from ..errors import (
+    AddressInUseError,
     ClosedError,
     CommTimeoutError,
     DecodeError,
@@ -91,7 +93,8 @@ class ChannelServer:
         self.core = ChannelCore(name, maxsize=maxsize, policy=policy, work_stealing=work_stealing,
                                 send=self._send)
         meta = {"kind": "channel", "channel": name, "policy": self.core.policy.name, "maxsize": maxsize}
-        self.comm = Communicator(self.address, manager=manager, token=token, meta=meta)
+        # exclusive: of two creators racing for one name, the second fails to join
+        self.comm = Communicator(self.address, manager=manager, token=token, meta=meta, exclusive=True)
         self._out: dict[tuple[str, int], list] = {}
         self._flush_scheduled = False
         self._task: asyncio.Task | None = None
@@ -253,6 +256,9 @@ def _process_main(name: str, manager: str, token: str, config: dict, conn) -> No
     pipe = MessagePipe(conn)
     try:
         control.run(_process_serve(name, manager, token, config, pipe))
+    except AddressInUseError as exc:   # another creator won the name
+        with contextlib.suppress(OSError):
+            pipe.send_blocking(("taken", str(exc)))
     except BaseException:
         try:
             pipe.send_blocking(("failed", traceback.format_exc()))   # no loop any more
@@ -287,6 +293,7 @@ class ServerProcess:
         """Wait for the child to serve.
 
         Raises:
+            AddressInUseError: another channel of this name started first.
             WorkerFailedError: it failed to start (its traceback attached).
             CommTimeoutError: it was not ready within ``timeout``.
         """
@@ -298,6 +305,9 @@ class ServerProcess:
                 return
             if message[0] == "ready":
                 ready.set_result(None)
+            elif message[0] == "taken":
+                ready.set_exception(AddressInUseError(f"a channel named {self.name!r} already exists "
+                                                      f"({message[1]})"))
             else:
                 ready.set_exception(WorkerFailedError(f"channel {self.name!r} failed to start",
                                                       address=server_address(self.name),
@@ -313,7 +323,7 @@ class ServerProcess:
         except TimeoutError:
             await self.stop()
             raise CommTimeoutError(f"channel {self.name!r} did not start within {timeout} s") from None
-        except WorkerFailedError:
+        except (WorkerFailedError, AddressInUseError):
             await self.stop()
             raise
         finally:

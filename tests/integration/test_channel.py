@@ -35,6 +35,17 @@ async def comms(cluster):
             await comm.aclose()
 
 
+def _refuse():
+    raise RuntimeError("cannot rebuild this here")
+
+
+class Undecodable:
+    """Encodes (pickled) anywhere, decodes nowhere (say, a class a consumer cannot import)."""
+
+    def __reduce__(self):
+        return _refuse, ()
+
+
 async def _handles(comms, name: str, n: int, **options) -> list[Channel]:
     return [await comm.channel(name, timeout=10, **options) for comm in await comms(n)]
 
@@ -339,6 +350,96 @@ async def test_cancelled_gets_and_puts_lose_nothing(driver):
             except rlinf.CommTimeoutError:
                 break
     assert sorted(got) == list(range(100))
+
+
+async def test_keys_and_weights_the_wire_cannot_carry_are_refused_and_nothing_else_is_lost(driver):
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("wire", in_process=True)
+        waiting = ch.async_get(key="a")
+        await ch.put("kept", key="a")
+        for key in (2 ** 64, -2 ** 63 - 1, "\ud800", ("a", 2 ** 70)):
+            with pytest.raises(ValueError, match="channel key"):
+                await ch.put("never", key=key)     # was accepted, then lost the batch it rode in
+        for weight in (10 ** 400, -1, float("inf")):
+            with pytest.raises(ValueError, match="weight"):
+                await ch.put("never", weight=weight)
+        with pytest.raises(TypeError, match="weight"):
+            await ch.put("never", weight="3")
+        assert await waiting == "kept"
+        await ch.put(1, weight=np.int64(3))                 # numpy numbers are numbers
+        await ch.put(2, weight=np.float32(1.5), key=2 ** 64 - 1)
+        assert await ch.get_batch(timeout=5) == [1]
+        assert await ch.get(key=2 ** 64 - 1, timeout=5) == 2
+        assert (await ch.stats(timeout=5)).length == 0
+
+
+async def test_an_item_that_cannot_be_decoded_is_dropped_and_the_rest_go_back(driver, comms):
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("undecodable", in_process=True)
+        for item in ("a", Undecodable(), "c"):
+            await ch.put(item)
+        await ch.flush(timeout=5)
+        with pytest.raises(rlinf.DecodeError, match=r"cannot be decoded here and was dropped .*the other 2 items"):
+            await ch.get_batch(timeout=5)
+        assert sorted(await ch.get_batch(timeout=5)) == ["a", "c"]     # were lost with it
+        [prefetching] = await _handles(comms, "undecodable", 1, prefetch=4)
+        await ch.put(Undecodable())
+        await ch.put("d")
+        with pytest.raises(rlinf.DecodeError, match="dropped"):
+            await prefetching.get(timeout=5)
+        assert await prefetching.get(timeout=5) == "d"
+        await prefetching.detach()
+        await ch.put(Undecodable())
+        await ch.close(timeout=5)
+        with pytest.raises(rlinf.DecodeError):
+            await ch.get(ack=True, timeout=5)
+        with pytest.raises(rlinf.EndOfChannel):    # the channel drains (it waited for an ack forever)
+            await ch.get(timeout=5)
+
+
+async def test_an_async_put_cancelled_while_waiting_for_space_never_enters(driver, comms):
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("full", maxsize=1, in_process=True)
+        [consumer] = await _handles(comms, "full", 1)
+        await ch.put("first")
+        work = ch.async_put("withdrawn")
+        await ch.stats(timeout=5)              # the put is now waiting for space
+        assert work.cancel()
+        assert await consumer.get(timeout=5) == "first"
+        with pytest.raises(rlinf.CommTimeoutError):
+            await consumer.get(timeout=0.5)    # it used to arrive here
+        await ch.put("after", timeout=5)
+        assert await consumer.get(timeout=5) == "after"
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "process"])
+async def test_two_creators_racing_for_one_name_one_wins(driver, comms, in_process):
+    async with asyncio.timeout(60):
+        [other] = await comms(1)
+        results = await asyncio.gather(driver.create_channel("race", in_process=in_process),
+                                       other.create_channel("race", in_process=in_process),
+                                       return_exceptions=True)
+        winners = [r for r in results if isinstance(r, Channel)]
+        losers = [r for r in results if not isinstance(r, Channel)]
+        assert len(winners) == 1 and len(losers) == 1, results   # both "won" before
+        assert isinstance(losers[0], rlinf.AddressInUseError) and isinstance(losers[0], ValueError)
+        assert "already exists" in str(losers[0])
+        await winners[0].put("x", timeout=5)
+        assert await winners[0].get(timeout=5) == "x"              # the winner was not replaced
+        if not in_process:
+            assert len(multiprocessing.active_children()) == 1     # the loser's process is gone
+
+
+async def test_a_policy_that_cannot_reach_the_channel_process_is_refused(driver):
+    class LocalPolicy(rlinf.LoadBalancePolicy):      # not importable by the channel process
+        name = "local"
+
+        def select_consumer(self, item, consumers):
+            return 0
+
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        await driver.create_channel("local-policy", policy=LocalPolicy())
+    assert not multiprocessing.active_children()
 
 
 # -- policies on crafted consumer states in a live channel ----------------------------------------
