@@ -70,6 +70,8 @@ class _Proc(RankHandle):
         self.process.join(1.0)
         self.pipe.close()
         code = self.process.exitcode
+        if code is not None:   # reaped: release its pipe fds now, not at cluster close
+            self.process.close()
         self._finish(_exit_reason(code), code)
 
     def _stop_reading(self, fd: int) -> None:

@@ -51,9 +51,15 @@ _OWED_BURST = 16
 _BYE_GRACE = 2.0
 
 
+#: User tags travel as msgpack integers: this is the range they can take.
+_TAG_MIN, _TAG_MAX = -(1 << 63), (1 << 64) - 1
+
+
 def _check_tag(tag: Any) -> None:
     if not isinstance(tag, int) or isinstance(tag, bool):
         raise TypeError(f"tag must be an int, got {type(tag).__name__}")
+    if not _TAG_MIN <= tag <= _TAG_MAX:
+        raise ValueError(f"tag must lie in [-2**63, 2**64 - 1], got {tag}")
 
 
 def _tcp_host(manager: str) -> tuple[str, str]:
@@ -333,7 +339,7 @@ class Communicator:
             PeerLostError: ``dst`` died or left. CommTimeoutError: not sent in ``timeout``.
             EncodeError: ``obj`` cannot be encoded. ClosedError: we are closed.
         """
-        if type(tag) is not int:
+        if type(tag) is not int or not _TAG_MIN <= tag <= _TAG_MAX:
             _check_tag(tag)
         future = self._enqueue(obj, dst, tag, wire.USER, need_future=False)
         if future is not None:
@@ -578,7 +584,7 @@ class Communicator:
             PeerLostError: ``src`` died or left and nothing from it is queued.
             CommTimeoutError, DecodeError, ClosedError.
         """
-        if type(tag) is not int:
+        if type(tag) is not int or not _TAG_MIN <= tag <= _TAG_MAX:
             _check_tag(tag)
         if src not in self._valid:
             self._check_address(src)
@@ -618,12 +624,25 @@ class Communicator:
             ``target``.
 
         Raises:
-            ValueError / TypeError: the message does not match ``target``.
+            ValueError / TypeError: the message does not match ``target``. Nothing is
+                written then, and the message stays next in line for ``src`` and ``tag``
+                (a ``recv`` or a corrected ``recv_into`` gets it).
+            Same as :meth:`recv` otherwise.
         """
         from .into import copy_into   # only recv_into needs it
 
-        obj = await self.recv(src, tag=tag, timeout=timeout)
-        copy_into(target, obj)
+        if type(tag) is not int or not _TAG_MIN <= tag <= _TAG_MAX:
+            _check_tag(tag)
+        if src not in self._valid:
+            self._check_address(src)
+        msg = await self._get(src, tag, timeout)
+        obj = await self._decode_owned(msg) if msg.shm and not self._shm_views else self._decode(msg)
+        try:
+            copy_into(target, obj)
+        except (TypeError, ValueError):
+            del obj
+            self._mailbox.put_back(msg)
+            raise
         return target
 
     async def _get(self, src: str | None, tag: Any, timeout: float | None) -> Message:

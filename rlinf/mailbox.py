@@ -177,7 +177,9 @@ class Mailbox:
             return (await future).pop()
         except asyncio.CancelledError:
             if future.done() and not future.cancelled() and future.exception() is None and future.result():
-                self._push_front(future.result().pop())   # handed over, then cancelled: put back
+                # handed over, then cancelled: the next waiter for it gets it, else it is
+                # queued first (queued behind, a later message would overtake it)
+                self.put_back(future.result().pop())
             raise
         finally:
             waiters = table.get(key)

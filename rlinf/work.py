@@ -91,18 +91,21 @@ class Work(Generic[T]):
             asyncio.InvalidStateError: called on the loop thread before it is done.
             Whatever the operation raised.
         """
+        self._wait_done(timeout)
+        return self._future.result()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The operation's exception (None on success); waits like :meth:`result`, and
+        raises the same way when it cannot."""
+        self._wait_done(timeout)
+        return self._future.exception()
+
+    def _wait_done(self, timeout: float | None) -> None:
         if not self._future.done():
             if self._on_loop_thread():
                 raise asyncio.InvalidStateError("Work is not done yet; await it on the loop")
             if not self.wait(timeout):
                 raise CommTimeoutError(f"{self._description or 'operation'} not done after {timeout} s")
-        return self._future.result()
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        """The operation's exception (None on success); waits like :meth:`result`."""
-        if not self._future.done() and not self.wait(timeout):
-            raise CommTimeoutError(f"{self._description or 'operation'} not done after {timeout} s")
-        return self._future.exception()
 
     def add_done_callback(self, fn: Callable[["Work[T]"], Any]) -> None:
         """Call ``fn(work)`` on the loop thread once the operation is done."""

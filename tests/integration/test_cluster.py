@@ -257,6 +257,21 @@ async def test_kill_one_rank(launcher, cluster, driver):
             await group.join()
 
 
+async def test_finished_workers_leave_no_descriptors_behind(cluster):
+    """A reaped worker's process object kept its two pipe fds until the cluster closed:
+    a driver that keeps spawning ran out of descriptors."""
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async with asyncio.timeout(90):
+        counts = []
+        for i in range(3):
+            group = await cluster.spawn(returns, f"fd{i}", 1, args=(i,))
+            assert [r["value"] for r in await group.join()] == [i]
+            counts.append(open_fds())
+        assert counts[-1] <= counts[0], counts
+
+
 async def test_recv_into_between_processes(launcher, cluster, driver):
     async with asyncio.timeout(60):
         group = await cluster.spawn(send_weights, "trainer", 1, args=(3,), launcher=launcher)
@@ -270,6 +285,8 @@ async def test_recv_into_between_processes(launcher, cluster, driver):
         with pytest.raises(ValueError, match=r"\$\['w'\].*\[256, 512\].*\[2, 2\]"):
             await driver.recv_into(target, "trainer:0")
         assert (target["w"] == 2).all()                         # left untouched
+        last = await driver.recv("trainer:0", timeout=10)         # and the message is still next
+        assert last["step"] == -1 and last["w"].shape == (2, 2)
         assert await group.join() == [3]
 
 

@@ -107,7 +107,22 @@ async def test_work_semantics(cluster, driver):
         pending = driver.async_recv("driver:0", tag=5)
         with pytest.raises(RuntimeError):
             pending.wait()             # on the loop thread: refuse to block it
+        for method in (pending.result, pending.exception):   # exception() raised RuntimeError
+            with pytest.raises(asyncio.InvalidStateError):
+                method()
         assert pending.cancel()
+        for tag in (2 ** 64, -2 ** 63 - 1):   # out of msgpack's range: wedged the link to the peer
+            with pytest.raises(ValueError, match="tag must lie in"):
+                await driver.send("never", "w:0", tag=tag)
+            with pytest.raises(ValueError, match="tag must lie in"):
+                await driver.recv("w:0", tag=tag)
+            with pytest.raises(ValueError, match="tag must lie in"):
+                driver.async_send("never", "w:0", tag=tag)
+        async with cluster.connect("tags:0") as other:     # the extremes do travel
+            await driver.send("top", "tags:0", tag=2 ** 64 - 1)
+            await driver.send("bottom", "tags:0", tag=-2 ** 63)
+            assert await other.recv("driver:0", tag=-2 ** 63) == "bottom"
+            assert await other.recv("driver:0", tag=2 ** 64 - 1) == "top"
 
 
 async def test_cancelled_recv_loses_nothing(driver):

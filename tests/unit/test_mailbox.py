@@ -51,3 +51,26 @@ async def test_a_receive_cancelled_after_the_hand_over_puts_the_message_back():
     mailbox.deliver(second)
     assert mailbox.get_nowait("a:0", 0) is first    # back at the front, nothing lost
     assert mailbox.get_nowait("a:0", 0) is second
+
+
+async def test_a_cancelled_receive_passes_its_message_to_the_next_waiter():
+    """Put back while another receive (same source and tag, or any source) waits: that
+    one gets it, in order; queued instead, the next message would reach it first."""
+    for other_src in ("a:0", None):
+        mailbox = Mailbox()
+        cancelled = asyncio.create_task(mailbox.wait("a:0", 0))
+        await asyncio.sleep(0)
+        waiting = asyncio.create_task(mailbox.wait(other_src, 0))
+        await asyncio.sleep(0)
+        first, _ = _message()
+        mailbox.deliver(first)               # handed to the first receive, which is then cancelled
+        cancelled.cancel()
+        async with asyncio.timeout(5):
+            try:
+                await cancelled
+            except asyncio.CancelledError:
+                pass
+            second, _ = _message()
+            mailbox.deliver(second)
+            assert await waiting is first, other_src
+        assert mailbox.get_nowait("a:0", 0) is second
