@@ -26,30 +26,19 @@ from .errors import ClosedError, CommTimeoutError, PeerLostError, ProtocolError,
 
 __all__ = ["Call", "execute", "calls_made"]
 
-#: After a failed call, late messages of it are drained until none came for this long.
-_DRAIN_IDLE = 2.0
-
-
 class _State:
-    """Call numbering, pending calls and drain tasks of one communicator (no reference to it)."""
+    """Call numbering and pending calls of one communicator (no reference to it)."""
 
-    __slots__ = ("seq", "pending", "drains", "__weakref__")
+    __slots__ = ("seq", "pending", "__weakref__")
 
     def __init__(self) -> None:
         self.seq: dict[str, int] = {}
         self.pending: set[Call] = set()
-        self.drains: set[asyncio.Task] = set()
 
     def on_gone(self, address: str, incarnation: str) -> None:
         for call in list(self.pending):
             if address in call.member_set:
                 call.lose(address)
-
-    async def close(self) -> None:
-        for task in list(self.drains):
-            task.cancel()
-        if self.drains:
-            await asyncio.gather(*self.drains, return_exceptions=True)
 
 
 _states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -60,7 +49,6 @@ def _state(comm) -> _State:
     if state is None:
         state = _states[comm] = _State()
         comm.on_peer_gone(state.on_gone)
-        comm.add_closer(state.close)
     return state
 
 
@@ -243,22 +231,17 @@ class Call:
             if fut is not None:
                 fut.add_done_callback(_quiet)
 
-    def drain_late_messages(self) -> None:
-        """Drop messages of this (failed) call that arrive later, so none stays queued."""
-        comm, tag = self.comm, self.tag
-        if comm._closed is not None:
-            return
+    def check_aborted(self) -> None:
+        """After the call succeeded here: raise an abort that is already queued (a member
+        failed after it sent what this one needed, e.g. its timeout expired meanwhile),
+        so the call fails on every member that can still tell."""
+        mailbox = self.comm._mailbox
+        while (msg := mailbox.get_nowait(None, self.tag)) is not None:
+            self._file(self.comm._decode(msg), msg.src)     # raises for an abort
 
-        async def drain() -> None:
-            while True:
-                try:
-                    await comm._recv_any_internal(tag, _DRAIN_IDLE)
-                except RlinfError:
-                    return
-
-        task = asyncio.get_running_loop().create_task(drain())
-        self.state.drains.add(task)
-        task.add_done_callback(self.state.drains.discard)
+    def retire(self) -> None:
+        """The call is over: its messages still queued or yet to come are dropped."""
+        self.comm._mailbox.retire(self.tag)
 
 
 def _describe(kind: str, root: Any, extra: Any = None) -> str:
@@ -284,7 +267,9 @@ async def execute(call: Call, body: Callable[..., Awaitable[Any]], *args: Any, t
         try:
             if call.arg_error is not None:
                 raise call.arg_error
-            return await body(call, *args)
+            result = await body(call, *args)
+            call.check_aborted()
+            return result
         except asyncio.CancelledError:
             if call.interrupted:
                 call.interrupted = False
@@ -297,10 +282,10 @@ async def execute(call: Call, body: Callable[..., Awaitable[Any]], *args: Any, t
     except BaseException as exc:
         if not call.remote and not isinstance(exc, ClosedError):
             call.abort_others(exc)
-        call.drain_late_messages()
         raise
     finally:
         call.finished = True
+        call.retire()
         if timer is not None:
             timer.cancel()
         call.state.pending.discard(call)

@@ -300,10 +300,21 @@ class SyncCommunicator:
             raise
 
     def _call(self, coro: Coroutine) -> Any:
+        """Run a point-to-point operation within ``timeout``."""
+        self._refuse_if_closed(coro)
+        return self._run(self._timed(coro))
+
+    def _collective(self, coro: Coroutine) -> Any:
+        """Run a collective. Its group call gets ``timeout`` itself, so that a timeout on
+        one rank fails the call on every rank with ``CommTimeoutError`` (a cancellation
+        from outside would reach the others as a plain "cancelled" error)."""
+        self._refuse_if_closed(coro)
+        return self._run(coro)
+
+    def _refuse_if_closed(self, coro: Coroutine) -> None:
         if self._closed:
             coro.close()
             raise ClosedError("this rlinf communicator is shut down")
-        return self._run(self._timed(coro))
 
     async def _timed(self, coro: Coroutine) -> Any:
         if self._timeout is None:
@@ -367,10 +378,10 @@ class SyncCommunicator:
         """Overwrite ``tensor`` on every rank with rank ``root``'s (``src=`` as in torch)."""
         root = root if src is None else src
         self._peer(root, "root")
-        self._call(self._broadcast(tensor, root))
+        self._collective(self._broadcast(tensor, root))
 
     async def _broadcast(self, tensor: Any, root: int) -> None:
-        obj = await self._group.broadcast(tensor if self.rank == root else None, root=root)
+        obj = await self._group.broadcast(tensor if self.rank == root else None, root=root, timeout=self._timeout)
         if self.rank != root:
             await self._copy(tensor, obj, f"broadcast from rank {root}")
 
@@ -380,14 +391,14 @@ class SyncCommunicator:
         ``op``: ``"sum"``, ``"product"``, ``"min"``, ``"max"``, ``"avg"`` (floating point
         only), or a ``torch.distributed.ReduceOp``. Every rank gets bitwise the same result.
         """
-        self._call(self._all_reduce(tensor, _reduce_op(op)))
+        self._collective(self._all_reduce(tensor, _reduce_op(op)))
 
     async def _all_reduce(self, tensor: Any, op: str) -> None:
         if op != "product":
-            await self._group.all_reduce(tensor, "mean" if op == "avg" else op, inplace=True)
+            await self._group.all_reduce(tensor, "mean" if op == "avg" else op, inplace=True, timeout=self._timeout)
             return
         # rlinf.group has no product: gather everything, reduce in rank order everywhere
-        parts = await self._group.all_gather(tensor)
+        parts = await self._group.all_gather(tensor, timeout=self._timeout)
         for r, part in enumerate(parts):
             if _kind(part) != _kind(tensor) or tuple(part.shape) != tuple(tensor.shape) or part.dtype != tensor.dtype:
                 raise ValueError(f"all_reduce: rank {r} passed {_describe(part)}, rank {self.rank} passed "
@@ -406,10 +417,10 @@ class SyncCommunicator:
                 raise ValueError(f"gather: the destination rank needs a gather_list of {self.world_size} tensors")
         elif gather_list is not None:
             raise ValueError("gather: gather_list must be None on ranks other than dst")
-        self._call(self._gather(tensor, gather_list, dst))
+        self._collective(self._gather(tensor, gather_list, dst))
 
     async def _gather(self, tensor: Any, gather_list: list | None, dst: int) -> None:
-        parts = await self._group.gather(tensor, root=dst)
+        parts = await self._group.gather(tensor, root=dst, timeout=self._timeout)
         if self.rank == dst:
             for r, part in enumerate(parts):
                 await self._copy(gather_list[r], part, f"gather from rank {r} into gather_list[{r}]")
@@ -419,16 +430,16 @@ class SyncCommunicator:
         for name, lst in (("output_list", output_list), ("input_list", input_list)):
             if not isinstance(lst, (list, tuple)) or len(lst) != self.world_size:
                 raise ValueError(f"all_to_all: {name} must hold {self.world_size} tensors (one per rank)")
-        self._call(self._all_to_all(output_list, input_list))
+        self._collective(self._all_to_all(output_list, input_list))
 
     async def _all_to_all(self, output_list: list, input_list: list) -> None:
-        parts = await self._group.all_to_all(list(input_list))
+        parts = await self._group.all_to_all(list(input_list), timeout=self._timeout)
         for r, part in enumerate(parts):
             await self._copy(output_list[r], part, f"all_to_all from rank {r} into output_list[{r}]")
 
     def barrier(self) -> None:
         """Return once every rank has called ``barrier()``."""
-        self._call(self._group.barrier())
+        self._collective(self._group.barrier(timeout=self._timeout))
 
     # -- shutdown ----------------------------------------------------------------------
     def close(self) -> None:

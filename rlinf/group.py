@@ -350,7 +350,8 @@ async def _all_reduce(call: Call, array: Any, op: str, inplace: bool) -> Any:
     if family == "numpy":
         array[...] = result
     else:
-        array.copy_(result)
+        with _torch().no_grad():   # a parameter (requires_grad) is written in place too
+            array.copy_(result)
     return array
 
 
@@ -368,6 +369,15 @@ def _check_per_member(objs: Any, n: int, what: str) -> None:
 
 
 # -- the public class ------------------------------------------------------------------------
+def _cancelled_before_start(call: Call, task: asyncio.Task) -> None:
+    """An ``async_*`` Work cancelled before its task ever ran: ``execute`` never saw the
+    call (it took its sequence number all the same), so tell the other members, as a
+    cancellation inside it does, instead of leaving them waiting for us."""
+    if task.cancelled() and call.task is None:
+        call.abort_others(asyncio.CancelledError())
+        call.retire()
+
+
 class Group:
     """A collective group over ``addresses`` (same list, any order, on every member).
 
@@ -441,6 +451,7 @@ class Group:
 
     def _work(self, call: Call, body: Callable[..., Awaitable[Any]], *args: Any, timeout: float | None) -> Work:
         task = asyncio.get_running_loop().create_task(execute(call, body, *args, timeout=timeout))
+        task.add_done_callback(lambda t: _cancelled_before_start(call, t))
         return Work(task, call.what)
 
     async def broadcast(self, obj: Any = None, *, root: str | int, timeout: float | None = None) -> Any:

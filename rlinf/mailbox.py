@@ -4,8 +4,11 @@ Messages wait in one FIFO per ``(source, tag)``; a global arrival number orders
 ``recv_any`` across sources. A ``recv`` that finds nothing parks a future; delivery
 hands the message straight to the oldest matching waiter. If that waiter is cancelled
 after the hand-over but before its task resumed (a timeout racing a delivery), the
-message goes back to the *front* of its queue, so cancellation never loses or reorders
-a message.
+message goes to the next waiter for it or back to the *front* of its queue, so
+cancellation never loses or reorders a message.
+
+A tag nobody will receive again can be retired (a collective call that has finished):
+its queued messages are dropped, and so are those that still arrive.
 
 Losing a peer fails its parked waiters with ``PeerLostError``; messages it sent before
 dying stay readable. When a peer comes back as a new incarnation, messages still queued
@@ -23,7 +26,7 @@ from typing import Any
 from .busypoll import BusyPoll
 from .errors import ClosedError, PeerLostError
 
-__all__ = ["Mailbox", "Message"]
+__all__ = ["Mailbox", "Message", "RETIRED_TAGS"]
 
 
 @dataclass(slots=True)
@@ -55,6 +58,10 @@ class _Waiter:
         self.tag = tag
 
 
+#: How many retired tags (:meth:`Mailbox.retire`) a mailbox remembers.
+RETIRED_TAGS = 4096
+
+
 class Mailbox:
     """Per-``(src, tag)`` queues and waiters of one communicator (loop thread only).
 
@@ -72,6 +79,7 @@ class Mailbox:
         self._lost: dict[str, PeerLostError] = {}
         self._closed: BaseException | None = None
         self._arrivals = itertools.count()
+        self._retired: dict[Any, None] = {}   # tags nobody will receive again (oldest first)
         self.queued = 0
 
     def __len__(self) -> int:
@@ -79,6 +87,8 @@ class Mailbox:
 
     # -- delivery ----------------------------------------------------------------------
     def deliver(self, msg: Message) -> None:
+        if msg.tag in self._retired:
+            return      # dropped: its buffers (a shared-memory slot, say) go back now
         msg.seq = next(self._arrivals)
         key = (msg.src, msg.tag)
         waiters = self._waiters.get(key)
@@ -131,6 +141,16 @@ class Mailbox:
         if not (self._hand_over(self._waiters.get((msg.src, msg.tag)), msg)
                 or self._hand_over(self._any_waiters.get(msg.tag), msg)):
             self._push_front(msg)
+
+    def retire(self, tag: Any) -> None:
+        """Nobody will receive ``tag`` again (a collective call that has finished): drop
+        its queued messages and, from now on, those that arrive. The last
+        :data:`RETIRED_TAGS` retired tags are remembered."""
+        for src in self._sources_by_tag.pop(tag, ()):
+            self.queued -= len(self._queues.pop((src, tag)))
+        self._retired[tag] = None
+        if len(self._retired) > RETIRED_TAGS:
+            del self._retired[next(iter(self._retired))]
 
     # -- receiving ---------------------------------------------------------------------
     def get_nowait(self, src: str | None, tag: Any) -> Message | None:

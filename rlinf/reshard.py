@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import numbers
 import sys
 from typing import Any, Callable, Sequence
 
@@ -202,13 +203,17 @@ async def reshard(comm, shard: Any, *, src: Sequence[str], dst: Sequence[str], d
             or structures. PeerLostError: a participant was lost. CommTimeoutError.
     """
     src, dst = _addresses(src, "src"), _addresses(dst, "dst")
-    if not isinstance(dim, int) or isinstance(dim, bool):
-        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
     members = canonical_members(set(src) | set(dst))
     if comm.address not in members:
         raise ValueError(f"{comm.address} is neither a source nor a destination of this reshard")
+    error = None
+    if isinstance(dim, numbers.Integral) and not isinstance(dim, bool):
+        dim = int(dim)    # numpy integers too
+    else:   # raised inside the call, so the other participants hear of it
+        error, dim = TypeError(f"dim must be an int, got {type(dim).__name__}"), repr(dim)
     call = Call(comm, members, frozenset(members), f"r:{group_id(members)}", "reshard", None,
                  (tuple(src), tuple(dst), dim), f"reshard {len(src)}->{len(dst)}")
+    call.arg_error = error
     return await execute(call, _reshard, shard, src, dst, dim, timeout=timeout)
 
 

@@ -105,6 +105,50 @@ async def test_single_member_group_and_bad_arguments(driver):
             await reshard(driver, {"a": np.ones(2), "b": np.ones(3)}, src=["driver:0"], dst=["driver:0"])
 
 
+async def test_errors_before_a_call_starts_reach_the_other_members(cluster, driver):
+    """An async_* Work cancelled before its task ran, and a bad reshard argument, used
+    to fail only where they happened: the other members waited forever."""
+    async with asyncio.timeout(60):
+        async with cluster.connect("peer:0") as peer:
+            members = ["driver:0", "peer:0"]
+            mine, theirs = driver.group(members), peer.group(members)
+            work = mine.async_all_gather("never")
+            assert work.cancel()                              # its task has not run yet
+            with pytest.raises(rlinf.RlinfError, match="failed on driver:0: cancelled"):
+                await theirs.all_gather("waits", timeout=10)
+            assert await asyncio.gather(mine.all_gather(1), theirs.all_gather(2)) == [[1, 2], [1, 2]]
+
+            shard = np.arange(8.0).reshape(4, 2)
+            results = await asyncio.gather(
+                reshard(driver, shard, src=["driver:0"], dst=["peer:0"], dim="0"),
+                reshard(peer, None, src=["driver:0"], dst=["peer:0"], dim=0, timeout=10),
+                return_exceptions=True)
+            assert [type(r) for r in results] == [TypeError, TypeError], results
+            assert "dim must be an int" in str(results[1])
+            _, got = await asyncio.gather(                    # numpy integers are ints
+                reshard(driver, shard, src=["driver:0"], dst=["peer:0"], dim=np.int64(0)),
+                reshard(peer, None, src=["driver:0"], dst=["peer:0"], dim=0, timeout=10))
+            assert np.array_equal(got, shard)
+
+
+async def test_a_timeout_fails_the_late_member_too_and_leaves_nothing_queued(cluster, driver):
+    """The late member used to succeed on the data sent before the timeout, and late
+    messages could stay queued (holding shared memory) once the drain window closed."""
+    async with asyncio.timeout(60):
+        async with cluster.connect("late:0") as late:
+            members = ["driver:0", "late:0"]
+            early, tardy = driver.group(members), late.group(members)
+            with pytest.raises(rlinf.CommTimeoutError):
+                await early.all_gather(np.ones(1 << 18), timeout=0.3)      # 2 MiB: shared memory
+            await driver.send("after the abort", "late:0", tag=7)          # one link: in order
+            await late.recv("driver:0", tag=7, timeout=10)
+            with pytest.raises(rlinf.CommTimeoutError, match="failed on driver:0"):
+                await tardy.all_gather(np.ones(1 << 18), timeout=10)
+            # the next call's messages come after the late ones on every link
+            assert await asyncio.gather(early.all_gather(1), tardy.all_gather(2)) == [[1, 2], [1, 2]]
+            assert len(driver._mailbox) == 0 and len(late._mailbox) == 0
+
+
 async def test_killed_member_fails_every_survivor(cluster, driver):
     async with asyncio.timeout(90):
         victims = await cluster.spawn(workers.idle, "victim", 2)

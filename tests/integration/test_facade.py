@@ -97,6 +97,10 @@ def _torch_program() -> None:
     badp = torch.ones(4 if rank == 2 else 3)
     _expect(ValueError, ["rank 2", "[4]", "[3]"], comm.all_reduce, badp, op="product")
 
+    # a parameter (requires_grad) is reduced in place, as torch.distributed does it
+    weight = torch.nn.Parameter(torch.ones(3) * (rank + 1))
+    comm.all_reduce(weight)
+    assert weight.tolist() == [6.0] * 3 and weight.requires_grad
     # gather at dst
     out = [torch.zeros(2) for _ in range(world)] if rank == 2 else None
     comm.gather(torch.full((2,), rank * 10.0), out, dst=2)
@@ -154,6 +158,17 @@ def _numpy_program() -> None:
             got = np.zeros(3, dtype=np.int16)
             assert comm.recv(got, 0) == 0 and got.tolist() == [5, 5, 5]
         comm.barrier()
+        # a timeout on one rank is a CommTimeoutError on the others too (was "cancelled")
+        quick_env = {**os.environ, "RLINF_ADDRESS": f"quick:{rank}"}
+        with facade.SyncCommunicator(quick_env, timeout=1.0) as quick:
+            flag = np.zeros(1)
+            if rank == 1:
+                _expect(rlinf.CommTimeoutError, ["did not complete within 1.0 s"], quick.barrier)
+                comm.send(np.ones(1), 0, tag=9)        # rank 0 calls only now
+            else:
+                comm.recv(flag, 1, tag=9)
+                _expect(rlinf.CommTimeoutError, ["barrier", "quick:1"], quick.barrier)
+            comm.barrier()
     assert "torch" not in sys.modules
     print(f"OK {rank}", flush=True)
 

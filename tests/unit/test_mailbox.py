@@ -74,3 +74,26 @@ async def test_a_cancelled_receive_passes_its_message_to_the_next_waiter():
             mailbox.deliver(second)
             assert await waiting is first, other_src
         assert mailbox.get_nowait("a:0", 0) is second
+
+
+async def test_a_retired_tag_drops_queued_and_later_messages_and_is_remembered_boundedly():
+    from rlinf.mailbox import RETIRED_TAGS
+
+    mailbox = Mailbox()
+    queued, queued_ref = _message("g:1")
+    mailbox.deliver(queued)
+    kept, _ = _message(0)
+    mailbox.deliver(kept)
+    del queued
+    mailbox.retire("g:1")
+    assert queued_ref() is None and len(mailbox) == 1          # dropped: its buffers are free
+    late, late_ref = _message("g:1")
+    mailbox.deliver(late)
+    del late
+    assert late_ref() is None and mailbox.get_nowait(None, "g:1") is None
+    assert mailbox.get_nowait("a:0", 0) is kept                   # other tags are untouched
+    for i in range(RETIRED_TAGS):
+        mailbox.retire(f"other:{i}")
+    again, _ = _message("g:1")                                    # forgotten after RETIRED_TAGS more
+    mailbox.deliver(again)
+    assert mailbox.get_nowait("a:0", "g:1") is again
