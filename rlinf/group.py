@@ -311,10 +311,17 @@ async def _barrier(call: Call) -> None:
 async def _all_reduce(call: Call, array: Any, op: str, inplace: bool) -> Any:
     if op not in REDUCE_OPS:
         raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+    # every check before the exchange: a failure here reaches the other members as the same error
     if isinstance(array, np.ndarray):
+        if array.dtype.kind not in "biufc":
+            raise TypeError(f"all_reduce needs a numeric array, got dtype {array.dtype}")
+        if inplace and not array.flags.writeable:
+            raise ValueError("all_reduce(inplace=True) needs a writable array")
         flat, family, floating = np.ascontiguousarray(array).reshape(-1), "numpy", array.dtype.kind in "fc"
         dtype = array.dtype.str
     elif type(array).__module__.startswith("torch") and hasattr(array, "is_floating_point"):
+        if array.is_complex() and op in ("max", "min"):
+            raise TypeError(f"op={op!r} is not defined for complex tensors ({array.dtype})")
         flat, family = array.detach().contiguous().reshape(-1), "torch"
         floating, dtype = array.is_floating_point() or array.is_complex(), str(array.dtype)
     else:

@@ -87,6 +87,12 @@ async def test_single_member_group_and_bad_arguments(driver):
             await g.all_reduce(np.ones(2), op="prod")
         with pytest.raises(TypeError, match="floating-point"):
             await g.all_reduce(np.ones(2, dtype=np.int64), op="mean")
+        with pytest.raises(TypeError, match="numeric array"):
+            await g.all_reduce(np.array([1, "a"], dtype=object))
+        frozen = np.ones(2)
+        frozen.flags.writeable = False
+        with pytest.raises(ValueError, match="writable"):
+            await g.all_reduce(frozen, inplace=True)
         with pytest.raises(ValueError, match="not a member"):
             driver.group(["a:0", "b:0"])
         with pytest.raises(ValueError, match="duplicate"):
