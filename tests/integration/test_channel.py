@@ -12,6 +12,7 @@ import pytest
 
 import rlinf
 from rlinf.channel import Channel
+from rlinf.channel.server import ServerProcess
 
 from . import workers_channel as wc
 from .wait import reaped, until
@@ -203,11 +204,15 @@ async def test_channel_process_killed_fails_pending_calls(cluster, driver):
 
 
 async def test_a_channel_process_not_ready_in_time_is_stopped_and_the_timeout_reported(driver):
-    """``create_channel``'s timeout ends in CommTimeoutError, and the process it started
-    does not outlive it (stopping it while its pipe is still watched must work)."""
+    """``create_channel``'s wait for its process ends in CommTimeoutError, and the
+    process does not outlive it (stopping it while its pipe is still watched must work).
+    The process is started here directly: through ``create_channel`` the same tiny
+    timeout would first apply to its lookup at the manager."""
+    config = {"maxsize": 0, "policy": "fifo", "work_stealing": False}
+    process = ServerProcess("late", manager=driver.manager_address, token=driver._token, config=config)
     async with asyncio.timeout(60):
         with pytest.raises(rlinf.CommTimeoutError, match="did not start"):
-            await driver.create_channel("late", timeout=0.001)
+            await process.wait_ready(0.001)
     assert not [p for p in multiprocessing.active_children() if p.name == "rlinf-channel-late"]
 
 
