@@ -136,6 +136,22 @@ def batch_size(shard: Any, dim: int = 0) -> int:
     return next(iter(sizes.values()))
 
 
+def layout(shard: Any, dim: int = 0) -> list:
+    """What every source of one reshard must agree on: per array, its path, kind and
+    dtype, and its shape without ``dim``."""
+    leaves: list = []
+
+    def visit(xs: list, path: str) -> Any:
+        x = xs[0]
+        shape = list(x.shape)
+        del shape[_axis(x, dim, path)]
+        leaves.append([path, f"{type(x).__module__.split('.')[0]} {x.dtype}", shape])
+        return x
+
+    _zip_map([shard], visit)
+    return leaves
+
+
 def slice_along(shard: Any, lo: int, hi: int, dim: int = 0) -> Any:
     """Rows ``lo:hi`` along ``dim`` of every array in ``shard`` (views, not copies)."""
     def cut(xs: list, path: str) -> Any:
@@ -217,21 +233,41 @@ async def reshard(comm, shard: Any, *, src: Sequence[str], dst: Sequence[str], d
     return await execute(call, _reshard, shard, src, dst, dim, timeout=timeout)
 
 
+def _check_layouts(src: list[str], layouts: dict[str, list]) -> None:
+    """Sources whose shards differ in structure, dtype or the other dimensions cannot be
+    merged (numpy would quietly promote dtypes where two meet, and not elsewhere)."""
+    first = src[0]
+    mine = {leaf[0]: leaf[1:] for leaf in layouts[first]}
+    for m in src[1:]:
+        theirs = {leaf[0]: leaf[1:] for leaf in layouts[m]}
+        if theirs == mine:
+            continue
+        for path in sorted(mine.keys() | theirs.keys()):
+            a, b = mine.get(path), theirs.get(path)
+            if a != b:
+                show = lambda x: f"{x[0]} {x[1]}" if x else "no array there"   # noqa: E731
+                raise ValueError(f"the sources' shards differ at {path}: {first} has {show(a)}, {m} has "
+                                 f"{show(b)} (shapes without the resharded dimension)")
+
+
 async def _reshard(call: Call, shard: Any, src: list[str], dst: list[str], dim: int) -> Any:
     me = call.me
     counts: dict[str, int] = {}
+    layouts: dict[str, list] = {}
     if me in src:
         if shard is None:
             raise ValueError(f"{me} is a source of this reshard and must pass its shard, not None")
-        counts[me] = batch_size(shard, dim)
+        counts[me], layouts[me] = batch_size(shard, dim), layout(shard, dim)
         for m in call.others:
-            call.send("n", counts[me], m)
+            call.send("n", [counts[me], layouts[me]], m)
     elif shard is not None:
         raise ValueError(f"{me} is only a destination of this reshard and must pass None as its shard")
-    for m, count in (await call.collect("n", [m for m in src if m != me])).items():
+    for m, told in (await call.collect("n", [m for m in src if m != me])).items():
+        count = told[0] if isinstance(told, list) and len(told) == 2 else None
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise ValueError(f"{m} reported a bad shard size {count!r}")
-        counts[m] = count
+        counts[m], layouts[m] = count, told[1]
+    _check_layouts(src, layouts)   # every member sees the same layouts: all raise alike
     plan = transfer_plan([counts[m] for m in src], len(dst))
     kept: dict[int, Any] = {}
     if me in src:

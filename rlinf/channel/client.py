@@ -369,7 +369,8 @@ class Channel(HandleBase):
         Idempotent.
 
         Raises:
-            PeerLostError, CommTimeoutError.
+            PeerLostError. CommTimeoutError: no answer within ``timeout``; the request
+                is on its way all the same, so the channel closes when it gets it.
         """
         if self._drained:
             return

@@ -137,6 +137,25 @@ async def test_errors_before_a_call_starts_reach_the_other_members(cluster, driv
             assert np.array_equal(got, shard)
 
 
+async def test_reshard_sources_that_disagree_fail_everywhere(cluster, driver):
+    """float32 from one source and float64 from another: numpy promoted where they met
+    and not elsewhere, so destinations got different dtypes."""
+    async with asyncio.timeout(60):
+        async with cluster.connect("s1:0") as s1, cluster.connect("d1:0") as d1:
+            src, dst = ["driver:0", "s1:0"], ["d1:0"]
+            results = await asyncio.gather(
+                reshard(driver, {"x": np.ones((4, 2), np.float32)}, src=src, dst=dst, timeout=20),
+                reshard(s1, {"x": np.ones((4, 2), np.float64)}, src=src, dst=dst, timeout=20),
+                reshard(d1, None, src=src, dst=dst, timeout=20), return_exceptions=True)
+            assert [type(r) for r in results] == [ValueError] * 3, results
+            assert all("differ at $['x']" in str(r) and "float64" in str(r) for r in results)
+            same = await asyncio.gather(                        # key order does not matter
+                reshard(driver, {"x": np.ones((4, 2)), "y": np.ones(4)}, src=src, dst=dst, timeout=20),
+                reshard(s1, {"y": np.ones(2), "x": np.ones((2, 2))}, src=src, dst=dst, timeout=20),
+                reshard(d1, None, src=src, dst=dst, timeout=20))
+            assert same[2]["x"].shape == (6, 2) and same[2]["y"].shape == (6,)
+
+
 async def test_a_timeout_fails_the_late_member_too_and_leaves_nothing_queued(cluster, driver):
     """The late member used to succeed on the data sent before the timeout, and late
     messages could stay queued (holding shared memory) once the drain window closed."""
