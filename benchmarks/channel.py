@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -124,6 +125,13 @@ def _raw_pull(endpoint: str, n: int, ready, done) -> None:
 
 def _q1_raw(producers: int, consumers: int, n: int) -> float:
     d = tempfile.mkdtemp(prefix="rlinf-bench-")
+    try:
+        return _q1_raw_in(d, producers, consumers, n)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)    # the PULL sockets' files
+
+
+def _q1_raw_in(d: str, producers: int, consumers: int, n: int) -> float:
     endpoints = [f"ipc://{d}/pull{i}" for i in range(consumers)]
     ready, done, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     pulls = [ctx.Process(target=_raw_pull, args=(ep, producers * n // consumers, ready, done)) for ep in endpoints]

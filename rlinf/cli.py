@@ -24,7 +24,7 @@ def _manager_arguments(parser: argparse.ArgumentParser) -> None:
                              "generated and printed)")
     parser.add_argument("--peer-timeout", type=float, default=None,
                         help="seconds without a heartbeat before a worker is declared lost "
-                             "(default $RLINF_PEER_TIMEOUT or 1.5)")
+                             "(default $RLINF_PEER_TIMEOUT or 2.5)")
     parser.add_argument("--quiet", action="store_true", help="do not log membership changes")
 
 

@@ -64,7 +64,7 @@ class _Proc(RankHandle):
         # A result may still sit in the pipe: the child wrote all of it before exiting.
         self.pipe.drain()
         self._stop_reading(self.process.sentinel)
-        remove_leftovers(self.pid, self.ipc_dir)   # before reaping: until then the pid cannot be reused
+        remove_leftovers(self.pid, self.socket_dirs)   # before reaping: until then the pid cannot be reused
         # The sentinel fires as the process closes its files, a moment before it can be
         # reaped: this wait is that moment (bounded), not a wait for the process to finish.
         self.process.join(1.0)
@@ -114,7 +114,7 @@ class _Proc(RankHandle):
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
         self.process.join(REAP_TIMEOUT)
-        remove_leftovers(self.pid, self.ipc_dir)
+        remove_leftovers(self.pid, self.socket_dirs)
 
 
 class _LocalLauncher:

@@ -21,7 +21,7 @@ import os
 import select
 import shutil
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 from .errors import CommTimeoutError, WorkerFailedError
 from .pipe import dump_value, load_value
@@ -34,9 +34,9 @@ log = logging.getLogger("rlinf.cluster")
 REAP_TIMEOUT = 5.0
 
 
-def remove_leftovers(pid: int | None, ipc_dir: str) -> None:
+def remove_leftovers(pid: int | None, socket_dirs: Sequence[str]) -> None:
     """Remove what a dead worker left on its node: the shared memory named after its pid
-    and its ipc socket directory. Call only once it is gone (until then the pid cannot
+    and its socket directories. Call only once it is gone (until then the pid cannot
     be reused, and the files may be in use)."""
     if pid is not None:
         try:
@@ -48,9 +48,9 @@ def remove_leftovers(pid: int | None, ipc_dir: str) -> None:
                 sweep(pid)
             except OSError as exc:
                 log.warning("rlinf: could not remove the shared memory of pid %d: %s", pid, exc)
-    if ipc_dir:
-        # Only that (now dead) worker used it; a clean exit already removed it.
-        shutil.rmtree(ipc_dir, ignore_errors=True)
+    for directory in socket_dirs:
+        # Only that (now dead) worker used them; a clean exit already removed them.
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def wait_gone(pid: int, timeout: float) -> bool:
@@ -110,7 +110,7 @@ class RankHandle:
         self.loop = loop
         self.takes_calls = takes_calls
         self.pid = pid
-        self.ipc_dir = ""
+        self.socket_dirs: list[str] = []
         self.incarnations = 0
         self.killed = False
         self.finishing = False   # join() asked it to finish: a restarted incarnation is told too
@@ -137,7 +137,7 @@ class RankHandle:
             if self.incarnations > 1:
                 self._restarted()
             self.pid = info.get("pid", self.pid)
-            self.ipc_dir = info.get("ipc_dir", "")
+            self.socket_dirs = list(info.get("socket_dirs", ()))
         elif kind == "ready":
             if not self.ready.done():
                 self.ready.set_result(None)
@@ -168,11 +168,11 @@ class RankHandle:
                                            f"before it answered", address=self.address))
         if self.ready.done():
             self.ready = self._future()
-        self._old_incarnation_gone(self.pid, self.ipc_dir)
+        self._old_incarnation_gone(self.pid, self.socket_dirs)
 
-    def _old_incarnation_gone(self, pid: int | None, ipc_dir: str) -> None:
+    def _old_incarnation_gone(self, pid: int | None, socket_dirs: list[str]) -> None:
         """Remove the leftovers of an incarnation that a restart replaced."""
-        remove_leftovers(pid, ipc_dir)
+        remove_leftovers(pid, socket_dirs)
 
     def _fail_calls(self, error: WorkerFailedError) -> None:
         for fut in self.calls.values():

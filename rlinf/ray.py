@@ -159,12 +159,12 @@ class _RankActor:
 _Actor = ray.remote(_RankActor)
 
 
-def _clean_after(pid: int | None, ipc_dir: str, timeout: float) -> None:
+def _clean_after(pid: int | None, socket_dirs: list[str], timeout: float) -> None:
     """Once process ``pid`` of this node is gone, remove its leftovers."""
     if pid is not None and not wait_gone(pid, timeout):
         log.warning("rlinf: pid %d outlived its Ray actor; leaving its shared memory", pid)
         return
-    remove_leftovers(pid, ipc_dir)
+    remove_leftovers(pid, socket_dirs)
 
 
 _clean_remote = ray.remote(num_cpus=0, max_retries=0)(_clean_after)
@@ -211,18 +211,18 @@ class _RayRank(RankHandle):
                     acked = seq
                     self._handle(pickle.loads(data))
 
-    def _clean_elsewhere(self, pid: int | None, ipc_dir: str, node: str):
+    def _clean_elsewhere(self, pid: int | None, socket_dirs: list[str], node: str):
         """Start a Ray task that cleans up after ``pid`` on ``node``; None if that is here."""
         if not node or node == self._driver_node:
             return None
         strategy = NodeAffinitySchedulingStrategy(node, soft=False)
-        return _clean_remote.options(scheduling_strategy=strategy).remote(pid, ipc_dir, REAP_TIMEOUT)
+        return _clean_remote.options(scheduling_strategy=strategy).remote(pid, socket_dirs, REAP_TIMEOUT)
 
-    def _cleanup(self, pid: int | None, ipc_dir: str, node: str) -> asyncio.Future:
+    def _cleanup(self, pid: int | None, socket_dirs: list[str], node: str) -> asyncio.Future:
         """Remove a dead incarnation's leftovers on its node."""
-        ref = self._clean_elsewhere(pid, ipc_dir, node)
+        ref = self._clean_elsewhere(pid, socket_dirs, node)
         if ref is None:
-            fut = self.loop.run_in_executor(None, _clean_after, pid, ipc_dir, REAP_TIMEOUT)
+            fut = self.loop.run_in_executor(None, _clean_after, pid, socket_dirs, REAP_TIMEOUT)
         else:
             fut = asyncio.wrap_future(ref.future())
         self._cleanups.add(fut)
@@ -234,11 +234,11 @@ class _RayRank(RankHandle):
         if not fut.cancelled() and fut.exception() is not None:
             log.warning("rlinf: could not clean up after %s: %r", self.address, fut.exception())
 
-    def _old_incarnation_gone(self, pid: int | None, ipc_dir: str) -> None:
-        self._cleanup(pid, ipc_dir, self._old_node or self.node)
+    def _old_incarnation_gone(self, pid: int | None, socket_dirs: list[str]) -> None:
+        self._cleanup(pid, socket_dirs, self._old_node or self.node)
 
     async def _gone(self, exc: RayActorError) -> None:
-        await asyncio.wait([self._cleanup(self.pid, self.ipc_dir, self.node)], timeout=REAP_TIMEOUT + 1)
+        await asyncio.wait([self._cleanup(self.pid, self.socket_dirs, self.node)], timeout=REAP_TIMEOUT + 1)
         if self._kill_sent:
             self._finish("was killed")
         else:
@@ -273,8 +273,8 @@ class _RayRank(RankHandle):
         if not self.alive or not ray.is_initialized():
             return
         ray.kill(self.actor, no_restart=True)
-        if self._clean_elsewhere(self.pid, self.ipc_dir, self.node) is None:
-            _clean_after(self.pid, self.ipc_dir, REAP_TIMEOUT)
+        if self._clean_elsewhere(self.pid, self.socket_dirs, self.node) is None:
+            _clean_after(self.pid, self.socket_dirs, REAP_TIMEOUT)
 
 
 class RayLauncher:

@@ -116,6 +116,8 @@ class ZapHandler:
 
     def _serve(self) -> None:
         sock = self._sock
+        if sock.closed:   # closed before this first call ran (the manager failed to bind)
+            return
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
                 request = sock.recv_multipart(zmq.NOBLOCK)

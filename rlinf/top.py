@@ -65,7 +65,11 @@ class SnapshotClient:
         self._sock.linger = 0
         ClusterKeys(token).secure_client(self._sock)
         self._monitor = self._sock.get_monitor_socket()
-        self._sock.connect(manager)
+        try:
+            self._sock.connect(manager)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ValueError(f"bad manager address {manager!r} (expected tcp://host:port): {exc}") from None
         self._ids = 0
         self._handshake_ok = False
 

@@ -6,7 +6,7 @@ remote calls from the driver and, if it defines ``run()``, returns what ``run()`
 returns.
 
 Driver and child talk over a private pipe. Child to driver: ``("started", info)`` once
-the communicator is up (``info`` names the ipc socket directory, which the driver
+the communicator is up (``info`` names its socket directories, which the driver
 removes if the child is killed before it can), ``("ready",)`` after ``setup()``,
 ``("reply", call_id, ok, value_or_traceback)``, ``("result", ok, value_or_traceback)``.
 Driver to child: ``("call", call_id, method, arguments)``; ``("finish",)`` (a Worker
@@ -72,6 +72,17 @@ class Worker:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {getattr(self, 'address', '?')}>"
+
+
+def socket_dirs(info: Any) -> list[str]:
+    """The private directories of this worker's socket files (``ipc://`` and ``unix://``
+    endpoints), which the driver removes if the worker dies before it can."""
+    dirs = []
+    for endpoint in (info.endpoints.values() if info is not None else ()):
+        scheme, _, path = endpoint.partition("://")
+        if scheme in ("ipc", "unix") and path:
+            dirs.append(os.path.dirname(path))
+    return sorted(set(dirs))
 
 
 def is_worker_class(target: Any) -> bool:
@@ -153,9 +164,7 @@ async def _run_child(target, address: str, rank: int, world_size: int, manager: 
     child = _Child(pipe, asyncio.current_task())
     try:
         async with Communicator(address, manager=manager, token=token) as comm:
-            ipc = comm.info.endpoints.get("ipc", "") if comm.info else ""
-            child.send(("started", {"pid": os.getpid(),
-                                    "ipc_dir": os.path.dirname(ipc[len("ipc://"):]) if ipc else ""}))
+            child.send(("started", {"pid": os.getpid(), "socket_dirs": socket_dirs(comm.info)}))
             if not is_worker_class(target):
                 child.send(("ready",))
                 return await target(comm, *args, **kwargs)

@@ -19,6 +19,9 @@ from ._shm_common import SHM_DIR, _PAGE, _POPULATE_MAX, _U8
 
 log = logging.getLogger("rlinf.transports.shm")
 
+#: Cached segments of one sender before the first look for dropped ones.
+_FIRST_LOOK = 2
+
 
 def _drop_written(mm: mmap.mmap, offset: int, size: int) -> None:
     """Drop the pages of ``mm[offset:offset + size]`` this process wrote (its private
@@ -55,6 +58,7 @@ class ShmReader:
         self._bases: dict[str, int] = {}     # shared segment -> address of its mapping
         #: id(weak reference to a slot's exporter) -> (that reference, _released's arguments)
         self._watched: dict[int, tuple] = {}
+        self._looked: dict[Hashable, int] = {}   # cached segments of a sender at the last look
         self._keys = itertools.count()
         self.closed = False
 
@@ -96,6 +100,7 @@ class ShmReader:
         cache = self._private if slot.private else self._shared
         mm = cache.get(slot.segment)
         if mm is None:
+            self._forget_removed(src)
             mm = cache[slot.segment] = self._map(slot)
             if not slot.private:
                 self._bases[slot.segment] = np.frombuffer(mm, _U8, 0).ctypes.data
@@ -113,6 +118,25 @@ class ShmReader:
         ref = weakref.ref(exporter, self._gone)
         self._watched[id(ref)] = (ref, src, slot, mm if slot.private else None, key)
         return memoryview(exporter)
+
+    def _forget_removed(self, src: Hashable) -> None:
+        """Unmap the cached segments of ``src`` whose files are gone (once no view of them
+        is left): a sender at its cap drops a free segment to make a new one, and the
+        cached mapping would keep its memory in use for as long as the sender lives.
+
+        Looked at when ``src`` sends a segment not seen before (that is when it may have
+        dropped one), and only once its cached segments have doubled since the last look:
+        stale mappings stay under the number of live ones, and a sender that keeps
+        growing costs each of its segments O(1) checks in all."""
+        names = self._by_peer.get(src)
+        if not names or len(names) < 2 * self._looked.get(src, _FIRST_LOOK):
+            return
+        for name in list(names):
+            if name in self._shared and not os.path.exists(os.path.join(self._dir, name)):
+                del self._shared[name]
+                self._bases.pop(name, None)
+                names.discard(name)
+        self._looked[src] = max(len(names), 1)
 
     def _gone(self, ref: weakref.ref) -> None:
         watched = self._watched.pop(id(ref), None)
@@ -174,6 +198,7 @@ class ShmReader:
             The pids that created them (for a sweep once they are gone).
         """
         names = self._by_peer.pop(src, ())
+        self._looked.pop(src, None)
         for name in names:
             self._shared.pop(name, None)
             self._private.pop(name, None)

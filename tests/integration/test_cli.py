@@ -193,6 +193,15 @@ async def test_top_with_a_wrong_token_fails_cleanly(cluster):
         assert "rlinf top:" in err and out == ""
 
 
+async def test_bad_addresses_fail_cleanly():
+    """A clear message and a status, no traceback (both printed one before)."""
+    async with asyncio.timeout(60):
+        status, out, err = await _run("top", "--manager", "127.0.0.1:5555", "--token", "t", "--once", "--json")
+        assert status == 2 and "bad manager address" in err and "Traceback" not in err
+        status, out, err = await _run("manager", "--bind", "bogus", "--token", "t")
+        assert status != 0 and "cannot bind bogus" in err and "Traceback" not in err
+
+
 async def test_manager_command_serves_workers():
     """``rlinf manager`` prints where to join; a worker joins it and ``top`` sees it."""
     token = "cli-test-token"

@@ -20,6 +20,7 @@ import pytest
 
 import rlinf
 from rlinf.launch import wait_gone
+from rlinf.worker import socket_dirs
 
 from .wait import reaped
 
@@ -155,7 +156,7 @@ def _orphan_driver(mode: str) -> None:
         group = await cluster.spawn(Counter, "orphan", 1)
         comm = await cluster.connect("odriver:0").start()
         infos = await _infos(comm, group.addresses)
-        print(json.dumps({"pids": group.pids, "ipc": [_ipc_dir(i) for i in infos]}), flush=True)
+        print(json.dumps({"pids": group.pids, "ipc": [d for i in infos for d in _socket_dirs(i)]}), flush=True)
         if mode == "kill":
             await asyncio.Event().wait()
 
@@ -163,8 +164,11 @@ def _orphan_driver(mode: str) -> None:
 
 
 # -- helpers -------------------------------------------------------------------------
-def _ipc_dir(info) -> str:
-    return os.path.dirname(info.endpoints["ipc"][len("ipc://"):])
+def _socket_dirs(info) -> list[str]:
+    """Every directory of the worker's socket files (ipc:// and the stream's unix://)."""
+    dirs = socket_dirs(info)
+    assert len(dirs) == 2, info.endpoints          # both kinds: the checks below cover both
+    return dirs
 
 
 async def _infos(comm, addresses: list[str]):
@@ -244,7 +248,7 @@ async def test_kill_one_rank(launcher, cluster, driver):
         assert segments, "expected the 1 MiB message to travel through shared memory"
         await group.kill(1)
         assert reaped(pid)
-        assert not os.path.exists(_ipc_dir(infos[1]))          # removed by the driver...
+        assert not any(map(os.path.exists, _socket_dirs(infos[1])))   # removed by the driver...
         assert [s for s in segments if os.path.exists(s)] == []   # ...and so is its shm
         del held
         with pytest.raises(rlinf.WorkerFailedError, match=r"k:1 .*killed by group.kill\(\)"):
@@ -340,8 +344,8 @@ async def test_close_after_crashes_leaves_nothing_behind(launcher):
             pids = [pid for g in groups for pid in g.pids]
             await driver.recv("stuck:0", tag=2)
             await driver.send("ack", "stuck:0", tag=3)
-            dirs = [_ipc_dir(i) for g in groups[:4] for i in await _infos(driver, g.addresses)]
-            dirs.append(_ipc_dir(driver.info))
+            dirs = [d for g in groups[:4] for i in await _infos(driver, g.addresses) for d in _socket_dirs(i)]
+            dirs += _socket_dirs(driver.info)
             await killed.call("share")
             await counters.call("share")
             held = [await driver.recv(a, tag=5) for a in ("killed:0", "ctr:0")]

@@ -109,6 +109,25 @@ def test_cap_evicts_free_slots_then_refuses(pool):
         small.close()
 
 
+def test_a_reader_unmaps_segments_its_sender_evicted(reader):
+    """A sender at its cap drops free segments to make new ones; the reader's cached
+    mappings of the dropped ones kept their memory in use (invisibly: the files were
+    unlinked) for as long as the sender lived."""
+    small = shm.ShmPool(cap=5 << 19)     # 2.5 MiB
+    try:
+        for n in [1 << 20, 2300 << 10] * 10:     # neither fits the other's slot: each evicts it
+            slot, sizes = _export(small, [b"x" * n], readers={"r:0": 1})
+            views = reader.open("s:0", slot.ref(), sizes, os.getpid())
+            assert bytes(views[0][:1]) == b"x"
+            del views
+            gc.collect()
+            small.release("r:0", slot.name, slot.generation)
+        assert small.created == 20 and len(small.segment_names()) == 1
+        assert slot.name in reader._shared and len(reader._shared) <= 4   # was: all 20 mapped
+    finally:
+        small.close()
+
+
 def test_reader_gone_retires_its_slots(pool):
     slot, _ = _export(pool, [b"x" * 10], readers={"gone:0": 1})
     assert pool.reader_gone("gone:0") == 1
