@@ -196,14 +196,17 @@ class Codec:
             raise DecodeError(f"{nbufs} buffers exceed Limits.max_buffers={lim.max_buffers}")
         st = _decode.Dec(self, buffers, nbufs)
         try:
-            if len(body) <= lim.max_items:
+            # a container of max_items items may take 2 * max_items + 1 msgpack elements
+            # (a tag first; a tagged mapping's keys and values): what the encoder lets by
+            items = 2 * lim.max_items + 1
+            if len(body) <= items:
                 # msgpack bounds every declared length by the data's size by default, and
                 # no container can hold more items than the header has bytes
                 obj = _unpackb(body, ext_hook=st.ext, list_hook=st.lst, raw=False,
                                strict_map_key=False)
             else:
                 obj = _unpackb(body, ext_hook=st.ext, list_hook=st.lst, raw=False,
-                               strict_map_key=False, max_array_len=lim.max_items,
+                               strict_map_key=False, max_array_len=items,
                                max_map_len=lim.max_items)
         except DecodeError:
             raise

@@ -42,10 +42,11 @@ class Tag:
 class Dec:
     """Per-call decoder state: the buffers, the next one to take, the unconsumed tags."""
 
-    __slots__ = ("bufs", "nbufs", "next", "tags", "codec", "max_bytes", "max_ndim", "tcache")
+    __slots__ = ("bufs", "nbufs", "next", "tags", "codec", "max_bytes", "max_ndim", "tcache", "bigints")
 
     def __init__(self, codec: Codec, bufs: Any, nbufs: int) -> None:
         self.bufs, self.nbufs, self.next, self.tags, self.codec = bufs, nbufs, 0, 0, codec
+        self.bigints = 0
         self.max_bytes, self.max_ndim = codec._limits.max_buffer_bytes, codec._limits.max_ndim
         self.tcache = codec._tcache
 
@@ -224,12 +225,31 @@ def _d_oob(st: Dec, data: bytes) -> Any:
     if data != b"\x00" and data != b"\x01":
         raise DecodeError("bad out-of-band bytes descriptor")
     buf = st.take()
-    if data == b"\x00" and type(buf) is bytes:
+    if data == b"\x00" and type(buf) is bytes and len(buf) <= st.max_bytes:
         return buf
     mv = memoryview(W.host_object(buf))
     if mv.nbytes > st.max_bytes:
         raise DecodeError(f"a {mv.nbytes}-byte buffer exceeds Limits.max_buffer_bytes")
     return bytes(mv) if data == b"\x00" else bytearray(mv)
+
+
+def _d_npdtype(data: bytes) -> np.dtype:
+    """A dtype object; unlike an array's, it may be an unsized string type (``np.dtype("U")``)."""
+    if data in (b"<U0", b">U0", b"|S0", b"|V0"):
+        return np.dtype(data.decode("ascii"))
+    return W.np_dtype(data)
+
+
+#: Ints beyond 64 bits per message: they hash alike at will (equal modulo 2**61 - 1), so
+#: many of them as dict or set keys would make decoding quadratic.
+MAX_BIGINTS = 2048
+
+
+def _d_bigint(st: Dec, data: bytes) -> int:
+    st.bigints += 1
+    if st.bigints > MAX_BIGINTS:
+        raise DecodeError(f"more than {MAX_BIGINTS} ints beyond 64 bits in one message")
+    return int.from_bytes(data, "big", signed=True)
 
 
 def _d_npscalar(st: Dec, data: bytes) -> Any:
@@ -241,11 +261,16 @@ def _d_npscalar(st: Dec, data: bytes) -> Any:
     return np.frombuffer(raw, dt)[0]
 
 
+_TORCH_DTYPES: dict[str, Any] = {}
+
+
 def _d_tdtype(st: Dec, data: bytes) -> Any:
     torch = W.TORCH or W.load_torch()
-    name = data.decode("ascii")
-    dt = getattr(torch, name[6:], None) if name.startswith("torch.") else None
-    if not isinstance(dt, torch.dtype):
+    if not _TORCH_DTYPES:   # by name, from torch's own namespace: no lazy attribute is touched
+        _TORCH_DTYPES.update((str(v), v) for v in list(vars(torch).values()) if isinstance(v, torch.dtype))
+    name = data.decode("ascii", "replace")
+    dt = _TORCH_DTYPES.get(name)
+    if dt is None:
         raise DecodeError(f"unknown torch dtype {name!r}")
     return dt
 
@@ -417,7 +442,7 @@ def _registered_tag(st: Dec, data: bytes) -> Tag:
 
 
 _EXT: dict = {
-    W.X_BIGINT: lambda st, data: int.from_bytes(data, "big", signed=True),
+    W.X_BIGINT: lambda st, data: _d_bigint(st, data),
     W.X_OOB: _d_oob,
     W.X_BYTEARRAY: lambda st, data: bytearray(data),
     W.X_NDARRAY: _d_ndarray,
@@ -427,7 +452,7 @@ _EXT: dict = {
     W.X_TDTYPE: _d_tdtype,
     W.X_TSIZE: _d_tsize,
     W.X_TDEVICE: _d_tdevice,
-    W.X_NPDTYPE: lambda st, data: W.np_dtype(data),
+    W.X_NPDTYPE: lambda st, data: _d_npdtype(data),
     W.X_COMPLEX: lambda st, data: complex(*struct.unpack("<dd", data)),
     W.X_DATETIME: _d_datetime,
     W.X_ENUM: _d_enum,

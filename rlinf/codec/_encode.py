@@ -38,7 +38,7 @@ class Enc:
     """Per-call encoder state: the buffers collected so far and the containers on the path."""
 
     __slots__ = ("bufs", "active", "codec", "dispatch", "allow_pickle", "max_depth",
-                 "max_items", "max_bytes", "whole", "owners")
+                 "max_items", "max_bytes", "max_ndim", "whole", "owners")
 
     def __init__(self, codec: Codec) -> None:
         lim = codec._limits
@@ -47,8 +47,8 @@ class Enc:
         self.whole: memoryview | None = None  # see arena()
         self.owners: list = []
         self.codec, self.dispatch, self.allow_pickle = codec, codec._dispatch, codec._allow_pickle
-        self.max_depth, self.max_items, self.max_bytes = (
-            lim.max_depth, lim.max_items, lim.max_buffer_bytes)
+        self.max_depth, self.max_items, self.max_bytes, self.max_ndim = (
+            lim.max_depth, lim.max_items, lim.max_buffer_bytes, lim.max_ndim)
 
     def enter(self, obj: Any, n: int, depth: int) -> int:
         if depth >= self.max_depth:
@@ -168,6 +168,8 @@ def _fallback(st: Enc, obj: Any, depth: int, what: str) -> Any:
 def _enc_bytes(st: Enc, obj: bytes, depth: int) -> Any:
     if len(obj) <= _INLINE_MAX:
         return obj
+    if len(obj) > st.max_bytes:
+        _check_size(st, len(obj))
     st.bufs.append(memoryview(obj))
     return _OOB_BYTES
 
@@ -175,6 +177,8 @@ def _enc_bytes(st: Enc, obj: bytes, depth: int) -> Any:
 def _enc_bytearray(st: Enc, obj: bytearray, depth: int) -> Any:
     if len(obj) <= _INLINE_MAX:
         return ext(W.X_BYTEARRAY, bytes(obj))
+    if len(obj) > st.max_bytes:
+        _check_size(st, len(obj))
     st.bufs.append(memoryview(obj))
     return _OOB_BYTEARRAY
 
@@ -185,6 +189,8 @@ def _enc_memoryview(st: Enc, obj: memoryview, depth: int) -> Any:
     mv = obj if obj.ndim == 1 and obj.format == "B" else obj.cast("B")
     if mv.nbytes <= _INLINE_MAX:
         return mv.tobytes()
+    if mv.nbytes > st.max_bytes:
+        _check_size(st, mv.nbytes)
     st.bufs.append(mv)
     return _OOB_BYTES
 
@@ -195,6 +201,8 @@ def _check_size(st: Enc, n: int) -> None:
 
 
 def _enc_ndarray(st: Enc, a: np.ndarray, depth: int) -> Any:
+    if a.ndim > st.max_ndim:
+        raise Fail(f"{a.ndim} dimensions exceed Limits.max_ndim={st.max_ndim}")
     code = W.np_code(a.dtype)
     if code is None:
         return _fallback(st, a, depth, f"a numpy array of dtype {a.dtype}")
@@ -213,17 +221,25 @@ def _enc_ndarray(st: Enc, a: np.ndarray, depth: int) -> Any:
     elif a.dtype.kind in "Mm":  # datetime64 cannot export a buffer; its bytes can
         mv = memoryview(src.reshape(-1).view(W.U8))
     else:
-        mv = memoryview(src).cast("B")
+        try:
+            mv = memoryview(src).cast("B")
+        except ValueError:   # long double in the non-native byte order cannot either
+            mv = memoryview(src.reshape(-1).view(W.U8))
     st.bufs.append(mv)
     shape = a.shape
     return tuple_new(_ExtType, (W.X_NDARRAY, W.NS[len(shape)].pack(flags, len(shape), *shape) + code))
 
 
 def _enc_npscalar(st: Enc, obj: np.generic, depth: int) -> Any:
-    code = W.np_code(obj.dtype)
+    dt = obj.dtype
+    raw = obj.tobytes()
+    if dt.itemsize == 0:   # np.str_("") / np.bytes_(b""): one NUL character reads back as empty
+        dt = np.dtype(dt.str[:-1] + "1")
+        raw = bytes(dt.itemsize)
+    code = W.np_code(dt)
     if code is None:
         return _fallback(st, obj, depth, f"numpy scalar {type(obj).__name__}")
-    return ext(W.X_NPSCALAR, bytes([len(code)]) + code + obj.tobytes())
+    return ext(W.X_NPSCALAR, bytes([len(code)]) + code + raw)
 
 
 def _enc_npdtype(st: Enc, dt: np.dtype, depth: int) -> Any:
@@ -255,6 +271,9 @@ def _enc_torch(st: Enc, t: Any, depth: int) -> Any:
         return _enc_torch_other(st, t, depth, desc)
     if not t.is_contiguous() or t.is_neg() or (desc[2] and t.is_conj()):
         t = t.contiguous().resolve_conj().resolve_neg()  # lazy conj/neg views: materialize
+    shape = t.shape
+    if len(shape) > st.max_ndim:
+        raise Fail(f"{len(shape)} dimensions exceed Limits.max_ndim={st.max_ndim}")
     n = t.nbytes
     if n:
         if n > st.max_bytes:
@@ -267,7 +286,6 @@ def _enc_torch(st: Enc, t: Any, depth: int) -> Any:
         st.bufs.append(whole[p:p + n])
     else:
         st.bufs.append(W.EMPTY)
-    shape = t.shape
     return tuple_new(_ExtType, (W.X_TORCH, _PACK_T[len(shape)](desc[0], t.requires_grad, -1, shape)))
 
 
@@ -454,8 +472,9 @@ def classify(codec: Codec, t: type) -> Callable:
     if reg is not None:
         h = _registered(ext(W.T_REGISTERED, reg[0].encode()), reg[1])
     else:
-        if t.__module__.startswith("torch") or (W.TORCH is not None and _STRIDED is None):
-            _install_torch()
+        if _STRIDED is None and (t.__module__.startswith("torch") or W.TORCH is not None
+                                 or hasattr(sys.modules.get("torch"), "Tensor")):
+            _install_torch()   # also for a user's Tensor subclass, if torch is loaded already
         h = BUILTIN.get(t) or _structural(t)
         if h is None:
             h = _enc_pickle if codec._allow_pickle else _unsupported

@@ -171,11 +171,17 @@ def class_path(cls: type) -> str | None:
 
 
 def lookup(module: Any, qualname: str) -> Any:
+    """``module.<qualname>`` through the objects' own ``__dict__``: never a module's lazy
+    ``__getattr__`` (torch's and numpy's import submodules) or a descriptor, so a peer's
+    class path cannot make us import or run anything."""
     if module is None or "<" in qualname:
         raise AttributeError(qualname)
     obj = module
     for part in qualname.split("."):
-        obj = getattr(obj, part)
+        try:
+            obj = vars(obj)[part]
+        except (KeyError, TypeError):
+            raise AttributeError(f"{qualname}: no {part!r}") from None
     return obj
 
 

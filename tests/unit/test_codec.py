@@ -13,6 +13,7 @@ import gc
 import math
 import pickle
 import struct
+import os
 import subprocess
 import sys
 import threading
@@ -730,3 +731,28 @@ def test_cupy_arrays():
     as_torch = [torch.as_tensor(b, device="cuda") for b in bufs]
     out = decode(header, as_torch)
     assert all(bool((a == b).all()) for a, b in zip(arrs, out))
+
+
+def test_empty_numpy_strings_unsized_dtypes_and_non_native_long_doubles_round_trip():
+    """An empty element of a string array broke the whole message."""
+    for value in (np.array(["", "ab"])[0], np.array([b""])[0], np.str_("x"), np.dtype("U"), np.dtype("S")):
+        back = decode(*encode(value))
+        assert type(back) is type(value) and back == value
+    for dtype in (">f16", ">c32", "<f16"):
+        a = np.arange(3).astype(dtype)
+        back = decode(*encode(a))
+        assert back.dtype == a.dtype and np.array_equal(back, a)
+
+
+def test_a_user_tensor_subclass_encodes_as_a_tensor_whatever_came_first():
+    """A subclass defined outside torch, seen before any plain tensor, was cached as
+    'unsupported' (or pickled) for the codec's lifetime."""
+    code = ("import torch\n"
+            "from rlinf.codec import Codec\n"
+            "class MyTensor(torch.Tensor):\n    pass\n"
+            "codec = Codec(allow_pickle=False)\n"
+            "back = codec.decode(*codec.encode({'x': torch.arange(4.0).as_subclass(MyTensor)}))\n"
+            "assert torch.equal(back['x'], torch.arange(4.0)); print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]

@@ -139,7 +139,7 @@ def test_huge_declared_shapes_fail_without_allocating():
 
 def test_limits_are_enforced_on_decode():
     header, bufs = encode({"a": list(range(100)), "arrs": [np.zeros(10)] * 3})
-    codec = Codec(limits=Limits(max_items=50))
+    codec = Codec(limits=Limits(max_items=40))     # 100 > 2 * 40 + 1 msgpack elements
     expect_decode_error(header, bufs, codec=codec)
     expect_decode_error(header, bufs, codec=Codec(limits=Limits(max_buffers=2)), match="max_buffers")
     expect_decode_error(header, bufs, codec=Codec(limits=Limits(max_header_bytes=100)),
@@ -150,6 +150,21 @@ def test_limits_are_enforced_on_decode():
     expect_decode_error(h5, b5, codec=Codec(limits=Limits(max_ndim=4)), match="max_ndim")
     blob_h, blob_b = encode(b"x" * 5000)
     expect_decode_error(blob_h, blob_b, codec=Codec(limits=Limits(max_buffer_bytes=4000)))
+    expect_decode_error(blob_h, [bytes(5000)], codec=Codec(limits=Limits(max_buffer_bytes=4000)))
+
+
+def test_what_one_side_accepts_the_other_accepts_under_the_same_limits():
+    """The docs promise a sender fails before a receiver with its limits would refuse."""
+    for limits, obj in [(Limits(max_items=10), tuple(range(10))), (Limits(max_items=10), {(i,): i for i in range(10)}),
+                        (Limits(max_ndim=4), np.zeros((1,) * 4)), (Limits(max_buffer_bytes=5000), b"x" * 5000)]:
+        codec = Codec(limits=limits)
+        codec.decode(*codec.encode(obj))
+    for limits, obj in [(Limits(max_items=10), tuple(range(11))), (Limits(max_ndim=4), np.zeros((1,) * 5)),
+                        (Limits(max_ndim=4), torch.zeros((1,) * 5)), (Limits(max_buffer_bytes=4000), b"x" * 5000),
+                        (Limits(max_buffer_bytes=4000), bytearray(5000)),
+                        (Limits(max_buffer_bytes=4000), memoryview(b"x" * 5000))]:
+        with pytest.raises(EncodeError):
+            Codec(limits=limits).encode(obj)
 
 
 def test_pickle_node_is_refused_without_pickle():
@@ -386,3 +401,38 @@ def test_failing_registered_encoder_is_reported_with_path():
     with pytest.raises(EncodeError, match="boom") as ei:
         Codec(registry=reg).encode({"x": [Opaque()]})
     assert ei.value.path == '$["x"][0]' and isinstance(ei.value.__cause__, RuntimeError)
+
+
+def _ext(code: int, data: bytes) -> bytes:
+    return msgpack.packb(msgpack.ExtType(code, data))
+
+
+def test_class_paths_and_dtype_names_never_reach_a_lazy_module_getattr(monkeypatch):
+    """torch and numpy import submodules from their module ``__getattr__``: a peer naming
+    one must not make us import it (or run anything) with allow_pickle=False."""
+    touched = []
+    lazy = types.ModuleType("rlinf_lazy_test_module")
+    lazy.__getattr__ = lambda name: touched.append(name) or type(name, (), {})
+    monkeypatch.setitem(sys.modules, lazy.__name__, lazy)
+    with pytest.raises(DecodeError, match="not found"):
+        SAFE.decode(PREFIX + b"\x92" + _ext(33, f"{lazy.__name__}:Thing".encode()) + b"\x01", [])
+    assert touched == []
+    before = "torch._dynamo" in sys.modules
+    with pytest.raises(DecodeError, match="unknown torch dtype"):
+        SAFE.decode(PREFIX + _ext(8, b"torch._dynamo"), [])
+    assert ("torch._dynamo" in sys.modules) == before
+    header, buffers = SAFE.encode(torch.bfloat16)
+    assert SAFE.decode(header, buffers) is torch.bfloat16
+
+
+def test_many_colliding_big_int_keys_are_refused_not_hashed_for_minutes():
+    modulus = (1 << 61) - 1                        # hash(int) is the int modulo this
+    n = 4000
+    body = b"\xde" + n.to_bytes(2, "big") + b"".join(
+        _ext(1, ((1 << 64) + k * modulus).to_bytes(10, "big", signed=True)) + b"\xc0" for k in range(n))
+    t0 = time.perf_counter()
+    with pytest.raises(DecodeError, match="beyond 64 bits"):
+        SAFE.decode(PREFIX + body, [])
+    assert time.perf_counter() - t0 < 1.0          # was ~0.2 s at 4000 keys, quadratic beyond
+    few = {(1 << 70) + k: k for k in range(100)}   # a reasonable number still round-trips
+    assert SAFE.decode(*SAFE.encode(few)) == few
