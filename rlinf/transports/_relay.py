@@ -45,12 +45,17 @@ __all__ = ["Relay"]
 log = logging.getLogger("rlinf.transports.shm")
 
 
+#: Links before the first sweep for idle ones (see ``Relay._tidy_idle``).
+_FIRST_LOOK = 2
+
+
 class _Link:
-    __slots__ = ("name", "path", "original", "holds")
+    __slots__ = ("name", "path", "original", "holds", "mapped_by")
 
     def __init__(self, name: str, path: str, original: str) -> None:
         self.name, self.path, self.original = name, path, original
         self.holds = 0
+        self.mapped_by: set[str] = set()   # receivers that mapped it (they keep the mapping)
 
 
 class Relay:
@@ -72,6 +77,7 @@ class Relay:
         self._live = live
         self.fds = fds
         self._links: dict[str, _Link] = {}                       # owner's segment -> our link
+        self._looked = _FIRST_LOOK                                # links at the last idle sweep
         self._holds: dict[tuple[str, int], tuple[_Link, tuple[str, int], list]] = {}
         self._inflight: set[tuple[str, str, int]] = set()       # (receiver, segment, slot offset)
         self._unconfirmed: set[tuple[str, str]] = set()
@@ -122,7 +128,8 @@ class Relay:
                 relays.append([link.name, slot.offset, slot.size, self._ids])
                 link.holds += 1
                 self._inflight.add((dst, *key))
-                self._unconfirmed.add((dst, link.name))
+                if dst not in link.mapped_by:   # a receiver says so once, when it first maps it
+                    self._unconfirmed.add((dst, link.name))
                 self._holds[(dst, self._ids)] = (link, key, [])
             self._holds[(dst, relays[r][3])][2].append(b)
             places[i] = [r, offset, n]
@@ -151,6 +158,7 @@ class Relay:
     def _link(self, segment: str) -> _Link | None:
         link = self._links.get(segment)
         if link is None:
+            self._tidy_idle()
             try:
                 name, path = self._names.link(segment)
             except OSError as exc:   # the owner's name is gone already: send a copy instead
@@ -185,6 +193,10 @@ class Relay:
     def confirm(self, reader: str, segment: Any) -> None:
         """``reader`` mapped link ``segment`` (it no longer needs the file)."""
         self._unconfirmed.discard((reader, segment))
+        for link in self._links.values():
+            if link.name == segment:
+                link.mapped_by.add(reader)
+                break
 
     def unconfirmed(self) -> list[str]:
         """Receivers still to map a relayed file (what closing waits for)."""
@@ -202,6 +214,17 @@ class Relay:
         self._unconfirmed = {u for u in self._unconfirmed if u[0] != reader}
         for link in list(self._links.values()):
             self._tidy(link)
+
+    def _tidy_idle(self) -> None:
+        """Unlink the idle links whose owner dropped its segment since (it does so after
+        our release, so :meth:`_tidy` at that release found its name still there). Done
+        when a new link is made, once the links have doubled since the last time: idle
+        links stay under the live ones, at O(1) checks per link."""
+        if len(self._links) < 2 * self._looked:
+            return
+        for link in list(self._links.values()):
+            self._tidy(link)
+        self._looked = max(len(self._links), _FIRST_LOOK)
 
     def _tidy(self, link: _Link) -> None:
         """Unlink our name once nothing is held through it and the owner's name is gone

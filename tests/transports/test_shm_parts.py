@@ -343,6 +343,53 @@ def test_a_relay_link_outlives_the_owners_name_and_goes_when_released(released):
             p.close()
 
 
+def test_idle_relay_links_go_once_their_owner_drops_the_segment(released):
+    """A relayer kept a link (a file of its own in /dev/shm) to every segment it ever
+    relayed: at release the owner's name still existed, and nothing looked again."""
+    owner, relayer_pool = shm.ShmPool(cap=5 << 19), shm.ShmPool(cap=8 << 20)   # 2.5 MiB owner cap
+    middle = shm.ShmReader(lambda *a: released.append(a))
+    relay = shm.Relay(middle.locate, relayer_pool)
+    try:
+        for n in [1 << 20, 2300 << 10] * 8:      # neither fits the other's slot: each evicts it
+            slot, sizes = _export(owner, [b"\x07" * n], readers={"middle:0": 1})
+            views = middle.open("owner:0", slot.ref(), sizes)
+            _places, relays = relay.plan(views, [v.nbytes for v in views], "receiver:0")
+            assert relay.release("receiver:0", relays[0][0], relays[0][3])
+            del views, _places
+            gc.collect()
+            owner.release("middle:0", slot.name, slot.generation)
+        assert owner.created == 16
+        assert len(relayer_pool.links) <= 4       # was 16: one per segment the owner ever had
+    finally:
+        relay.close()
+        middle.close()
+        owner.close()
+        relayer_pool.close()
+
+
+def test_a_receiver_that_mapped_a_link_is_not_waited_for_again(released):
+    """Each relay marked the receiver as not having mapped the link yet; it says so only
+    the first time, so closing waited its whole drain timeout and warned of a loss."""
+    owner, relayer_pool = shm.ShmPool(cap=8 << 20), shm.ShmPool(cap=8 << 20)
+    middle = shm.ShmReader(lambda *a: released.append(a))
+    relay = shm.Relay(middle.locate, relayer_pool)
+    try:
+        slot, sizes = _export(owner, [b"\x09" * 70_000], readers={"middle:0": 1})
+        views = middle.open("owner:0", slot.ref(), sizes)
+        _places, first = relay.plan(views, [v.nbytes for v in views], "receiver:0")
+        assert relay.unconfirmed() == ["receiver:0"]
+        relay.confirm("receiver:0", first[0][0])              # its "mapped" notice
+        assert relay.release("receiver:0", first[0][0], first[0][3])
+        _places, again = relay.plan(views, [v.nbytes for v in views], "receiver:0")
+        assert again[0][0] == first[0][0] and relay.unconfirmed() == []
+        del views, _places
+    finally:
+        relay.close()
+        middle.close()
+        owner.close()
+        relayer_pool.close()
+
+
 def test_relayed_places_are_validated_against_their_relays():
     relay = ["rlinf-7-ab-3", 0, 8192, 5]
     entries = wire.unpack_header(
