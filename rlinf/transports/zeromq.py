@@ -17,6 +17,7 @@ receiver (writable), valid while referenced.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import logging
 import os
@@ -53,10 +54,27 @@ _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 
 
+#: Socket directories this process made, removed at exit if still there (a program that
+#: returns without closing its communicators); only the creating pid removes them.
+_IPC_DIRS: dict[str, int] = {}
+
+
+@atexit.register
+def _remove_ipc_dirs_at_exit() -> None:
+    for path, pid in list(_IPC_DIRS.items()):
+        if pid == os.getpid():
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def make_ipc_dir() -> str:
-    """A short private directory for socket files (AF_UNIX paths max 107 bytes)."""
+    """A short private directory for socket files (AF_UNIX paths max 107 bytes). Whoever
+    listens there removes it on close; if the process exits first, an exit hook does."""
     path = tempfile.mkdtemp(prefix="rlinf-", dir="/tmp" if os.path.isdir("/tmp") else None)
     os.chmod(path, 0o700)
+    if len(_IPC_DIRS) > 10_000:   # closed listeners removed theirs: forget those
+        for old in [p for p in _IPC_DIRS if not os.path.isdir(p)]:
+            del _IPC_DIRS[old]
+    _IPC_DIRS[path] = os.getpid()
     return path
 
 

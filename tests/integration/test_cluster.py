@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -156,7 +157,8 @@ def _orphan_driver(mode: str) -> None:
         group = await cluster.spawn(Counter, "orphan", 1)
         comm = await cluster.connect("odriver:0").start()
         infos = await _infos(comm, group.addresses)
-        print(json.dumps({"pids": group.pids, "ipc": [d for i in infos for d in _socket_dirs(i)]}), flush=True)
+        print(json.dumps({"pids": group.pids, "ipc": [d for i in infos for d in _socket_dirs(i)],
+                          "own": _socket_dirs(comm.info)}), flush=True)
         if mode == "kill":
             await asyncio.Event().wait()
 
@@ -389,3 +391,7 @@ def test_orphaned_workers_exit_and_clean_up(mode):
     for pid in started["pids"]:
         assert wait_gone(pid, 30), f"worker {pid} outlived its driver"
     assert [d for d in started["ipc"] if os.path.exists(d)] == []
+    if mode == "forget":     # the driver's own socket directories went with its exit hook
+        assert [d for d in started["own"] if os.path.exists(d)] == []
+    for d in started["own"]:     # a SIGKILLed driver cannot remove its own: this test does
+        shutil.rmtree(d, ignore_errors=True)
