@@ -105,3 +105,14 @@ class MembershipEvent:
     address: str
     incarnation: str = ""
     info: WorkerInfo | None = None
+
+
+def socket_dirs(info: WorkerInfo | None) -> list[str]:
+    """The private directories of a worker's socket files (its ``ipc://`` and ``unix://``
+    endpoints), which whoever started it removes if it dies before it can."""
+    dirs = set()
+    for endpoint in (info.endpoints.values() if info is not None else ()):
+        scheme, _, path = endpoint.partition("://")
+        if scheme in ("ipc", "unix") and path:
+            dirs.add(path.rsplit("/", 1)[0])
+    return sorted(dirs)

@@ -39,6 +39,7 @@ from typing import Any
 
 from . import control
 from .comm import Communicator
+from .info import socket_dirs
 from .pipe import MessagePipe, dump_value, load_value
 
 __all__ = ["Worker", "run_worker"]
@@ -72,17 +73,6 @@ class Worker:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {getattr(self, 'address', '?')}>"
-
-
-def socket_dirs(info: Any) -> list[str]:
-    """The private directories of this worker's socket files (``ipc://`` and ``unix://``
-    endpoints), which the driver removes if the worker dies before it can."""
-    dirs = []
-    for endpoint in (info.endpoints.values() if info is not None else ()):
-        scheme, _, path = endpoint.partition("://")
-        if scheme in ("ipc", "unix") and path:
-            dirs.append(os.path.dirname(path))
-    return sorted(set(dirs))
 
 
 def is_worker_class(target: Any) -> bool:

@@ -21,6 +21,7 @@ import logging
 import multiprocessing
 import os
 import re
+import shutil
 import traceback
 from typing import Any
 
@@ -36,6 +37,7 @@ from ..errors import (
     RlinfError,
     WorkerFailedError,
 )
+from ..info import socket_dirs
 from ..pipe import MessagePipe
 from ._core import ChannelCore
 from ._state import Handle
@@ -238,7 +240,7 @@ async def _process_serve(name: str, manager: str, token: str, config: dict, pipe
     finished = loop.create_task(server.wait_done())
     stopped = loop.create_task(stop.wait())
     try:
-        pipe.send(("ready", os.getpid()))
+        pipe.send(("ready", os.getpid(), socket_dirs(server.comm.info)))
         await asyncio.wait({finished, stopped}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         finished.cancel()
@@ -281,6 +283,7 @@ class ServerProcess:
                                   args=(name, manager, token, config, child))
         self.process.start()
         child.close()
+        self._socket_dirs: list[str] = []
 
     def __repr__(self) -> str:
         return f"<ServerProcess {self.name} pid={self.process.pid} alive={self.process.is_alive()}>"
@@ -304,6 +307,7 @@ class ServerProcess:
             if ready.done():
                 return
             if message[0] == "ready":
+                self._socket_dirs = list(message[2]) if len(message) > 2 else []
                 ready.set_result(None)
             elif message[0] == "taken":
                 ready.set_exception(AddressInUseError(f"a channel named {self.name!r} already exists "
@@ -347,4 +351,9 @@ class ServerProcess:
         if self.process.is_alive():
             self.process.kill()
             await loop.run_in_executor(None, self.process.join, 2.0)
+        if not self.process.is_alive():
+            # killed before it could remove them (its shared memory is the manager's to
+            # sweep: it is a registered worker, and its pid may be reused from now on)
+            for directory in self._socket_dirs:
+                shutil.rmtree(directory, ignore_errors=True)
         self._pipe.close()

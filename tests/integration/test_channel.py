@@ -13,6 +13,7 @@ import pytest
 import rlinf
 from rlinf.channel import Channel
 from rlinf.channel.server import ServerProcess
+from rlinf.info import socket_dirs
 
 from . import workers_channel as wc
 from .wait import reaped, until
@@ -184,7 +185,9 @@ async def test_producer_killed_mid_put_leaves_no_half_item(cluster, driver):
 async def test_channel_process_killed_fails_pending_calls(cluster, driver):
     async with asyncio.timeout(60):
         ch = await driver.create_channel("doomed", maxsize=1)
-        pid = next(w.pid for w in await driver.peers() if w.address == "channel.doomed:0")
+        info = next(w for w in await driver.peers() if w.address == "channel.doomed:0")
+        pid, dirs = info.pid, socket_dirs(info)
+        assert len(dirs) == 2
         await ch.put("fills it")
         blocked_put = ch.async_put("waits for space")
         pending_get = ch.async_get(key="other")
@@ -201,6 +204,8 @@ async def test_channel_process_killed_fails_pending_calls(cluster, driver):
             await ch.put("after")
         with pytest.raises(rlinf.PeerLostError):
             await ch.get(timeout=5)
+        await driver.aclose()     # stops (reaps) what it started: the dead process's sockets go
+        assert [d for d in dirs if os.path.exists(d)] == []
 
 
 async def test_a_channel_process_not_ready_in_time_is_stopped_and_the_timeout_reported(driver):

@@ -21,7 +21,7 @@ import pytest
 
 import rlinf
 from rlinf.launch import wait_gone
-from rlinf.worker import socket_dirs
+from rlinf.info import socket_dirs
 
 from .wait import reaped
 
