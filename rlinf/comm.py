@@ -51,8 +51,7 @@ _OWED_BURST = 16
 _BYE_GRACE = 2.0
 
 
-#: User tags travel as msgpack integers: this is the range they can take.
-_TAG_MIN, _TAG_MAX = -(1 << 63), (1 << 64) - 1
+_TAG_MIN, _TAG_MAX = wire.INT_MIN, wire.INT_MAX   # user tags travel as msgpack integers
 
 
 def _check_tag(tag: Any) -> None:

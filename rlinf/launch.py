@@ -26,7 +26,8 @@ from typing import Any, Callable, Protocol, Sequence
 from .errors import CommTimeoutError, WorkerFailedError
 from .pipe import dump_value, load_value
 
-__all__ = ["LaunchSpec", "Launcher", "RankHandle", "WorkerGroup", "remove_leftovers", "wait_gone"]
+__all__ = ["LaunchSpec", "Launcher", "RankHandle", "WorkerGroup", "remove_leftovers", "remove_socket_dirs",
+           "wait_gone"]
 
 log = logging.getLogger("rlinf.cluster")
 
@@ -48,8 +49,13 @@ def remove_leftovers(pid: int | None, socket_dirs: Sequence[str]) -> None:
                 sweep(pid)
             except OSError as exc:
                 log.warning("rlinf: could not remove the shared memory of pid %d: %s", pid, exc)
+    remove_socket_dirs(socket_dirs)
+
+
+def remove_socket_dirs(socket_dirs: Sequence[str]) -> None:
+    """Remove a dead process's socket directories (``rlinf.info.socket_dirs``): only it
+    used them, and a clean exit already removed them."""
     for directory in socket_dirs:
-        # Only that (now dead) worker used them; a clean exit already removed them.
         shutil.rmtree(directory, ignore_errors=True)
 
 

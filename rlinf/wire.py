@@ -66,6 +66,8 @@ USER = 0
 SYSTEM = 1
 #: Largest payload frame; bigger buffers are chunked (page-fault cost of huge frames).
 MAX_FRAME = 16 << 20
+#: The integers msgpack carries (user tags, channel keys): [-2**63, 2**64 - 1].
+INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1
 MAX_HEADER = 64 << 20
 #: Headers shorter than this are unpacked with msgpack's defaults (see unpack_header).
 _SMALL_HEADER = 1 << 16

@@ -18,6 +18,7 @@ import sys
 import time
 from typing import Any, Callable
 
+from .. import wire
 from ..errors import ClosedError, CommTimeoutError, DecodeError, EndOfChannel, PeerLostError, ProtocolError, RlinfError
 from ._payload import unpack
 from ._wire import decode_ops, encode_ops
@@ -29,7 +30,6 @@ log = logging.getLogger("rlinf.channel")
 
 _hids = itertools.count(1)
 _KEY_TYPES = (str, int, bytes, type(None))
-_KEY_MIN, _KEY_MAX = -(1 << 63), (1 << 64) - 1
 _MEMORY_PERIOD = 0.1
 _MAX_BATCH = 1024      # ops per message before a tight loop flushes (and put yields once)
 
@@ -41,7 +41,7 @@ def _check_key(key: Any) -> None:
     elif not isinstance(key, _KEY_TYPES):
         raise TypeError(f"a channel key must be None, str, int, bytes or a tuple of them, got {type(key).__name__}")
     elif isinstance(key, int):
-        if not _KEY_MIN <= key <= _KEY_MAX:     # what msgpack can carry
+        if not wire.INT_MIN <= key <= wire.INT_MAX:     # what msgpack can carry
             raise ValueError(f"a channel key int must lie in [-2**63, 2**64 - 1], got {key}")
     elif isinstance(key, str):
         try:

@@ -21,7 +21,6 @@ import logging
 import multiprocessing
 import os
 import re
-import shutil
 import traceback
 from typing import Any
 
@@ -38,6 +37,7 @@ from ..errors import (
     WorkerFailedError,
 )
 from ..info import socket_dirs
+from ..launch import remove_socket_dirs
 from ..pipe import MessagePipe
 from ._core import ChannelCore
 from ._state import Handle
@@ -354,6 +354,5 @@ class ServerProcess:
         if not self.process.is_alive():
             # killed before it could remove them (its shared memory is the manager's to
             # sweep: it is a registered worker, and its pid may be reused from now on)
-            for directory in self._socket_dirs:
-                shutil.rmtree(directory, ignore_errors=True)
+            remove_socket_dirs(self._socket_dirs)
         self._pipe.close()

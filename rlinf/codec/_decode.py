@@ -233,7 +233,7 @@ def _d_oob(st: Dec, data: bytes) -> Any:
     return bytes(mv) if data == b"\x00" else bytearray(mv)
 
 
-def _d_npdtype(data: bytes) -> np.dtype:
+def _d_npdtype(st: Dec, data: bytes) -> np.dtype:
     """A dtype object; unlike an array's, it may be an unsized string type (``np.dtype("U")``)."""
     if data in (b"<U0", b">U0", b"|S0", b"|V0"):
         return np.dtype(data.decode("ascii"))
@@ -442,7 +442,7 @@ def _registered_tag(st: Dec, data: bytes) -> Tag:
 
 
 _EXT: dict = {
-    W.X_BIGINT: lambda st, data: _d_bigint(st, data),
+    W.X_BIGINT: _d_bigint,
     W.X_OOB: _d_oob,
     W.X_BYTEARRAY: lambda st, data: bytearray(data),
     W.X_NDARRAY: _d_ndarray,
@@ -452,7 +452,7 @@ _EXT: dict = {
     W.X_TDTYPE: _d_tdtype,
     W.X_TSIZE: _d_tsize,
     W.X_TDEVICE: _d_tdevice,
-    W.X_NPDTYPE: lambda st, data: _d_npdtype(data),
+    W.X_NPDTYPE: _d_npdtype,
     W.X_COMPLEX: lambda st, data: complex(*struct.unpack("<dd", data)),
     W.X_DATETIME: _d_datetime,
     W.X_ENUM: _d_enum,

@@ -39,14 +39,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ._fdshare import FD_RELEASE, FdShares, shared_storages
+from ._shm_common import Doubling
 
 __all__ = ["Relay"]
 
 log = logging.getLogger("rlinf.transports.shm")
-
-
-#: Links before the first sweep for idle ones (see ``Relay._tidy_idle``).
-_FIRST_LOOK = 2
 
 
 class _Link:
@@ -77,7 +74,7 @@ class Relay:
         self._live = live
         self.fds = fds
         self._links: dict[str, _Link] = {}                       # owner's segment -> our link
-        self._looked = _FIRST_LOOK                                # links at the last idle sweep
+        self._looked = Doubling()                                 # when to sweep idle links again
         self._holds: dict[tuple[str, int], tuple[_Link, tuple[str, int], list]] = {}
         self._inflight: set[tuple[str, str, int]] = set()       # (receiver, segment, slot offset)
         self._unconfirmed: set[tuple[str, str]] = set()
@@ -220,11 +217,11 @@ class Relay:
         our release, so :meth:`_tidy` at that release found its name still there). Done
         when a new link is made, once the links have doubled since the last time: idle
         links stay under the live ones, at O(1) checks per link."""
-        if len(self._links) < 2 * self._looked:
+        if not self._looked.due(len(self._links)):
             return
         for link in list(self._links.values()):
             self._tidy(link)
-        self._looked = max(len(self._links), _FIRST_LOOK)
+        self._looked.looked(len(self._links))
 
     def _tidy(self, link: _Link) -> None:
         """Unlink our name once nothing is held through it and the owner's name is gone

@@ -15,12 +15,9 @@ import numpy as np
 from .. import wire
 from ..errors import ClosedError, ProtocolError
 from ._pagemap import written_runs
-from ._shm_common import SHM_DIR, _PAGE, _POPULATE_MAX, _U8
+from ._shm_common import SHM_DIR, _PAGE, _POPULATE_MAX, _U8, Doubling
 
 log = logging.getLogger("rlinf.transports.shm")
-
-#: Cached segments of one sender before the first look for dropped ones.
-_FIRST_LOOK = 2
 
 
 def _drop_written(mm: mmap.mmap, offset: int, size: int) -> None:
@@ -58,7 +55,7 @@ class ShmReader:
         self._bases: dict[str, int] = {}     # shared segment -> address of its mapping
         #: id(weak reference to a slot's exporter) -> (that reference, _released's arguments)
         self._watched: dict[int, tuple] = {}
-        self._looked: dict[Hashable, int] = {}   # cached segments of a sender at the last look
+        self._looked: dict[Hashable, Doubling] = {}   # when to look at a sender's segments again
         self._keys = itertools.count()
         self.closed = False
 
@@ -129,14 +126,15 @@ class ShmReader:
         stale mappings stay under the number of live ones, and a sender that keeps
         growing costs each of its segments O(1) checks in all."""
         names = self._by_peer.get(src)
-        if not names or len(names) < 2 * self._looked.get(src, _FIRST_LOOK):
+        looked = self._looked.setdefault(src, Doubling())
+        if not names or not looked.due(len(names)):
             return
         for name in list(names):
             if name in self._shared and not os.path.exists(os.path.join(self._dir, name)):
                 del self._shared[name]
                 self._bases.pop(name, None)
                 names.discard(name)
-        self._looked[src] = max(len(names), 1)
+        looked.looked(len(names))
 
     def _gone(self, ref: weakref.ref) -> None:
         watched = self._watched.pop(id(ref), None)
