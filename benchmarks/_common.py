@@ -127,11 +127,12 @@ def fmt(value: float | None, unit: str) -> str:
 
 def print_rows(title: str, rows: list[Row]) -> None:
     print(f"\n## {title}  ({machine()})")
-    print("| metric | rlinf | baseline | baseline value | ratio (rlinf better >1) | target |")
-    print("|---|---|---|---|---|---|")
+    print("| metric | rlinf | baseline | baseline value | ratio (rlinf better >1) | target | note |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r.ratio:.2f}x" if r.ratio else "-"
-        print(f"| {r.metric} | {fmt(r.rlinf, r.unit)} | {r.baseline} | {fmt(r.baseline_value, r.unit)} | {ratio} | {r.target} |")
+        print(f"| {r.metric} | {fmt(r.rlinf, r.unit)} | {r.baseline} | {fmt(r.baseline_value, r.unit)} | {ratio} "
+              f"| {r.target} | {r.note} |")
 
 
 def quick_main(doc: str, title: str, run: Callable[[bool], list[Row]]) -> None:

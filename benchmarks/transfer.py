@@ -15,7 +15,9 @@ handle, no copy; against the torch.multiprocessing queue given the same tensors)
 where the receiver owns a copy (``shm_views=False``), rlinf with
 its large copies on the loop instead of an executor (``RLINF_SHM_OFFLOAD``), raw pyzmq
 multipart over ipc (msgpack header + raw frames, ``copy=False``; the receiver rebuilds
-the same dict of torch tensors over the frames, without copying), a
+the same dict of torch tensors over the frames, without copying), at 400 KiB a
+minimal hand-written shared-memory loop (``_shm_floor.py``: the limit at that size, as
+memcpy is at 40 MiB; its note gives its own time against raw pyzmq), a
 torch.multiprocessing Queue with tensors already shared and with fresh tensors, and
 torch.distributed gloo send/recv per tensor.
 
@@ -40,6 +42,7 @@ import numpy as np
 import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _shm_floor  # noqa: E402
 from _common import Row, baseline_context, nested_object, print_rows, touch  # noqa: E402
 
 import rlinf  # noqa: E402
@@ -275,10 +278,15 @@ def run(quick: bool = False, sizes: list[str] | None = None) -> list[Row]:
         fresh_q = _torch_queue(total, reps, shared=False)
         gloo = _gloo(total, reps)
         if small:
+            floor, floor_stream = _shm_floor.run(ctx, total, reps, stream, torch_tensors)
             rows += [
                 Row(f"S3 {label} views, one at a time", views, "raw pyzmq multipart ipc", raw, "s", target=">= 2x (<= 0.5x time)"),
                 Row(f"S3 {label} views, streamed ({stream})", views_stream, "raw pyzmq multipart ipc", raw_stream, "s",
                     target=">= 2x (<= 0.5x time)"),
+                Row(f"{label} views, one at a time", views, "hand-written shm loop (floor)", floor, "s",
+                    note=f"floor takes {floor / raw:.2f}x raw pyzmq's time"),
+                Row(f"{label} views, streamed ({stream})", views_stream, "hand-written shm loop (floor)", floor_stream,
+                    "s", note=f"floor takes {floor_stream / raw_stream:.2f}x raw pyzmq's time"),
                 Row(f"{label} views", views, "memcpy", memcpy, "s"),
                 Row(f"{label} views", views, "torch.mp Queue, pre-shared", shared_q, "s"),
                 Row(f"{label} views", views, "torch.mp Queue, fresh", fresh_q, "s"),
