@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import wire
+from ..copier import Copier
 from ..memory import page_aligned
 from ._shm_common import default_cap, SHM_DIR, _NUMPY_COPY, _prefault, _slot_size, _U8
 
@@ -67,19 +68,38 @@ class Recycler:
                 self._free.setdefault(buf.size, []).append(buf)
                 self._kept += buf.size
 
-    def copy(self, buffers: Sequence[Any]) -> list[memoryview]:
-        """Owned copies of ``buffers``, all in one recycled buffer (one copy each)."""
+    def copy(self, buffers: Sequence[Any], copier: Copier | None = None) -> list[memoryview]:
+        """Owned copies of ``buffers``, all in one recycled buffer (one copy each); the
+        large ones by ``copier`` when given (see :func:`copy_into`)."""
         views = [b if type(b) is memoryview else memoryview(b) for b in buffers]
         sizes = [v.nbytes for v in views]
         offsets, end = wire.slot_layout(sizes)
         dst = self.take(end)
+        copy_into(dst, views, offsets, copier)
         whole = memoryview(dst)
-        for v, off, n in zip(views, offsets, sizes):
-            if n >= _NUMPY_COPY:
-                np.copyto(dst[off:off + n], np.frombuffer(v, _U8))
-            elif n:
-                whole[off:off + n] = v if v.format == "B" and v.ndim == 1 else v.cast("B")
         return [whole[o:o + n] for o, n in zip(offsets, sizes)]
+
+
+def copy_into(dst: np.ndarray, buffers: Sequence[Any], offsets: Sequence[int], copier: Copier | None = None) -> None:
+    """Copy ``buffers`` into the uint8 array ``dst`` at ``offsets`` (thread-safe).
+
+    Buffers of 1 MiB and more are copied by numpy, which releases the GIL (by
+    ``copier`` when given: split across threads once they add up to enough), smaller
+    ones by a memoryview assignment, which costs a third as much per call."""
+    whole = memoryview(dst)
+    large = []
+    for buf, off in zip(buffers, offsets):
+        mv = buf if type(buf) is memoryview else memoryview(buf)
+        n = mv.nbytes
+        if n >= _NUMPY_COPY:
+            large.append((dst[off:off + n], np.frombuffer(mv, _U8)))
+        elif n:
+            whole[off:off + n] = mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+    if copier is not None:
+        copier.copy(large)
+    else:
+        for d, src in large:
+            np.copyto(d, src)
 
 
 def copy_out(buffers: Sequence[Any]) -> list:
@@ -88,12 +108,11 @@ def copy_out(buffers: Sequence[Any]) -> list:
 
 
 class _Slot:
-    __slots__ = ("name", "path", "mm", "array", "view", "size", "generation", "readers", "private", "confirmed")
+    __slots__ = ("name", "path", "mm", "array", "size", "generation", "readers", "private", "confirmed")
 
     def __init__(self, name: str, path: str, mm: mmap.mmap, size: int) -> None:
         self.name, self.path, self.mm, self.size = name, path, mm, size
         self.array = np.frombuffer(mm, _U8, size)
-        self.view = memoryview(self.array)
         self.generation = 0
         self.readers: dict[str, int] = {}
         self.private = False
@@ -251,20 +270,9 @@ class ShmPool:
             log.warning("rlinf: shared memory unavailable, sending inline instead: %s", message)
 
     @staticmethod
-    def fill(slot: _Slot, buffers: Sequence[Any], offsets: Sequence[int]) -> None:
-        """Copy ``buffers`` into ``slot`` at ``offsets`` (thread-safe). Buffers of 1 MiB
-        and more are copied by numpy, which releases the GIL; smaller ones by a
-        memoryview assignment, which costs a third as much per call."""
-        view = slot.view
-        for buf, off in zip(buffers, offsets):
-            mv = buf if type(buf) is memoryview else memoryview(buf)
-            n = mv.nbytes
-            if n >= _NUMPY_COPY:
-                np.copyto(slot.array[off:off + n], np.frombuffer(mv, _U8))
-            else:
-                if mv.format != "B" or mv.ndim != 1:
-                    mv = mv.cast("B")
-                view[off:off + n] = mv
+    def fill(slot: _Slot, buffers: Sequence[Any], offsets: Sequence[int], copier: Copier | None = None) -> None:
+        """Copy ``buffers`` into ``slot`` at ``offsets`` (thread-safe; see :func:`copy_into`)."""
+        copy_into(slot.array, buffers, offsets, copier)
 
     def cancel(self, slot: _Slot) -> None:
         """Give back a slot whose message was never sent."""

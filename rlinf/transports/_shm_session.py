@@ -9,6 +9,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 from .. import wire
+from ..copier import Copier
 from ..devices import process_gone
 from ..errors import RlinfError
 from ._fdshare import FD_RELEASE, FdMaps, FdShares, enabled as fd_enabled
@@ -58,6 +59,7 @@ class ShmSession:
                            fds=FdShares() if fd_enabled() else None)
         self.views = views
         self._recycler = recycler if recycler is not None else Recycler()
+        self.copier = Copier()     # large copies into and out of slots, split across threads
         self.offload = offload_threshold()
         self._loop = loop
         self._loop_thread = threading.get_ident()
@@ -90,9 +92,9 @@ class ShmSession:
             return None
         copying = None
         if end >= self.offload:
-            copying = self._loop.run_in_executor(None, ShmPool.fill, slot, full, offsets)
+            copying = self._loop.run_in_executor(None, ShmPool.fill, slot, full, offsets, self.copier)
         else:
-            ShmPool.fill(slot, full, offsets)
+            ShmPool.fill(slot, full, offsets, self.copier)
         return slot, [-n if n else 0 for n in sizes], copying
 
     def behind(self, reader: str) -> bool:
@@ -165,7 +167,7 @@ class ShmSession:
     def owned(self, buffers: list) -> list:
         """Copy-out: owned copies of a received message's buffers, in recycled private
         memory (dropping the views then releases the slot). Thread-safe."""
-        return self._recycler.copy(buffers)
+        return self._recycler.copy(buffers, self.copier)
 
     def _released(self, src: str, segment: str, generation: int) -> None:
         if threading.get_ident() == self._loop_thread:
@@ -288,3 +290,4 @@ class ShmSession:
         self.relay.close()
         self.fd_maps.close()
         self.pool.close()
+        self.copier.close()
