@@ -126,7 +126,8 @@ class Codec:
 
         Raises:
             EncodeError: an unsupported type (with allow_pickle=False), a reference cycle,
-                nesting deeper than ``limits.max_depth``, or a size over the limits. Its
+                nesting deeper than ``limits.max_depth``, a size over the limits, or a
+                str that is not UTF-8 text (a lone surrogate). Its
                 ``path`` names the place inside ``obj``, e.g. ``$["batch"]["obs"][3]``.
         """
         st = _encode.Enc(self)
@@ -141,6 +142,9 @@ class Codec:
             raise EncodeError(e.msg, path=fmt_path(e.segs)) from e.cause
         except RecursionError as exc:
             raise EncodeError("nesting too deep for Python's recursion limit") from exc
+        except UnicodeEncodeError as exc:   # a str that is no UTF-8 text: a lone surrogate
+            raise EncodeError(f"a str that UTF-8 cannot encode ({exc.reason}: {exc.object[:40]!r}); "
+                              f"msgpack strings are UTF-8, send such data as bytes") from exc
         lim = self._limits
         if len(body) + 4 > lim.max_header_bytes:
             raise EncodeError(f"a {len(body) + 4}-byte header exceeds Limits.max_header_bytes="

@@ -279,7 +279,7 @@ def _d_tsize(st: Dec, data: bytes) -> Any:
     torch = W.TORCH or W.load_torch()
     if len(data) % 8 or len(data) > 8 * 64:
         raise DecodeError("bad torch.Size descriptor")
-    return torch.Size(W.SHAPES[len(data) // 8].unpack(data))
+    return torch.Size(W.TSIZES[len(data) // 8].unpack(data))
 
 
 def _d_tdevice(st: Dec, data: bytes) -> Any:

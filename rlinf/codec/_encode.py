@@ -320,7 +320,7 @@ def _enc_cupy(st: Enc, a: Any, depth: int) -> Any:
 def _enc_tsize(st: Enc, s: Any, depth: int) -> Any:
     if len(s) > 64:
         raise Fail(f"torch.Size with {len(s)} dims (at most 64)")
-    return ext(W.X_TSIZE, W.SHAPES[len(s)].pack(*s))
+    return ext(W.X_TSIZE, W.TSIZES[len(s)].pack(*s))
 
 
 def _enc_tdtype(st: Enc, dt: Any, depth: int) -> Any:

@@ -64,6 +64,8 @@ TS = [struct.Struct("<BBbB%dQ" % n) for n in range(65)]
 NS = [struct.Struct("<BB%dQ" % n) for n in range(65)]
 CS = [struct.Struct("<bB%dQ" % n) for n in range(65)]
 SHAPES = [struct.Struct("<%dQ" % n) for n in range(65)]
+#: A torch.Size is any tuple of int64s (``view``'s -1 included), not only array shapes.
+TSIZES = [struct.Struct("<%dq" % n) for n in range(65)]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -756,3 +756,15 @@ def test_a_user_tensor_subclass_encodes_as_a_tensor_whatever_came_first():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+def test_torch_sizes_with_negative_entries_round_trip():
+    obj = [torch.Size([-1, 3]), torch.Size([2, -1, 4]), torch.Size([-(2**63), 2**63 - 1])]
+    out = roundtrip(obj)
+    assert out == obj and all(type(s) is torch.Size for s in out)
+
+
+@pytest.mark.parametrize("obj", [{"a": "x\ud800"}, {"x\udfff": 1}, ["ok", ("\ud83d",)]])
+def test_a_str_that_is_not_utf8_text_is_an_encode_error(obj):
+    with pytest.raises(EncodeError, match="UTF-8"):
+        encode(obj)
