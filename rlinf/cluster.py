@@ -289,6 +289,8 @@ class Cluster:
         spec = LaunchSpec(target, name, n, tuple(args), dict(kwargs or {}), dict(env or {}), takes_calls,
                           self.manager_address, self.token)
         group = WorkerGroup(name)
+        # finished groups need no stopping: holding them would keep their results alive
+        self._groups = [g for g in self._groups if not g._retire_if_done()]
         self._groups.append(group)
         try:
             async with asyncio.timeout(ready_timeout):
@@ -341,6 +343,7 @@ class Cluster:
         if self._closed:
             raise ClosedError("cluster is closed")
         comm = Communicator(address, manager=self.manager_address, token=self.token, **options)
+        self._comms = [c for c in self._comms if not c.closed]
         self._comms.append(comm)
         return comm
 

@@ -155,6 +155,12 @@ class Communicator:
                 f"connections={sum(1 for o in self._outboxes.values() if o.link)} "
                 f"pending_sends={pending} queued_recvs={len(self._mailbox)}>")
 
+    @property
+    def closed(self) -> bool:
+        """True once closed (:meth:`aclose`) or failed to start: every operation raises
+        :class:`~rlinf.errors.ClosedError` from then on."""
+        return self._closed is not None
+
     # -- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> Communicator:
         await self.start()

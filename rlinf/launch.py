@@ -267,6 +267,14 @@ class WorkerGroup:
             except Exception as exc:   # a leftover must not hide the caller's outcome
                 log.warning("rlinf: releasing the resources of group %s failed: %r", self.name, exc)
 
+    def _retire_if_done(self) -> bool:
+        """Whether every rank is gone for good; if so, the group's launcher resources
+        are released first (its owner may then forget it: nothing is left to stop)."""
+        if any(p.alive for p in self._ranks):
+            return False
+        self._release_if_idle()
+        return True
+
     @property
     def addresses(self) -> list[str]:
         """``["name:0", ..., "name:n-1"]``."""

@@ -278,6 +278,28 @@ async def test_finished_workers_leave_no_descriptors_behind(cluster):
         assert counts[-1] <= counts[0], counts
 
 
+async def test_finished_groups_and_closed_driver_comms_are_not_kept(cluster):
+    """The cluster kept every group it ever spawned, and with it their results, and
+    every driver communicator: a driver that keeps spawning short-lived workers grew
+    without bound."""
+    import gc
+    import weakref
+
+    async with asyncio.timeout(90):
+        group = await cluster.spawn(returns, "short", 1, args=(1,))
+        assert [r["value"] for r in await group.join()] == [1]
+        async with cluster.connect("helper:0") as comm:
+            pass
+        assert comm.closed
+        gone = [weakref.ref(group), weakref.ref(comm)]
+        del group, comm
+        live = await cluster.spawn(idle, "live", 1)          # the cluster forgets at its next spawn
+        async with cluster.connect("helper:1"):
+            gc.collect()
+            assert [ref() for ref in gone] == [None, None]
+        await live.kill()
+
+
 async def test_recv_into_between_processes(launcher, cluster, driver):
     async with asyncio.timeout(60):
         group = await cluster.spawn(send_weights, "trainer", 1, args=(3,), launcher=launcher)
