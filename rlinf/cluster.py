@@ -292,6 +292,7 @@ class Cluster:
         # finished groups need no stopping: holding them would keep their results alive
         self._groups = [g for g in self._groups if not g._retire_if_done()]
         self._groups.append(group)
+        group._launching = True
         try:
             async with asyncio.timeout(ready_timeout):
                 await chosen.launch(spec, group)
@@ -308,6 +309,8 @@ class Cluster:
                               None)
                 raise (failed or exc) from None
             raise
+        finally:
+            group._launching = False
         return group
 
     def _launcher(self, launcher: str | Launcher, **ray_options: Any) -> Launcher:

@@ -242,6 +242,8 @@ class WorkerGroup:
         self._ranks: list[RankHandle] = [] if ranks is None else ranks
         self._release: list[Callable[[], None]] = []
         self._call_ids = itertools.count(1)
+        #: being started by ``Cluster.spawn``: its ranks (maybe none yet) are still to come
+        self._launching = False
 
     def __repr__(self) -> str:
         alive = sum(p.alive for p in self._ranks)
@@ -268,9 +270,10 @@ class WorkerGroup:
                 log.warning("rlinf: releasing the resources of group %s failed: %r", self.name, exc)
 
     def _retire_if_done(self) -> bool:
-        """Whether every rank is gone for good; if so, the group's launcher resources
-        are released first (its owner may then forget it: nothing is left to stop)."""
-        if any(p.alive for p in self._ranks):
+        """Whether the group was started and every rank is gone for good; if so, its
+        launcher resources are released first (its owner may then forget it: nothing is
+        left to stop)."""
+        if self._launching or any(p.alive for p in self._ranks):
             return False
         self._release_if_idle()
         return True

@@ -300,6 +300,30 @@ async def test_finished_groups_and_closed_driver_comms_are_not_kept(cluster):
         await live.kill()
 
 
+async def test_a_group_still_launching_is_kept_with_its_resources(cluster):
+    """A spawn that forgot finished groups also took one still launching, with no rank
+    yet, for finished: with Ray, its placement group was removed under it."""
+    entered, gate, released = asyncio.Event(), asyncio.Event(), []
+
+    class Gated:   # a launcher that takes a resource, then waits before starting ranks
+        async def launch(self, spec, group):
+            group._on_release(lambda: released.append(spec.name))
+            entered.set()
+            await gate.wait()
+            await cluster._local.launch(spec, group)
+
+    async with asyncio.timeout(90):
+        slow = asyncio.create_task(cluster.spawn(idle, "slow", 1, launcher=Gated()))
+        await entered.wait()
+        other = await cluster.spawn(returns, "other", 1, args=(0,))   # forgets finished groups
+        assert released == []
+        gate.set()
+        group = await slow
+        await other.join()
+        await group.kill()
+        assert released == ["slow"]
+
+
 async def test_recv_into_between_processes(launcher, cluster, driver):
     async with asyncio.timeout(60):
         group = await cluster.spawn(send_weights, "trainer", 1, args=(3,), launcher=launcher)
