@@ -49,6 +49,9 @@ _GRACEFUL_LINGER_MS = 2000
 _OWED_BURST = 16
 #: How long a "left" peer that sent us data may take to deliver its in-order "bye".
 _BYE_GRACE = 2.0
+#: Incarnations of peers known gone (their late frames are dropped) that are remembered,
+#: the oldest forgotten first: a peer restarted under one name adds one each time.
+DEAD_KEPT = 4096
 
 
 _TAG_MIN, _TAG_MAX = wire.INT_MIN, wire.INT_MAX   # user tags travel as msgpack integers
@@ -122,7 +125,7 @@ class Communicator:
         self._outboxes: dict[str, Outbox] = {}
         self._busy_poll = BusyPoll.from_env()
         self._mailbox = Mailbox(self._busy_poll)
-        self._dead: set[tuple[str, str]] = set()
+        self._dead: dict[tuple[str, str], None] = {}     # (address, incarnation), oldest first
         self._valid: set[str] = set()      # addresses already checked (hot-path memo)
         self._system_handlers: dict[str, Callable[[str, Any], None]] = {}
         self._gone_hooks: list[Callable[[str, str], None]] = []
@@ -763,7 +766,7 @@ class Communicator:
         if event.kind == "joined" and event.info is not None:
             old = self._roster.get(event.address)
             self._roster[event.address] = event.info
-            self._dead.discard((event.address, event.incarnation))
+            self._dead.pop((event.address, event.incarnation), None)
             self._mailbox.peer_joined(event.address, event.incarnation)
             outbox = self._outboxes.get(event.address)
             if outbox is not None and (outbox.error is not None or (old and old.incarnation != event.incarnation)):
@@ -789,7 +792,9 @@ class Communicator:
         key = (address, incarnation)
         if key in self._dead or self._closed is not None:
             return
-        self._dead.add(key)
+        self._dead[key] = None
+        if len(self._dead) > DEAD_KEPT:
+            del self._dead[next(iter(self._dead))]
         self._arrival.forget(f"{address}|{incarnation}".encode())
         current = self._roster.get(address)
         if current is not None and current.incarnation != incarnation:

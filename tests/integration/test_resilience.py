@@ -191,3 +191,17 @@ async def test_large_message_is_chunked_and_reassembled(driver):
         await driver.send(big, "driver:0")
         back = await driver.recv("driver:0")
         assert np.array_equal(back, big)
+
+
+async def test_dead_incarnations_remembered_are_bounded(driver, monkeypatch):
+    """Each death of a peer restarted under one name left an entry for good: a long-lived
+    driver grew by one per restart. The newest are kept (their late frames are dropped)."""
+    from rlinf import comm as comm_module
+    from rlinf.info import MembershipEvent
+
+    monkeypatch.setattr(comm_module, "DEAD_KEPT", 3)
+    for i in range(5):
+        driver._on_event(MembershipEvent("lost", "ghost:0", f"inc{i}"))
+    assert list(driver._dead) == [("ghost:0", f"inc{i}") for i in (2, 3, 4)]
+    with pytest.raises(rlinf.PeerLostError):
+        await driver.recv("ghost:0", timeout=5)
