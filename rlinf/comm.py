@@ -29,7 +29,7 @@ from .busypoll import BusyPoll
 from .codec import Codec, is_device_buffer
 from .errors import AuthenticationError, ClosedError, CommTimeoutError, PeerLostError, ProtocolError, TransportUnavailableError
 from .inbound import FrameReader
-from .info import MembershipEvent, WorkerInfo, parse_address
+from .info import MembershipEvent, WorkerInfo, check_plain, parse_address
 from .mailbox import Mailbox, Message
 from .outbox import SMALL_MESSAGE, OutMessage, Outbox, bulk_frames, split_frames
 from .security import ClusterKeys, ZapHandler, tcp_encryption_enabled
@@ -88,7 +88,8 @@ class Communicator:
         token: the cluster token (default ``$RLINF_TOKEN``).
         codec: the codec to encode/decode messages with (default ``Codec()``).
         connect_timeout: seconds to wait for the manager at start.
-        meta: extra registration data (shown by ``rlinf top``).
+        meta: extra registration data (shown by ``rlinf top``): plain data (None, bool,
+            numbers, str, bytes, and lists and maps of them, at most 16 deep).
         shm_views: arrays received through shared memory are zero-copy views of the
             sender's slot (True, the default; the slot returns to the sender when they are
             garbage-collected), or owned copies made at receive time (False: one more
@@ -120,6 +121,7 @@ class Communicator:
         self._codec = codec or Codec()
         self._connect_timeout = connect_timeout
         self._meta = dict(meta or {})
+        check_plain(self._meta, "meta")     # the manager refuses a registration with other data
         self._exclusive = bool(exclusive)
         self._roster: dict[str, WorkerInfo] = {}
         self._outboxes: dict[str, Outbox] = {}

@@ -9,10 +9,11 @@ choose a path. They travel over the control plane as msgpack maps (``to_wire`` /
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["DeviceInfo", "WorkerInfo", "MembershipEvent", "parse_address"]
+__all__ = ["DeviceInfo", "WorkerInfo", "MembershipEvent", "parse_address", "check_plain", "PLAIN_DEPTH"]
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -81,16 +82,80 @@ class WorkerInfo:
 
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> WorkerInfo:
-        """Build from a control-plane map. Raises ``ValueError`` / ``TypeError`` on bad fields."""
+        """Build from a control-plane map, checking every field's type (a member's bad
+        record must not break whoever keeps it). ``meta`` must be plain data (see
+        :func:`check_plain`). Raises ``ValueError`` / ``TypeError`` on bad fields."""
         if not isinstance(wire, dict):
             raise TypeError("worker info must be a map")
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in wire.items() if k in known}
-        kwargs["devices"] = tuple(DeviceInfo(**d) for d in wire.get("devices", ()))
-        kwargs["transports"] = tuple(wire.get("transports", ("zmq",)))
+        devices = wire.get("devices", ())
+        if not isinstance(devices, (list, tuple)) or not all(isinstance(d, dict) for d in devices):
+            raise TypeError("worker info 'devices' must be a list of maps")
+        kwargs["devices"] = tuple(DeviceInfo(**d) for d in devices)
+        transports = wire.get("transports", ("zmq",))
+        if not isinstance(transports, (list, tuple)):
+            raise TypeError("worker info 'transports' must be a list")
+        kwargs["transports"] = tuple(transports)
         info = cls(**kwargs)
-        parse_address(info.address)
+        info._check()
         return info
+
+    def _check(self) -> None:
+        parse_address(self.address)
+        for name in ("incarnation", "node_id", "host"):
+            _expect(name, getattr(self, name), str)
+        _expect("pid", self.pid, int)
+        if self.pid < 0:
+            raise ValueError(f"worker info 'pid' must be >= 0, got {self.pid}")
+        _expect("start_time", self.start_time, (int, float))
+        if not math.isfinite(self.start_time):
+            raise ValueError("worker info 'start_time' must be finite")
+        _expect("endpoints", self.endpoints, dict)
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.endpoints.items()):
+            raise TypeError("worker info 'endpoints' must map str to str")
+        if not all(isinstance(t, str) for t in self.transports):
+            raise TypeError("worker info 'transports' must be strs")
+        for d in self.devices:
+            for name, kind in (("kind", str), ("index", int), ("uuid", str), ("total_memory", int)):
+                _expect(f"device {name}", getattr(d, name), kind)
+        _expect("meta", self.meta, dict)
+        check_plain(self.meta, "worker info 'meta'")
+
+
+#: Deepest nesting :func:`check_plain` accepts.
+PLAIN_DEPTH = 16
+
+
+def check_plain(value: Any, what: str, depth: int = 0) -> None:
+    """Check that ``value`` is plain data the control plane can carry and re-encode: None,
+    bool, int, float, str, bytes, and lists and maps of them (keyed by those scalars),
+    nested at most :data:`PLAIN_DEPTH` deep.
+
+    Raises:
+        TypeError: another type, or a map key that is not a scalar.
+        ValueError: nested too deep.
+    """
+    if depth > PLAIN_DEPTH:
+        raise ValueError(f"{what} is nested deeper than {PLAIN_DEPTH}")
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            check_plain(item, what, depth + 1)
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not (key is None or isinstance(key, (bool, int, float, str, bytes))):
+                raise TypeError(f"{what} has a map key that is not a scalar: {type(key).__name__}")
+            check_plain(item, what, depth + 1)
+        return
+    raise TypeError(f"{what} holds a {type(value).__name__}, not plain data")
+
+
+def _expect(name: str, value: Any, kind: type | tuple[type, ...]) -> None:
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise TypeError(f"worker info {name!r} has the wrong type: {type(value).__name__}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,12 +31,20 @@ import zmq
 from . import control
 from .devices import process_gone
 from .errors import ProtocolError
-from .info import MembershipEvent, WorkerInfo
+from .info import MembershipEvent, WorkerInfo, check_plain
 from .security import ClusterKeys, ZapHandler, generate_token
 
 __all__ = ["Manager", "main"]
 
 log = logging.getLogger("rlinf.manager")
+
+#: Lookups of one address that wait for it to register (see ``Manager._wait_lookup``).
+MAX_LOOKUP_WAITERS = 1024
+
+
+def _expect_str(req: dict[str, Any], field: str) -> None:
+    if not isinstance(req[field], str):
+        raise TypeError(f"request field {field!r} must be a str")
 
 
 class Manager:
@@ -182,6 +190,8 @@ class Manager:
                 self._handle(identity, request)
             except (ProtocolError, ValueError, TypeError, KeyError) as exc:
                 log.warning("rlinf manager: rejected a malformed request: %s", ProtocolError(str(exc)))
+            except Exception:   # a bug of ours on one request must not stop the registry
+                log.exception("rlinf manager: a request from %r failed", identity)
         self._loop.call_soon(self._on_readable)
 
     def _send(self, identity: bytes, message: dict[str, Any]) -> None:
@@ -198,7 +208,11 @@ class Manager:
         self._send(identity, {"op": "reply", "id": request.get("id"), **fields})
 
     def _handle(self, identity: bytes, req: dict[str, Any]) -> None:
+        """One request. Each checks all of its fields before it changes anything: a bad
+        one raises (``ValueError`` / ``TypeError`` / ``KeyError``) with the state intact."""
         op = req["op"]
+        if op in ("heartbeat", "deregister", "lookup"):
+            _expect_str(req, "address")
         if op == "register":
             info = WorkerInfo.from_wire(req["info"])
             old = self._roster.get(info.address)
@@ -217,25 +231,51 @@ class Manager:
             if known:
                 self._last_seen[address] = time.monotonic()
                 if "stats" in req:
-                    self._stats[address] = req["stats"]
+                    self._keep_stats(address, req["stats"])
             self._send(identity, {"op": "heartbeat", "known": known, "version": self.version})
         elif op == "deregister":
+            bye_to = req.get("bye_to", [])
+            if not isinstance(bye_to, list) or not all(isinstance(a, str) for a in bye_to):
+                raise TypeError("deregister 'bye_to' must be a list of addresses")
             info = self._roster.get(req["address"])
             if info is not None and info.incarnation == req.get("incarnation"):
-                self._remove(info, "left", bye_to=req.get("bye_to", []))
+                self._remove(info, "left", bye_to=bye_to)
             self._reply(identity, req, ok=True)
         elif op == "lookup":
             info = self._roster.get(req["address"])
             if info is not None or not req.get("wait", False):
                 self._reply(identity, req, info=info.to_wire() if info else None)
             else:
-                self._lookups[req["address"]].append((identity, req.get("id")))
+                self._wait_lookup(identity, req["address"], req.get("id"))
         elif op == "roster":
             self._reply(identity, req, version=self.version, roster=[w.to_wire() for w in self._roster.values()])
         elif op == "snapshot":
             self._reply(identity, req, snapshot=self.snapshot())
         else:
             raise ValueError(f"unknown op {op!r}")
+
+    def _keep_stats(self, address: str, stats: Any) -> None:
+        """Keep what a heartbeat reported for ``rlinf top``; stats that could not be
+        re-encoded (or nest too deep) are dropped, the heartbeat still counts."""
+        try:
+            if not isinstance(stats, dict):
+                raise TypeError("heartbeat 'stats' must be a map")
+            check_plain(stats, "heartbeat 'stats'")
+        except (TypeError, ValueError) as exc:
+            log.debug("rlinf manager: dropped the stats of %s: %s", address, exc)
+            return
+        self._stats[address] = stats
+
+    def _wait_lookup(self, identity: bytes, address: str, request_id: Any) -> None:
+        """Answer ``identity``'s lookup of ``address`` once it registers. One waiter per
+        asker and address (a client retries a pending lookup: the newest request id
+        wins), at most :data:`MAX_LOOKUP_WAITERS` per address (the oldest is dropped;
+        its asker retries)."""
+        waiters = self._lookups[address]
+        waiters[:] = [w for w in waiters if w[0] != identity]
+        waiters.append((identity, request_id))
+        if len(waiters) > MAX_LOOKUP_WAITERS:
+            del waiters[0]
 
     def _register(self, identity: bytes, info: WorkerInfo) -> None:
         old = self._roster.get(info.address)
@@ -253,7 +293,12 @@ class Manager:
 
     def _remove(self, info: WorkerInfo, kind: str, bye_to: list[str] = ()) -> None:
         self._roster.pop(info.address, None)
-        self._identity.pop(info.address, None)
+        identity = self._identity.pop(info.address, None)
+        if identity is not None:   # nobody is left to answer: forget what it waits for
+            for address in [a for a, ws in self._lookups.items() if any(w[0] == identity for w in ws)]:
+                self._lookups[address] = [w for w in self._lookups[address] if w[0] != identity]
+                if not self._lookups[address]:
+                    del self._lookups[address]
         self._last_seen.pop(info.address, None)
         self._stats.pop(info.address, None)
         if info.pid and info.meta.get("machine") == self._machine and len(self._sweep) < 100_000:
@@ -286,6 +331,13 @@ class Manager:
             pass
 
     async def _check_loop(self) -> None:
+        while True:   # a bug in one pass must not end liveness checking for good
+            try:
+                await self._check_passes()
+            except Exception:
+                log.exception("rlinf manager: a liveness check failed")
+
+    async def _check_passes(self) -> None:
         last = time.monotonic()
         while True:
             await asyncio.sleep(self._check_interval)

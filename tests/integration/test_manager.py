@@ -1,0 +1,146 @@
+"""The manager keeps serving whatever a member sends it: a bad request changes nothing,
+gets no reply, and never stops the registry or its liveness checks."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from rlinf import control
+from rlinf.manager import Manager
+from rlinf.security import ClusterKeys
+
+pytestmark = pytest.mark.multiproc
+
+
+class Member:
+    """A raw control connection, as a (buggy or hostile) member holding the token has."""
+
+    def __init__(self, manager: Manager, identity: bytes) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self.sock = self._ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.routing_id = identity
+        ClusterKeys(manager.token).secure_client(self.sock)
+        self.sock.connect(manager.address)
+        self._ids = itertools.count(1)
+        self.seen: list[dict] = []     # every message received
+
+    def send(self, op: str, **fields) -> int:
+        request_id = next(self._ids)
+        self.sock.send(control.pack({"op": op, "id": request_id, **fields}))
+        return request_id
+
+    async def reply(self, request_id: int) -> dict:
+        """The reply to ``request_id``; earlier requests were handled before it (in order)."""
+        async with asyncio.timeout(10):
+            while True:
+                message = control.unpack(await self.sock.recv())
+                self.seen.append(message)
+                if message.get("op") == "reply" and message.get("id") == request_id:
+                    return message
+
+    async def request(self, op: str, **fields) -> dict:
+        return await self.reply(self.send(op, **fields))
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self._ctx.term()
+
+
+def _info(address: str, incarnation: str = "i1", **fields) -> dict:
+    info = {"address": address, "incarnation": incarnation, "node_id": "n", "host": "h", "pid": 4242,
+            "endpoints": {}, "devices": [], "transports": ["zmq"], "start_time": 0.0,
+            "meta": {"machine": "another-machine"}}
+    return {**info, **fields}
+
+
+def _deep(levels: int) -> list:
+    root = node = []
+    for _ in range(levels):
+        node.append([])
+        node = node[0]
+    return root
+
+
+@pytest.fixture
+async def manager():
+    async with asyncio.timeout(30):
+        m = await Manager("tcp://127.0.0.1:0", peer_timeout=30).start()
+    try:
+        yield m
+    finally:
+        async with asyncio.timeout(30):
+            await m.close()
+
+
+@pytest.fixture
+def member(manager):
+    members = []
+
+    def make(identity: bytes) -> Member:
+        members.append(Member(manager, identity))
+        return members[-1]
+
+    yield make
+    for m in members:
+        m.close()
+
+
+@pytest.mark.parametrize("bad", [
+    {"meta": 5},                         # killed the liveness checker on its next pass
+    {"pid": "abc"},                      # the same, through process_gone(pid)
+    {"meta": {"d": _deep(700)}, "start_time": 1.0},   # kept as sent, then no roster could be
+                                                      # encoded: no replies at all
+    {"start_time": "yesterday"},         # snapshot() (rlinf top) failed
+    {"endpoints": {"tcp": 5}},
+    {"devices": [{"kind": "cuda", "index": "0"}]},
+])
+async def test_a_bad_worker_record_is_refused_and_the_manager_keeps_serving(manager, member, bad):
+    m = member(b"bad")
+    first = m.send("register", info=_info("bad:0", **bad))
+    roster = await m.request("roster")
+    assert roster["roster"] == []
+    good = await member(b"good").request("register", info=_info("good:0"))
+    assert good["ok"] and [w["address"] for w in good["roster"]] == ["good:0"]
+    assert (await m.request("snapshot"))["snapshot"]["workers"][0]["address"] == "good:0"
+    assert not manager._checker.done()
+    assert first not in [message.get("id") for message in m.seen]   # no reply to the bad one
+
+
+async def test_a_bad_heartbeat_or_deregister_changes_nothing(manager, member):
+    a, b = member(b"a"), member(b"b")
+    assert (await a.request("register", info=_info("a:0")))["ok"]
+    assert (await b.request("register", info=_info("b:0")))["ok"]
+    version = manager.version
+    b.send("deregister", address="b:0", incarnation="i1", bye_to=5)   # was half applied
+    b.send("heartbeat", address="b:0", incarnation="i1", stats={"deep": _deep(600)})   # stats dropped
+    b.send("heartbeat", address=["b:0"], incarnation="i1")
+    roster = await b.request("roster")
+    assert sorted(w["address"] for w in roster["roster"]) == ["a:0", "b:0"] and manager.version == version
+    assert (await b.request("snapshot"))["snapshot"]["version"] == version
+    assert (await b.request("deregister", address="b:0", incarnation="i1", bye_to=["a:0"]))["ok"]
+    assert [w.address for w in manager.roster()] == ["a:0"]
+
+
+async def test_waiting_lookups_are_kept_once_per_asker_and_dropped_with_it(manager, member):
+    asker = member(b"asker")
+    assert (await asker.request("register", info=_info("asker:0")))["ok"]
+    for _ in range(50):            # a communicator retries a lookup while its send waits
+        asker.send("lookup", address="ghost:0", wait=True)
+    await asker.request("roster")
+    assert len(manager._lookups["ghost:0"]) == 1
+    assert (await asker.request("deregister", address="asker:0", incarnation="i1"))["ok"]
+    assert "ghost:0" not in manager._lookups
+
+
+def test_a_communicator_refuses_meta_the_manager_would_refuse():
+    import rlinf
+
+    for meta, error in (({"f": object()}, TypeError), ({"d": _deep(40)}, ValueError)):
+        with pytest.raises(error, match="meta"):
+            rlinf.Communicator("a:0", manager="tcp://127.0.0.1:1", token="t", meta=meta)
