@@ -262,7 +262,8 @@ class Cluster:
             WorkerFailedError: a worker failed before it was ready (the others of the
                 group are killed).
             CommTimeoutError: not all were ready in time (all of the group are killed).
-            TypeError / ValueError: bad arguments, or a target the children cannot import.
+            TypeError / ValueError: bad arguments, a target the children cannot import, or
+                ``name`` is the name of a group of this cluster that still runs.
             ImportError: ``launcher="ray"`` without Ray installed.
         """
         if self._closed:
@@ -288,9 +289,12 @@ class Cluster:
         chosen = self._launcher(launcher, resources=resources, placement=placement, max_restarts=max_restarts)
         spec = LaunchSpec(target, name, n, tuple(args), dict(kwargs or {}), dict(env or {}), takes_calls,
                           self.manager_address, self.token)
-        group = WorkerGroup(name)
         # finished groups need no stopping: holding them would keep their results alive
         self._groups = [g for g in self._groups if not g._retire_if_done()]
+        if any(g.name == name for g in self._groups):
+            raise ValueError(f"a group named {name!r} is still running in this cluster: its workers "
+                             f"would take each other's addresses; join or kill it first, or pick another name")
+        group = WorkerGroup(name)
         self._groups.append(group)
         group._launching = True
         try:
@@ -342,11 +346,16 @@ class Cluster:
         """A communicator for the driver itself: ``async with cluster.connect("driver:0")``.
 
         The cluster closes it on ``aclose`` if the caller has not.
+
+        Raises:
+            ValueError: this cluster has an open communicator with that address.
         """
         if self._closed:
             raise ClosedError("cluster is closed")
-        comm = Communicator(address, manager=self.manager_address, token=self.token, **options)
         self._comms = [c for c in self._comms if not c.closed]
+        if any(c.address == address for c in self._comms):
+            raise ValueError(f"this cluster already has a communicator {address!r}: close it first")
+        comm = Communicator(address, manager=self.manager_address, token=self.token, **options)
         self._comms.append(comm)
         return comm
 

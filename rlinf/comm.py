@@ -128,6 +128,7 @@ class Communicator:
         self._busy_poll = BusyPoll.from_env()
         self._mailbox = Mailbox(self._busy_poll)
         self._dead: dict[tuple[str, str], None] = {}     # (address, incarnation), oldest first
+        self._closing: asyncio.Task | None = None     # a close we started ourselves
         self._valid: set[str] = set()      # addresses already checked (hot-path memo)
         self._system_handlers: dict[str, Callable[[str, Any], None]] = {}
         self._gone_hooks: list[Callable[[str, str], None]] = []
@@ -216,7 +217,7 @@ class Communicator:
             )
             self._control = control.ControlClient(self._context, self._keys, self.manager_address, self.info,
                                                   self._on_event, stats=self._heartbeat_stats,
-                                                  exclusive=self._exclusive)
+                                                  exclusive=self._exclusive, on_superseded=self._superseded)
             await self._control.register(timeout=self._connect_timeout)
         except BaseException:
             await self._teardown(deregister=False)
@@ -262,9 +263,19 @@ class Communicator:
         Idempotent; safe to call from a cancelled task.
         """
         if self._closed is not None:
+            if self._closing is not None:
+                await asyncio.shield(self._closing)
             return
         self._closed = ClosedError(f"communicator {self.address} is closed")
         await self._teardown(deregister=True)
+
+    def _superseded(self, why: str) -> None:
+        """The manager took us for lost and another incarnation holds our address now
+        (a restart): close, failing every operation with a ``ClosedError`` that says so."""
+        if self._closed is None:
+            self._closed = ClosedError(f"communicator {self.address} was replaced by another "
+                                       f"incarnation while the manager took it for lost ({why})")
+            self._closing = self._loop.create_task(self._teardown(deregister=False))
 
     async def _teardown(self, *, deregister: bool) -> None:
         error = self._closed or ClosedError(f"communicator {self.address} failed to start")

@@ -106,15 +106,21 @@ class ControlClient:
             that vanished while we missed the manager's events is reported ``lost``);
             ``bye_sent`` is True when the leaving worker sent us an in-order "bye".
         stats: returns the stats dict sent with heartbeats.
+        exclusive: the first registration fails if another incarnation holds the address.
+        on_superseded: called (loop thread, with the manager's reason) when we are no
+            longer registered and another incarnation has taken our address meanwhile: a
+            re-registration never evicts it, so this incarnation should stop.
     """
 
     def __init__(self, context: zmq.Context, keys: ClusterKeys, manager: str, info: WorkerInfo,
                  on_event: Callable[[MembershipEvent], None],
-                 stats: Callable[[], dict] | None = None, exclusive: bool = False) -> None:
+                 stats: Callable[[], dict] | None = None, exclusive: bool = False,
+                 on_superseded: Callable[[str], None] | None = None) -> None:
         self.manager = manager
         self.info = info
         self.exclusive = exclusive
         self._on_event = on_event
+        self._on_superseded = on_superseded
         self._stats = stats
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[asyncio.Future, Callable | None]] = {}
@@ -180,12 +186,18 @@ class ControlClient:
     async def register(self, timeout: float | None, *, rebuilding: bool = False) -> list[WorkerInfo]:
         """Register (or re-register) and return the roster.
 
-        When ``rebuilding`` (a restarted manager forgot us), its roster is still filling
-        up as the other workers re-register: report only joins now, and reconcile losses
-        once every live worker has had time to come back.
+        When ``rebuilding`` (a restarted manager forgot us, or it took us for lost), its
+        roster is still filling up as the other workers re-register: report only joins
+        now, and reconcile losses once every live worker has had time to come back. A
+        re-registration is always exclusive: if another incarnation took our address
+        meanwhile (a restart of us, say), it stays, and we are the one to go; else the
+        two would evict each other for good.
+
+        Raises:
+            AddressInUseError: another incarnation holds our address.
         """
         reply = await self.request("register", timeout=timeout, info=self.info.to_wire(),
-                                   exclusive=self.exclusive and not rebuilding,
+                                   exclusive=self.exclusive or rebuilding,
                                    on_reply=lambda r: "taken" in r or self._resync_from(r, report_lost=not rebuilding))
         if "taken" in reply:
             raise AddressInUseError(reply["taken"])
@@ -306,6 +318,11 @@ class ControlClient:
         try:
             await self.register(timeout=5.0, rebuilding=True)
             log.info("rlinf: %s re-registered with the manager", self.info.address)
+        except AddressInUseError as exc:
+            log.warning("rlinf: %s was replaced while the manager took it for lost (%s); this "
+                        "incarnation stops", self.info.address, exc)
+            if self._on_superseded is not None and not self._closed:
+                self._on_superseded(str(exc))
         except (CommTimeoutError, ClosedError) as exc:
             log.debug("rlinf: re-registration failed: %s", exc)
         finally:

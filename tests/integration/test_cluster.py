@@ -324,6 +324,38 @@ async def test_a_group_still_launching_is_kept_with_its_resources(cluster):
         assert released == ["slow"]
 
 
+async def test_a_running_group_name_or_open_driver_address_is_refused(cluster, driver):
+    """A second group under a running group's name was accepted: the two workers took
+    each other's address in turn, twice a second, for good."""
+    async with asyncio.timeout(60):
+        first = await cluster.spawn(idle, "dup", 1)
+        with pytest.raises(ValueError, match="still running"):
+            await cluster.spawn(idle, "dup", 1)
+        with pytest.raises(ValueError, match="already has a communicator"):
+            cluster.connect("driver:0")
+        await first.kill()
+        again = await cluster.spawn(returns, "dup", 1, args=(2,))   # a finished group's name is free
+        assert [r["value"] for r in await again.join()] == [2]
+
+
+async def test_an_incarnation_replaced_while_taken_for_lost_closes_instead_of_evicting(cluster):
+    """A worker the manager took for lost (a long stall) came back and re-registered over
+    the incarnation that replaced it; that one did the same: they evicted each other for
+    good. Now the replaced one is refused, and closes with a ClosedError that says so."""
+    manager = cluster.manager
+    async with asyncio.timeout(60):
+        async with cluster.connect("twin:0") as old:
+            waiting = asyncio.ensure_future(old.recv("nobody:0"))
+            manager._remove(manager._roster["twin:0"], "lost")     # as after a stall
+            async with rlinf.Communicator("twin:0", manager=cluster.manager_address, token=cluster.token) as new:
+                with pytest.raises(rlinf.ClosedError, match="replaced"):
+                    await waiting
+                version = manager.version
+                assert manager._roster["twin:0"].incarnation == new.incarnation
+                await new.peers()          # a request round trip later, nothing has changed
+                assert manager.version == version and not new.closed and old.closed
+
+
 async def test_recv_into_between_processes(launcher, cluster, driver):
     async with asyncio.timeout(60):
         group = await cluster.spawn(send_weights, "trainer", 1, args=(3,), launcher=launcher)
