@@ -31,8 +31,9 @@ Backpressure: a link's write buffer is bounded (:data:`_HIGH_WATER`); past it,
 enough (:meth:`StreamLink.wait_writable`). Nothing is dropped.
 
 Buffer lifetime: :meth:`StreamLink.try_send` hands the frames to the kernel, and what
-the kernel does not take at once is copied into the transport's buffer, so the caller
-may reuse its buffers as soon as it returns. Received frames are read-only memoryviews
+the kernel does not take at once is copied into the transport's buffer (by us: uvloop
+would keep a reference instead), so the caller may reuse its buffers as soon as it
+returns. Received frames are read-only memoryviews
 of recycled receive blocks owned by the receiver (the codec aliases them writably,
 copying those of 4 KiB or less, as for ZeroMQ frames); a block is reused once no frame
 of it is referenced, so a kept frame keeps its whole block (64 KiB) alive.
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import socket
 import struct
@@ -66,6 +68,8 @@ _MAX_FRAME = 1 << 32
 _ACK = b"\x01"
 _COUNT = struct.Struct("<I")
 _HIGH_WATER = 4 << 20
+#: Most pieces one ``writev`` takes (Linux's IOV_MAX).
+_IOV_MAX = 1024
 #: Kernel buffer of each end (the default ~200 KiB makes a fast sender wait on every
 #: few frame sets for the reader's next turn).
 _SOCKET_BUFFER = 4 << 20
@@ -90,6 +94,16 @@ def _pack_table(frames: Sequence[Any]) -> tuple[bytes, list[memoryview]]:
              for f in frames]
     count = len(views)
     return struct.pack(f"<I{count}Q", count, *(v.nbytes for v in views)), views
+
+
+def _unsent(pieces: Sequence[Any], sent: int) -> list:
+    """What is left of ``pieces`` (bytes and byte views) once ``sent`` bytes went out."""
+    for i, piece in enumerate(pieces):
+        n = len(piece) if type(piece) is bytes else piece.nbytes
+        if sent < n:
+            return [memoryview(piece)[sent:] if sent else piece, *pieces[i + 1:]]
+        sent -= n
+    return []
 
 
 def _tune(transport: asyncio.BaseTransport, option: int) -> None:
@@ -346,6 +360,8 @@ class StreamLink(Link):
         self._paused = False
         self._writable: asyncio.Future | None = None
         self._closed: BaseException | None = None
+        sock = transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None else -1
         protocol.link = self
         transport.set_write_buffer_limits(high=_HIGH_WATER)
         _tune(transport, socket.SO_SNDBUF)
@@ -369,8 +385,24 @@ class StreamLink(Link):
         if len(views) <= 2 and views[-1].nbytes <= 1 << 16:
             self._write(b"".join((table, *views)))      # one write: one syscall
         else:
-            self._transport.writelines((table, *views))
+            self._write_views([table, *views])
         return None
+
+    def _write_views(self, pieces: list) -> None:
+        """Write what the kernel takes now and give the transport a copy of the rest, so
+        the caller may reuse its buffers at once. (uvloop's ``write``/``writelines``
+        keep a reference to what they could not write instead of copying it, as the
+        standard loop does: a caller's later writes would change what the peer gets.)
+        Only while nothing is buffered, or the bytes would overtake what is."""
+        sent = 0
+        if self._fd >= 0 and not self._transport.get_write_buffer_size():
+            try:
+                sent = os.writev(self._fd, pieces[:_IOV_MAX])
+            except OSError:   # full (EAGAIN), or broken: the transport reports it below
+                sent = 0
+        rest = _unsent(pieces, sent)
+        if rest:
+            self._write(b"".join(rest))
 
     async def wait_writable(self) -> None:
         """Wait until the write buffer has room (or the link closes)."""

@@ -127,3 +127,26 @@ async def test_a_send_to_a_closed_listener_is_peer_lost(listener):
             await link.send(b"h", [np.zeros(1 << 20, np.uint8)])
         with pytest.raises(rlinf.PeerLostError):
             await StreamTransport(KEY).connect(listener.endpoints["stream"], identity=b"a|2")
+
+
+def test_buffers_may_be_reused_once_send_returns_under_uvloop():
+    """uvloop's ``writelines`` keeps a reference to what the kernel did not take (the
+    standard loop copies it): a sender reusing its buffer after ``send`` returned
+    changed what the peer received. The conformance suite runs on the standard loop."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main() -> None:
+        lst = await StreamTransport(KEY).listen()
+        try:
+            link = await StreamTransport(KEY).connect(lst.endpoints["stream"], identity=b"a|1")
+            sent = np.full(32 << 20, 7, np.uint8)     # far more than the kernel takes at once
+            async with asyncio.timeout(30):
+                await link.send(b"h", [sent])
+                sent[:] = 0
+                got = await lst.recv()
+            assert (np.frombuffer(got.frames[0], np.uint8) == 7).all()
+            link.close()
+        finally:
+            lst.close()
+
+    uvloop.run(main())
