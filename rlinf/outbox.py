@@ -61,6 +61,12 @@ _BATCH_COUNT = 4096
 IN_FLIGHT = 20e-6
 
 
+def _to_zmq(msg: OutMessage) -> None:
+    """Turn a message queued for the bulk stream into a large ZeroMQ message."""
+    msg.frames, msg.entry[3], _ = split_frames(msg.frames)
+    msg.transport = "zmq"
+
+
 def split_frames(buffers: list[Any]) -> tuple[list[Any], list[int], int]:
     """Cut buffers into frames of at most ``wire.MAX_FRAME`` bytes (views, no copy).
 
@@ -293,8 +299,7 @@ class Outbox:
                         log.warning("rlinf: no bulk TCP to %s (%s); large payloads go through ZeroMQ",
                                     self.address, exc)
                         self._drop_bulk()
-                        msg.frames, msg.entry[3], _ = split_frames(msg.frames)
-                        msg.transport = "zmq"
+                        _to_zmq(msg)
                         self.queue.appendleft(msg)
                     elif msg.future is not None and not msg.future.done():
                         msg.future.set_exception(self.error)
@@ -317,10 +322,14 @@ class Outbox:
                 self.flush()
 
     def _drop_bulk(self) -> None:
+        """No bulk stream from now on: what is queued for it goes through ZeroMQ."""
         self.bulk = None
         if self._bulk_link is not None:
             self._bulk_link.close()
             self._bulk_link = None
+        for msg in self.queue:
+            if msg.transport == BULK:
+                _to_zmq(msg)
 
     def _send_alone(self, msg: OutMessage) -> None:
         """Send ``msg``, the only queued message, now: :meth:`flush` for one small

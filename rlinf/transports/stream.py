@@ -49,6 +49,7 @@ import socket
 import struct
 from typing import Any, Callable, Sequence
 
+from .. import wire
 from ..errors import AuthenticationError, ClosedError, PeerLostError, TransportUnavailableError
 from ._proof import MAC, NONCE, mac, nonce, same
 from ._shm_pool import Recycler
@@ -62,7 +63,8 @@ log = logging.getLogger("rlinf.transports.stream")
 SCHEME = "stream"
 _MAGIC = b"RLINFST1"
 _MAX_IDENTITY = 1024
-_MAX_FRAMES = 1 << 16
+#: The header and every payload frame the wire format allows (a large message: one per buffer).
+_MAX_FRAMES = wire.MAX_FRAMES + 1
 _MAX_HEADER = 64 << 20
 _MAX_FRAME = 1 << 32
 _ACK = b"\x01"

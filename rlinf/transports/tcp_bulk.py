@@ -52,6 +52,7 @@ import struct
 import threading
 from typing import Any, Callable, Sequence
 
+from .. import wire
 from ..errors import AuthenticationError, ClosedError, PeerLostError, TransportUnavailableError
 from . import _aead
 from ._proof import MAC as _MAC, NONCE as _NONCE, mac as _mac, nonce as _new_nonce, same as _same
@@ -66,7 +67,8 @@ log = logging.getLogger("rlinf.transports.tcp_bulk")
 SCHEME = "bulk"
 _MAGIC = b"RLINFBK2"
 _MAX_IDENTITY = 1024
-_MAX_FRAMES = 1 << 16
+#: The header and every payload frame the wire format allows (a large message: one per buffer).
+_MAX_FRAMES = wire.MAX_FRAMES + 1
 _MAX_HEADER = 64 << 20
 _MAX_FRAME = 1 << 40
 _ACK = b"\x01"

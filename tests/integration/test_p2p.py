@@ -366,3 +366,29 @@ async def test_a_bulk_stream_that_cannot_open_hands_the_message_to_zeromq():
     assert wire.unpack_header(header, chunks)[2][0].frame_counts == [2]
     assert b"".join(chunks) == big.tobytes()
     assert _payloads(link.sent[1])[1] == b"\x01\x01"
+
+
+async def test_messages_queued_behind_a_broken_bulk_stream_go_through_zeromq(cluster, driver, monkeypatch):
+    """Once a bulk send broke, the large messages already queued for the bulk stream never
+    completed (the outbox had dropped its way to dial one): they now go through ZeroMQ."""
+    from rlinf.transports import tcp_bulk
+
+    real, calls = tcp_bulk.BulkLink.send, []
+
+    async def breaks_once(self, header, frames):
+        calls.append(len(frames))
+        if len(calls) == 1:
+            raise rlinf.PeerLostError("bulk stream broke (test)")
+        return await real(self, header, frames)
+
+    monkeypatch.setattr(tcp_bulk.BulkLink, "send", breaks_once)
+    async with asyncio.timeout(90):
+        group = await cluster.spawn(workers.echo, "far", 1, args=("driver:0", 1), env={"RLINF_NODE_ID": "far-node"})
+        first = driver.async_send(np.zeros(2 << 20, np.uint8), "far:0")
+        second = driver.async_send(np.ones(2 << 20, np.uint8), "far:0")
+        with pytest.raises(rlinf.PeerLostError, match="broke"):
+            await first
+        await second
+        back = await driver.recv("far:0")
+        assert back.shape == (2 << 20,) and (back == 1).all() and len(calls) == 1   # the rest: ZeroMQ
+        assert await group.join() == [1]

@@ -77,7 +77,7 @@ async def test_junk_does_not_break_the_listener(listener, junk):
         await check_it_still_serves(StreamTransport, KEY, listener, "stream")
 
 
-@pytest.mark.parametrize("announce", [struct.pack("<I", 0), struct.pack("<I", 1 << 20),
+@pytest.mark.parametrize("announce", [struct.pack("<I", 0), struct.pack("<I", 1 << 23),
                                       struct.pack("<IQ", 1, 1 << 40)], ids=["no-frames", "too-many", "too-large"])
 async def test_oversized_announcements_close_that_connection_only(listener, announce):
     """Sizes are checked before anything is allocated."""
@@ -127,6 +127,19 @@ async def test_a_send_to_a_closed_listener_is_peer_lost(listener):
             await link.send(b"h", [np.zeros(1 << 20, np.uint8)])
         with pytest.raises(rlinf.PeerLostError):
             await StreamTransport(KEY).connect(listener.endpoints["stream"], identity=b"a|2")
+
+
+async def test_a_message_of_more_than_65536_buffers_arrives(listener):
+    """The listener refused frame sets of more than 65 536 frames, which the wire format
+    allows (one per buffer of a large message): the message was lost, and the link with it."""
+    async with asyncio.timeout(60):
+        link = await StreamTransport(KEY).connect(listener.endpoints["stream"], identity=b"a|1")
+        await link.send(b"many", [bytes([i % 251]) * 3 for i in range(70_000)])
+        await link.send(b"next", [])
+        got = [await listener.recv(), await listener.recv()]
+        assert [g.header for g in got] == [b"many", b"next"] and len(got[0].frames) == 70_000
+        assert bytes(got[0].frames[69_999]) == bytes([69_999 % 251]) * 3
+        link.close()
 
 
 def test_buffers_may_be_reused_once_send_returns_under_uvloop():

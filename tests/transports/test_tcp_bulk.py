@@ -68,7 +68,7 @@ async def test_oversized_announcements_close_the_connection(listener):
         if listener._encrypt:     # a sealed table: its length, then a record that fails its tag
             bad = [struct.pack("!I", 0), struct.pack("!I", 1 << 30), struct.pack("!I", 40) + bytes(40 + 32)]
         else:
-            bad = [struct.pack("!I", 0), struct.pack("!I", 1 << 20), struct.pack("!IQ", 1, 1 << 50)]
+            bad = [struct.pack("!I", 0), struct.pack("!I", 1 << 23), struct.pack("!IQ", 1, 1 << 50)]
         for announce in bad:
             link = await BulkTransport(KEY, encrypt=False).connect(listener.endpoints["bulk"], identity=b"a|1")
             link._sock.sendall(announce)
@@ -157,3 +157,15 @@ async def test_ends_that_share_no_cipher_never_send_in_clear(monkeypatch):
             await until(lambda: lst.rejected == 1, what="the listener's rejection")
         finally:
             lst.close()
+
+
+async def test_a_message_of_more_than_65536_buffers_arrives(listener):
+    """The listener refused frame sets of more than 65 536 frames, which the wire format
+    allows (one per buffer of a large message): the message was lost."""
+    async with asyncio.timeout(60):
+        link = await BulkTransport(KEY).connect(listener.endpoints["bulk"], identity=b"a|1")
+        await link.send(b"many", [bytes([i % 251]) * 3 for i in range(70_000)])
+        got = await listener.recv()
+        assert got.header == b"many" and len(got.frames) == 70_000
+        assert bytes(got.frames[69_999]) == bytes([69_999 % 251]) * 3
+        link.close()
