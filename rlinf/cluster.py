@@ -286,6 +286,10 @@ class Cluster:
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
             raise TypeError(f"target {target!r} cannot be sent to a child process; define it at module "
                             f"level ({exc})") from None
+        try:
+            pickle.dumps((tuple(args), dict(kwargs or {})))
+        except Exception as exc:
+            raise TypeError(f"the args/kwargs of {name!r} cannot be sent to a child process: {exc!r}") from None
         chosen = self._launcher(launcher, resources=resources, placement=placement, max_restarts=max_restarts)
         spec = LaunchSpec(target, name, n, tuple(args), dict(kwargs or {}), dict(env or {}), takes_calls,
                           self.manager_address, self.token)

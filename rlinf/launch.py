@@ -191,7 +191,9 @@ class RankHandle:
         if self.exited.done():
             return
         why = "was killed by group.kill()" if self.killed else why
-        error = self.error = WorkerFailedError(f"worker {self.address} (pid {self.pid}) {why} without returning",
+        returned = self.result.done() and not self.result.cancelled() and self.result.exception() is None
+        outcome = "after it returned (it takes no more calls)" if returned else "without returning"
+        error = self.error = WorkerFailedError(f"worker {self.address} (pid {self.pid}) {why} {outcome}",
                                                address=self.address, remote_traceback=detail or "")
         for fut in (self.ready, self.result):
             if not fut.done():
@@ -226,6 +228,10 @@ class RankHandle:
         """Kill and clean up synchronously: for when the loop cannot be used (a cancelled
         close, interpreter exit)."""
         raise NotImplementedError
+
+
+#: Seconds a group call waits for the other ranks' calls once one failed (see ``_gather``).
+CALL_GRACE = 0.5
 
 
 async def _wait_exited(ranks: list[RankHandle], timeout: float) -> None:
@@ -313,7 +319,9 @@ class WorkerGroup:
                 arguments cannot be pickled (nothing was sent).
             ValueError: ``method`` is private or a rank is out of range.
             WorkerFailedError: a call raised (remote traceback attached), its arguments
-                could not be unpickled in the worker or its result here, or a worker died.
+                could not be unpickled in the worker or its result here, or a worker died;
+                raised at most :data:`CALL_GRACE` seconds after one call failed (the
+                other calls keep running: they may be waiting for the failed one).
             CommTimeoutError: not all answered within ``timeout`` (the calls keep running).
         """
         if not isinstance(method, str) or not method.isidentifier():
@@ -342,7 +350,7 @@ class WorkerGroup:
                     f.cancel()
                 raise
             futures.append(fut)
-        return await _gather(futures, timeout, f"{self.name}.{method}()")
+        return await _gather(futures, timeout, f"{self.name}.{method}()", grace=CALL_GRACE)
 
     async def join(self, timeout: float | None = None, *, ranks: list[int] | None = None) -> list[Any]:
         """Wait for the workers (all, or ``ranks``) to finish; their return values.
@@ -363,7 +371,7 @@ class WorkerGroup:
             if p.ready.done() and not p.result.done():
                 p.tell(("finish",))
         try:
-            results = await _gather([p.result for p in ranks_], timeout, f"join of {self.name}", first_error=True)
+            results = await _gather([p.result for p in ranks_], timeout, f"join of {self.name}")
         except WorkerFailedError:
             await self._kill(ranks_, deliberate=False)
             raise
@@ -416,21 +424,22 @@ class WorkerGroup:
 
 
 async def _gather(futures: list[asyncio.Future], timeout: float | None, what: str, *,
-                  first_error: bool = False) -> list[Any]:
-    """Wait for the futures; on failure raise the error of the lowest failing rank.
-
-    ``first_error`` stops at the first failure (``join``: the caller then kills the
-    rest, who may be waiting on the failed one); otherwise every future is awaited
-    (``call``), which makes the reported rank deterministic.
+                  grace: float = 0.0) -> list[Any]:
+    """Wait for the futures; at the first failure give the others ``grace`` seconds more,
+    then raise the error of the lowest failing rank among those finished. Not waiting
+    for all of them: they may be waiting on the failed one (``join`` then kills them;
+    ``call``'s keep running). The grace lets a failure that every rank shares (a method
+    that does not exist) be reported at the lowest rank, whichever reply came first.
     """
-    when = asyncio.FIRST_EXCEPTION if first_error else asyncio.ALL_COMPLETED
     shields = [asyncio.shield(f) for f in futures]
     for s in shields:   # those still pending when we return fail later, unseen: that is fine
         s.add_done_callback(_retrieve)
     try:
         async with asyncio.timeout(timeout):
             if shields:
-                await asyncio.wait(shields, return_when=when)
+                _, pending = await asyncio.wait(shields, return_when=asyncio.FIRST_EXCEPTION)
+                if pending and grace > 0:
+                    await asyncio.wait(pending, timeout=grace)
     except TimeoutError:
         raise CommTimeoutError(f"{what} did not finish within {timeout} s") from None
     for f in futures:

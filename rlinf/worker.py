@@ -55,8 +55,8 @@ class Worker:
     ``comm`` (the :class:`~rlinf.Communicator`), ``address`` (``"name:rank"``), ``rank``
     and ``world_size`` (of its group).
 
-    Optional hooks: ``async def setup(self)`` (once, before any remote call) and
-    ``async def run(self)`` (the worker's main loop; its return value is what
+    Optional hooks, plain or ``async``: ``setup(self)`` (once, before any remote call)
+    and ``run(self)`` (the worker's main loop; its return value is what
     ``group.join()`` returns for this rank). Without ``run()`` the worker serves calls
     until ``group.join()`` or the cluster stops it. Public methods, plain or ``async``,
     can be called from the driver with ``group.call("method", *args, **kwargs)``;
@@ -160,7 +160,9 @@ async def _run_child(target, address: str, rank: int, world_size: int, manager: 
                 return await target(comm, *args, **kwargs)
             worker = target(*args, **kwargs)
             worker.comm, worker.address, worker.rank, worker.world_size = comm, address, rank, world_size
-            await worker.setup()
+            ready = worker.setup()     # a plain ``def setup`` is fine too
+            if inspect.isawaitable(ready):
+                await ready
             child.worker = worker
             child.send(("ready",))
             run = getattr(worker, "run", None)

@@ -51,6 +51,12 @@ class Counter(rlinf.Worker):
     def unpicklable(self):
         return lambda: None
 
+    async def fail_or_wait(self) -> None:
+        """Rank 0 fails; the others wait for a message from it, which never comes."""
+        if self.rank == 0:
+            raise RuntimeError("rank 0 failed")
+        await self.comm.recv(f"{self.address.split(':')[0]}:0")
+
     def unloadable(self):
         return Unloadable()
 
@@ -354,6 +360,34 @@ async def test_an_incarnation_replaced_while_taken_for_lost_closes_instead_of_ev
                 assert manager._roster["twin:0"].incarnation == new.incarnation
                 await new.peers()          # a request round trip later, nothing has changed
                 assert manager.version == version and not new.closed and old.closed
+
+
+class PlainSetup(rlinf.Worker):
+    def setup(self) -> None:      # not async: fine, as run() and calls may be plain too
+        self.ready = "set up"
+
+    def state(self) -> str:
+        return self.ready
+
+
+async def test_a_plain_setup_works_and_unpicklable_arguments_are_a_type_error(cluster):
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(PlainSetup, "plain", 1)
+        assert await group.call("state") == ["set up"]
+        await group.join()
+        with pytest.raises(rlinf.WorkerFailedError, match="after it returned"):   # not "without returning"
+            await group.call("state")
+        with pytest.raises(TypeError, match="cannot be sent"):
+            await cluster.spawn(returns, "nope", 1, kwargs={"value": lambda: 1})
+
+
+async def test_a_failing_call_raises_while_another_rank_waits_on_it(cluster):
+    """call() waited for every rank's call, and one waiting on the failed rank never ends."""
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(Counter, "fw", 2)
+        with pytest.raises(rlinf.WorkerFailedError, match="rank 0 failed"):
+            await group.call("fail_or_wait")
+        await group.kill()
 
 
 async def test_recv_into_between_processes(launcher, cluster, driver):
