@@ -46,10 +46,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import logging
 import socket
 import struct
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 from .. import wire
@@ -76,6 +78,11 @@ _EMPTY = memoryview(b"")
 _RECORD = 1 << 20
 _SOCKET_BUFFER = 4 << 20
 _HANDSHAKE_TIMEOUT = 10.0
+#: Connections in their handshake at once; more are closed as they come.
+_MAX_HANDSHAKES = 64
+#: ``accept`` errors that pass (descriptors or memory short for a moment), and the pause.
+_TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO}
+_ACCEPT_BACKOFF = 0.1
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -242,6 +249,7 @@ class BulkListener(Listener):
         self._recycler = recycler
         self._inbox = Inbox(loop)
         self._conns: set[socket.socket] = set()
+        self._handshaking = 0      # connections in their handshake now
         self._lock = threading.Lock()
         self._closed = False
         self.rejected = 0
@@ -262,15 +270,32 @@ class BulkListener(Listener):
         return await self._inbox.recv()
 
     def _accept(self) -> None:
+        """Accept connections until closed. Running out of descriptors (anyone who can
+        connect can cause it) or memory pauses accepting a moment; it never ends it.
+        At most :data:`_MAX_HANDSHAKES` connections may be in their handshake at once:
+        the others are closed at once."""
+        warned = False
         while True:
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
-                return      # closed
+            except OSError as exc:
+                if self._closed or exc.errno not in _TRANSIENT:
+                    return      # closed
+                if not warned:
+                    log.warning("rlinf: bulk listener cannot accept now (%s); retrying", exc)
+                    warned = True
+                time.sleep(_ACCEPT_BACKOFF)
+                continue
+            warned = False
             with self._lock:
                 if self._closed:
                     conn.close()
                     return
+                if self._handshaking >= _MAX_HANDSHAKES:
+                    self.rejected += 1
+                    conn.close()
+                    continue
+                self._handshaking += 1
                 self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name="rlinf-bulk-read", daemon=True).start()
 
@@ -303,6 +328,9 @@ class BulkListener(Listener):
                 self.rejected += 1
                 log.warning("rlinf: rejected a bulk connection: %s", exc)
                 return
+            finally:
+                with self._lock:
+                    self._handshaking -= 1
             while not self._closed:
                 got = stream.read_frames(self._recycler)
                 if got is None:

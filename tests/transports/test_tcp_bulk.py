@@ -169,3 +169,55 @@ async def test_a_message_of_more_than_65536_buffers_arrives(listener):
         assert got.header == b"many" and len(got.frames) == 70_000
         assert bytes(got.frames[69_999]) == bytes([69_999 % 251]) * 3
         link.close()
+
+
+_EMFILE_SCRIPT = r"""
+import asyncio, logging, os, resource, socket
+from rlinf.transports.tcp_bulk import BulkTransport
+
+class Seen(logging.Handler):
+    def __init__(self, loop, event):
+        super().__init__()
+        self.loop, self.event = loop, event
+    def emit(self, record):
+        if "cannot accept now" in record.getMessage():
+            self.loop.call_soon_threadsafe(self.event.set)
+
+async def main():
+    key = b"k" * 32
+    lst = await BulkTransport(key, encrypt=False).listen()
+    host, port = lst.endpoints["bulk"][len("tcp://"):].rsplit(":", 1)
+    short = asyncio.Event()
+    logging.getLogger("rlinf.transports.tcp_bulk").addHandler(Seen(asyncio.get_running_loop(), short))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
+    outsiders = []
+    try:                       # connections from someone without the token use up the descriptors
+        while True:
+            outsiders.append(socket.create_connection((host, int(port))))
+    except OSError:
+        pass
+    async with asyncio.timeout(30):
+        await short.wait()     # the listener ran out of descriptors to accept with
+    for s in outsiders:
+        s.close()
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    async with asyncio.timeout(30):
+        link = await BulkTransport(key, encrypt=False).connect(lst.endpoints["bulk"], identity=b"member|1")
+        await link.send(b"served", [])
+        print((await lst.recv()).header.decode())
+    link.close()
+    lst.close()
+
+asyncio.run(main())
+"""
+
+
+def test_running_out_of_descriptors_pauses_accepting_and_never_ends_it():
+    """Anyone who can connect could stop the listener for good: an accept that failed
+    for want of descriptors ended its accept thread."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _EMFILE_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "served", out.stderr[-2000:]
