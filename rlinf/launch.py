@@ -36,10 +36,13 @@ REAP_TIMEOUT = 5.0
 
 
 def remove_leftovers(pid: int | None, socket_dirs: Sequence[str]) -> None:
-    """Remove what a dead worker left on its node: the shared memory named after its pid
-    and its socket directories. Call only once it is gone (until then the pid cannot
-    be reused, and the files may be in use)."""
+    """Remove what a dead worker left on its node: the shared memory and the socket
+    directories named after its pid, and the socket directories it reported. Call only
+    once it is gone (until then the pid cannot be reused, and the files may be in use)."""
     if pid is not None:
+        from .transports.zeromq import ipc_dirs_of
+
+        socket_dirs = [*socket_dirs, *ipc_dirs_of(pid)]   # also those made before it could report them
         try:
             from .transports.shm import sweep
         except ImportError:   # no shared-memory transport in this build

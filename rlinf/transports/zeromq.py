@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import glob
 import logging
 import os
 import shutil
@@ -66,16 +67,28 @@ def _remove_ipc_dirs_at_exit() -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def _ipc_root() -> str | None:
+    return "/tmp" if os.path.isdir("/tmp") else None
+
+
 def make_ipc_dir() -> str:
-    """A short private directory for socket files (AF_UNIX paths max 107 bytes). Whoever
-    listens there removes it on close; if the process exits first, an exit hook does."""
-    path = tempfile.mkdtemp(prefix="rlinf-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    """A short private directory for socket files (AF_UNIX paths max 107 bytes), named
+    after this process (:func:`ipc_dirs_of`). Whoever listens there removes it on close;
+    if the process exits first, an exit hook does."""
+    path = tempfile.mkdtemp(prefix=f"rlinf-{os.getpid()}-", dir=_ipc_root())
     os.chmod(path, 0o700)
     if len(_IPC_DIRS) > 10_000:   # closed listeners removed theirs: forget those
         for old in [p for p in _IPC_DIRS if not os.path.isdir(p)]:
             del _IPC_DIRS[old]
     _IPC_DIRS[path] = os.getpid()
     return path
+
+
+def ipc_dirs_of(pid: int) -> list[str]:
+    """The socket directories process ``pid`` made and did not remove: for whoever
+    cleans up after it once it is gone, also those it made before telling anyone."""
+    root = _ipc_root() or tempfile.gettempdir()
+    return glob.glob(os.path.join(root, f"rlinf-{int(pid)}-*"))
 
 
 def _nbytes(frame: Any) -> int:

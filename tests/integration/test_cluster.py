@@ -381,6 +381,29 @@ async def test_a_plain_setup_works_and_unpicklable_arguments_are_a_type_error(cl
             await cluster.spawn(returns, "nope", 1, kwargs={"value": lambda: 1})
 
 
+async def test_workers_killed_before_they_registered_leave_no_socket_directories():
+    """Workers make their socket directories before they register, and reported them
+    only after: workers killed by ready_timeout while registering left them in /tmp."""
+    import glob
+    import socket
+
+    def orphans() -> set[str]:     # nothing else makes socket directories meanwhile
+        return set(glob.glob("/tmp/rlinf-*")) - set(glob.glob("/tmp/rlinf-bench-*"))
+
+    before = orphans()
+    silent = socket.socket()           # a "manager" that accepts and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    try:
+        async with asyncio.timeout(60):
+            async with rlinf.Cluster(f"tcp://127.0.0.1:{silent.getsockname()[1]}", token="t") as cluster:
+                with pytest.raises(rlinf.CommTimeoutError):
+                    await cluster.spawn(returns, "w", 2, args=(0,), ready_timeout=4)
+    finally:
+        silent.close()
+    assert orphans() <= before
+
+
 async def test_a_failing_call_raises_while_another_rank_waits_on_it(cluster):
     """call() waited for every rank's call, and one waiting on the failed rank never ends."""
     async with asyncio.timeout(60):
