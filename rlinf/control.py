@@ -65,16 +65,27 @@ def unpack(data: bytes) -> dict[str, Any]:
 
 @functools.cache
 def machine_id() -> str:
-    """This machine's identity (not overridable: used to check local process liveness)."""
+    """The identity under which this process's pid means something: the machine and its
+    PID namespace (not overridable). The manager judges the liveness of a worker with
+    the same identity by its pid, and sweeps that pid's shared memory once it is gone.
+    Containers of one host with one hostname and machine id but their own PID
+    namespaces differ here: a pid of one is meaningless, or another process, in the
+    other."""
+    host = socket.gethostname()
     for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
         try:
             with open(path) as f:
                 value = f.read().strip()
             if value:
-                return f"{socket.gethostname()}-{value[:12]}"
+                host = f"{host}-{value[:12]}"
+                break
         except OSError:
             continue
-    return socket.gethostname()
+    try:
+        ns = os.stat("/proc/self/ns/pid")
+    except OSError:
+        return host
+    return f"{host}-pidns{ns.st_dev}:{ns.st_ino}"
 
 
 def run(coro: Coroutine) -> Any:

@@ -144,3 +144,23 @@ def test_a_communicator_refuses_meta_the_manager_would_refuse():
     for meta, error in (({"f": object()}, TypeError), ({"d": _deep(40)}, ValueError)):
         with pytest.raises(error, match="meta"):
             rlinf.Communicator("a:0", manager="tcp://127.0.0.1:1", token="t", meta=meta)
+
+
+def test_processes_in_another_pid_namespace_are_not_judged_by_pid():
+    """A worker in another PID namespace of this host (a container with the host's name
+    and machine id) was judged by its pid in the manager's namespace: lost at once, or
+    kept alive by an unrelated process. Its machine identity differs now."""
+    import shutil
+    import subprocess
+    import sys
+
+    from rlinf.control import machine_id
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1) here")
+    out = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+                          "from rlinf.control import machine_id; print(machine_id())"],
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        pytest.skip(f"cannot make a PID namespace here: {out.stderr.strip()[-200:]}")
+    assert out.stdout.strip() and out.stdout.strip() != machine_id()
