@@ -62,7 +62,7 @@ def _cmd_manager(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(message)s")
     try:
         control.run(_serve_manager(args))
-    except OSError as exc:   # cannot bind
+    except (OSError, ValueError) as exc:   # cannot bind; a bad --peer-timeout
         print(f"rlinf manager: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -63,6 +63,9 @@ class Manager:
         self._keys = ClusterKeys(self.token)
         self._bind = bind
         self.peer_timeout = peer_timeout if peer_timeout is not None else control.default_peer_timeout()
+        if not self.peer_timeout > 0 or not check_interval > 0:   # also refuses NaN
+            raise ValueError(f"peer_timeout and check_interval must be > 0 seconds, got "
+                             f"{self.peer_timeout!r} and {check_interval!r}")
         #: Silence after which a live process on the manager's own machine counts as lost.
         self.local_backstop = max(10.0, 4 * self.peer_timeout)
         self._check_interval = check_interval

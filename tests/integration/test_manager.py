@@ -164,3 +164,11 @@ def test_processes_in_another_pid_namespace_are_not_judged_by_pid():
     if out.returncode != 0:
         pytest.skip(f"cannot make a PID namespace here: {out.stderr.strip()[-200:]}")
     assert out.stdout.strip() and out.stdout.strip() != machine_id()
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan")])
+def test_a_peer_timeout_that_is_not_positive_is_refused(bad):
+    """``rlinf manager --peer-timeout 0`` (or less) was taken: every remote worker would be
+    declared lost at once."""
+    with pytest.raises(ValueError, match="peer_timeout"):
+        Manager("tcp://127.0.0.1:0", peer_timeout=bad)
