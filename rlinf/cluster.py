@@ -22,6 +22,7 @@ import multiprocessing.util   # registers its exit hook now, so ours (registered
 import os
 import pickle
 import signal
+import sys
 from typing import Any, Callable, Iterator
 
 from .comm import Communicator
@@ -44,6 +45,12 @@ def _exit_reason(code: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+def _main_is_a_file() -> bool:
+    """Whether ``__main__`` is a file that spawned children can import again."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return bool(path) and os.path.isfile(path)
 
 
 class _Proc(RankHandle):
@@ -286,6 +293,9 @@ class Cluster:
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
             raise TypeError(f"target {target!r} cannot be sent to a child process; define it at module "
                             f"level ({exc})") from None
+        if launcher == "local" and getattr(target, "__module__", None) == "__main__" and not _main_is_a_file():
+            raise TypeError(f"target {target!r} is defined in a program that has no file (stdin, python -c "
+                            f"or a notebook): child processes cannot import it; put it in a module")
         try:
             pickle.dumps((tuple(args), dict(kwargs or {})))
         except Exception as exc:

@@ -404,6 +404,21 @@ async def test_workers_killed_before_they_registered_leave_no_socket_directories
     assert orphans() <= before
 
 
+def test_a_target_from_a_program_without_a_file_is_a_type_error():
+    """A target defined in a script read from stdin (or python -c, or a notebook) failed
+    in the child's start-up, before rlinf ran: a bare WorkerFailedError, no traceback."""
+    script = (
+        "import asyncio, rlinf\n"
+        "async def fn(comm):\n    return 1\n"
+        "async def main():\n"
+        "    async with rlinf.Cluster() as cluster:\n"
+        "        try:\n            await cluster.spawn(fn, 'w', 1, ready_timeout=30)\n"
+        "        except TypeError as exc:\n            print('TypeError:', exc)\n"
+        "asyncio.run(main())\n")
+    out = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=120)
+    assert "TypeError:" in out.stdout and "has no file" in out.stdout, (out.stdout, out.stderr[-2000:])
+
+
 async def test_a_failing_call_raises_while_another_rank_waits_on_it(cluster):
     """call() waited for every rank's call, and one waiting on the failed rank never ends."""
     async with asyncio.timeout(60):
