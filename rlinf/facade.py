@@ -87,6 +87,9 @@ def _rendezvous(env: dict[str, str]) -> dict[str, Any]:
     if not master or not port:
         raise ValueError("rlinf.init() needs MASTER_ADDR and MASTER_PORT (torchrun sets them) "
                          "or RLINF_MANAGER and RLINF_TOKEN")
+    if ":" in master:    # an IPv6 address, bracketed or not (a host name never has one)
+        raise ValueError(f"MASTER_ADDR={master!r} is an IPv6 address; rlinf's TCP endpoints are IPv4 "
+                         f"only: use an IPv4 address or a host name that resolves to one")
     if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         run = f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         out["store"] = (master, int(port), f"rlinf/{run}/{prefix}/manager")

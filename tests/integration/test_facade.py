@@ -247,6 +247,9 @@ async def test_join_an_existing_manager_by_rlinf_env(cluster):
     ({"RANK": "0", "WORLD_SIZE": "2", "RLINF_MANAGER": "tcp://h:1"}, ["RLINF_TOKEN"]),
     ({"RLINF_ADDRESS": "t:1", "RANK": "0", "WORLD_SIZE": "2"}, ["disagrees"]),
     ({"RLINF_ADDRESS": "nope", "WORLD_SIZE": "2"}, ["group:rank"]),
+    # IPv6 got as far as binding, then blamed the port
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "::1", "MASTER_PORT": "29500"}, ["IPv6", "IPv4"]),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "[fe80::1]", "MASTER_PORT": "29500"}, ["IPv6"]),
 ])
 def test_environment_errors(env, words):
     with pytest.raises(ValueError) as info:
