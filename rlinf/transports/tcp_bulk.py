@@ -236,6 +236,36 @@ def _stream(sock: socket.socket, key: bytes, client: tuple[bytes, bytes], server
     return _Stream(sock, tuple(keys if outgoing == "c2s" else keys[::-1]), cipher)
 
 
+class _Deadline:
+    """Shuts ``conn`` down (its reader then fails) unless :meth:`met` is called within
+    ``seconds``; exactly one of the two wins."""
+
+    def __init__(self, conn: socket.socket, seconds: float) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+        self._state: str | None = None
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._state is None:
+                self._state = "expired"
+                try:
+                    self._conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def met(self) -> bool:
+        """Stop the clock; whether it had not run out."""
+        with self._lock:
+            if self._state is None:
+                self._state = "met"
+        self._timer.cancel()
+        return self._state == "met"
+
+
 class BulkListener(Listener):
     """Accepts authenticated bulk connections and delivers their frame sets on the loop."""
 
@@ -322,13 +352,19 @@ class BulkListener(Listener):
     def _serve(self, conn: socket.socket) -> None:
         try:
             _tune(conn)
+            # the whole handshake, not each read, within the timeout: a client trickling
+            # bytes would otherwise hold its place (one of _MAX_HANDSHAKES) for ever
+            deadline = _Deadline(conn, _HANDSHAKE_TIMEOUT)
             try:
                 identity, stream = self._handshake(conn)
+                if not deadline.met():
+                    raise PermissionError(f"no handshake within {_HANDSHAKE_TIMEOUT} s")
             except (OSError, PermissionError, struct.error) as exc:
                 self.rejected += 1
                 log.warning("rlinf: rejected a bulk connection: %s", exc)
                 return
             finally:
+                deadline.met()
                 with self._lock:
                     self._handshaking -= 1
             while not self._closed:

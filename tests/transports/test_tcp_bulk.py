@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import threading
 
 import numpy as np
 import pytest
@@ -221,3 +222,33 @@ def test_running_out_of_descriptors_pauses_accepting_and_never_ends_it():
 
     out = subprocess.run([sys.executable, "-c", _EMFILE_SCRIPT], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "served", out.stderr[-2000:]
+
+
+async def test_a_client_trickling_its_handshake_is_cut_off(listener, monkeypatch):
+    """The handshake timeout applied to each read only: a client sending a byte now and
+    then held its handshake place for ever."""
+    from rlinf.transports import tcp_bulk
+
+    monkeypatch.setattr(tcp_bulk, "_HANDSHAKE_TIMEOUT", 1.0)
+    host, port = _host_port(listener)
+    sock = socket.create_connection((host, port))
+    stop = threading.Event()
+
+    def trickle() -> None:        # a well-formed hello and proof, a byte every 0.2 s
+        for byte in b"RLINFBK2" + bytes(36 + 32):
+            if stop.wait(0.2):
+                return
+            try:
+                sock.send(bytes([byte]))
+            except OSError:
+                return
+
+    feeder = threading.Thread(target=trickle, daemon=True)
+    feeder.start()
+    try:
+        async with asyncio.timeout(5):   # its last byte would come after 15 s
+            assert await closed_by_peer(sock)
+    finally:
+        stop.set()
+        feeder.join(5)
+        sock.close()
