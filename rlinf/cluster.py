@@ -142,7 +142,11 @@ class _LocalLauncher:
             )
             try:
                 with _environ(spec.env):
-                    process.start()
+                    process.start()   # pickles the arguments (the target was checked before)
+            except (pickle.PicklingError, AttributeError, TypeError) as exc:
+                parent.close()
+                raise TypeError(f"the args/kwargs of {spec.name!r} cannot be sent to a child process: "
+                                f"{exc!r}") from None
             finally:
                 child.close()
             group._add(_Proc(address, process, parent, loop, spec.takes_calls))
@@ -296,10 +300,6 @@ class Cluster:
         if launcher == "local" and getattr(target, "__module__", None) == "__main__" and not _main_is_a_file():
             raise TypeError(f"target {target!r} is defined in a program that has no file (stdin, python -c "
                             f"or a notebook): child processes cannot import it; put it in a module")
-        try:
-            pickle.dumps((tuple(args), dict(kwargs or {})))
-        except Exception as exc:
-            raise TypeError(f"the args/kwargs of {name!r} cannot be sent to a child process: {exc!r}") from None
         chosen = self._launcher(launcher, resources=resources, placement=placement, max_restarts=max_restarts)
         spec = LaunchSpec(target, name, n, tuple(args), dict(kwargs or {}), dict(env or {}), takes_calls,
                           self.manager_address, self.token)

@@ -31,6 +31,7 @@ from .errors import AuthenticationError, ClosedError, CommTimeoutError, PeerLost
 from .inbound import FrameReader
 from .info import MembershipEvent, WorkerInfo, check_plain, parse_address
 from .mailbox import Mailbox, Message
+from .recent import Recent
 from .outbox import SMALL_MESSAGE, OutMessage, Outbox, bulk_frames, split_frames
 from .security import ClusterKeys, ZapHandler, tcp_encryption_enabled
 from .stats import CommStats, Counters
@@ -127,7 +128,7 @@ class Communicator:
         self._outboxes: dict[str, Outbox] = {}
         self._busy_poll = BusyPoll.from_env()
         self._mailbox = Mailbox(self._busy_poll)
-        self._dead: dict[tuple[str, str], None] = {}     # (address, incarnation), oldest first
+        self._dead = Recent()     # (address, incarnation) of peers known gone
         self._closing: asyncio.Task | None = None     # a close we started ourselves
         self._valid: set[str] = set()      # addresses already checked (hot-path memo)
         self._system_handlers: dict[str, Callable[[str, Any], None]] = {}
@@ -779,7 +780,7 @@ class Communicator:
         if event.kind == "joined" and event.info is not None:
             old = self._roster.get(event.address)
             self._roster[event.address] = event.info
-            self._dead.pop((event.address, event.incarnation), None)
+            self._dead.discard((event.address, event.incarnation))
             self._mailbox.peer_joined(event.address, event.incarnation)
             outbox = self._outboxes.get(event.address)
             if outbox is not None and (outbox.error is not None or (old and old.incarnation != event.incarnation)):
@@ -805,9 +806,7 @@ class Communicator:
         key = (address, incarnation)
         if key in self._dead or self._closed is not None:
             return
-        self._dead[key] = None
-        if len(self._dead) > DEAD_KEPT:
-            del self._dead[next(iter(self._dead))]
+        self._dead.add(key, DEAD_KEPT)
         self._arrival.forget(f"{address}|{incarnation}".encode())
         current = self._roster.get(address)
         if current is not None and current.incarnation != incarnation:

@@ -125,6 +125,7 @@ class WorkerInfo:
 
 #: Deepest nesting :func:`check_plain` accepts.
 PLAIN_DEPTH = 16
+_SCALARS = (bool, int, float, str, bytes)   # and None
 
 
 def check_plain(value: Any, what: str, depth: int = 0) -> None:
@@ -138,7 +139,7 @@ def check_plain(value: Any, what: str, depth: int = 0) -> None:
     """
     if depth > PLAIN_DEPTH:
         raise ValueError(f"{what} is nested deeper than {PLAIN_DEPTH}")
-    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+    if value is None or isinstance(value, _SCALARS):
         return
     if isinstance(value, (list, tuple)):
         for item in value:
@@ -146,7 +147,7 @@ def check_plain(value: Any, what: str, depth: int = 0) -> None:
         return
     if isinstance(value, dict):
         for key, item in value.items():
-            if not (key is None or isinstance(key, (bool, int, float, str, bytes))):
+            if not (key is None or isinstance(key, _SCALARS)):
                 raise TypeError(f"{what} has a map key that is not a scalar: {type(key).__name__}")
             check_plain(item, what, depth + 1)
         return

@@ -25,6 +25,7 @@ from typing import Any
 
 from .busypoll import BusyPoll
 from .errors import ClosedError, PeerLostError
+from .recent import Recent
 
 __all__ = ["Mailbox", "Message", "RETIRED_TAGS"]
 
@@ -79,7 +80,7 @@ class Mailbox:
         self._lost: dict[str, PeerLostError] = {}
         self._closed: BaseException | None = None
         self._arrivals = itertools.count()
-        self._retired: dict[Any, None] = {}   # tags nobody will receive again (oldest first)
+        self._retired = Recent()   # tags nobody will receive again
         self.queued = 0
 
     def __len__(self) -> int:
@@ -148,9 +149,7 @@ class Mailbox:
         :data:`RETIRED_TAGS` retired tags are remembered."""
         for src in self._sources_by_tag.pop(tag, ()):
             self.queued -= len(self._queues.pop((src, tag)))
-        self._retired[tag] = None
-        if len(self._retired) > RETIRED_TAGS:
-            del self._retired[next(iter(self._retired))]
+        self._retired.add(tag, RETIRED_TAGS)
 
     # -- receiving ---------------------------------------------------------------------
     def get_nowait(self, src: str | None, tag: Any) -> Message | None:

@@ -280,6 +280,14 @@ class Manager:
         if len(waiters) > MAX_LOOKUP_WAITERS:
             del waiters[0]
 
+    def _forget_lookups(self, identity: bytes) -> None:
+        for address in list(self._lookups):
+            kept = [w for w in self._lookups[address] if w[0] != identity]
+            if kept:
+                self._lookups[address] = kept
+            else:
+                del self._lookups[address]
+
     def _register(self, identity: bytes, info: WorkerInfo) -> None:
         old = self._roster.get(info.address)
         if old is not None and old.incarnation != info.incarnation:
@@ -298,10 +306,7 @@ class Manager:
         self._roster.pop(info.address, None)
         identity = self._identity.pop(info.address, None)
         if identity is not None:   # nobody is left to answer: forget what it waits for
-            for address in [a for a, ws in self._lookups.items() if any(w[0] == identity for w in ws)]:
-                self._lookups[address] = [w for w in self._lookups[address] if w[0] != identity]
-                if not self._lookups[address]:
-                    del self._lookups[address]
+            self._forget_lookups(identity)
         self._last_seen.pop(info.address, None)
         self._stats.pop(info.address, None)
         if info.pid and info.meta.get("machine") == self._machine and len(self._sweep) < 100_000:

@@ -15,7 +15,8 @@ from rlinf.transports.base import WouldBlock
 from rlinf.transports.stream import StreamTransport
 
 from ..integration.wait import until
-from ._keyed import check_a_client_without_the_key_is_refused, check_it_still_serves, closed_by_peer
+from ._keyed import (check_a_client_without_the_key_is_refused, check_it_still_serves,
+                     check_more_than_65536_buffers_arrive, closed_by_peer)
 
 KEY = b"k" * 32
 
@@ -133,13 +134,7 @@ async def test_a_message_of_more_than_65536_buffers_arrives(listener):
     """The listener refused frame sets of more than 65 536 frames, which the wire format
     allows (one per buffer of a large message): the message was lost, and the link with it."""
     async with asyncio.timeout(60):
-        link = await StreamTransport(KEY).connect(listener.endpoints["stream"], identity=b"a|1")
-        await link.send(b"many", [bytes([i % 251]) * 3 for i in range(70_000)])
-        await link.send(b"next", [])
-        got = [await listener.recv(), await listener.recv()]
-        assert [g.header for g in got] == [b"many", b"next"] and len(got[0].frames) == 70_000
-        assert bytes(got[0].frames[69_999]) == bytes([69_999 % 251]) * 3
-        link.close()
+        await check_more_than_65536_buffers_arrive(StreamTransport, KEY, listener, "stream")
 
 
 def test_buffers_may_be_reused_once_send_returns_under_uvloop():
