@@ -7,7 +7,9 @@ scalars and strings) at ~40 MiB and ~400 KiB, sent between two processes on this
 machine. The receiver rebuilds it and touches every page, then acks; one transfer is
 timed from the send call to the ack (median over repeats, after a warm-up). At 400 KiB
 the per-message cost is also measured streamed (200 messages back to back, one ack at
-the end), which is how small batches flow in a pipeline.
+the end), which is how small batches flow in a pipeline. The 400 KiB rows of rlinf, raw
+pyzmq and the floor are measured in alternating rounds (``ROUNDS``, each in new processes)
+and report the median over rounds; the note gives each method's range over the rounds.
 
 Rows: memcpy of the payload into memory already paged in (the limit), rlinf with views
 (the default), rlinf sending tensors already in shared memory (``share_memory_()``: by
@@ -53,6 +55,8 @@ ctx = baseline_context("torch")
 os.environ.setdefault("RLINF_PEER_TIMEOUT", "10")
 SIZES = {"40 MiB": 40 << 20, "400 KiB": 400 << 10}
 STREAM = 200
+#: Rounds of the 400 KiB rows (rlinf, raw pyzmq and the floor alternate; see ``_rounds``).
+ROUNDS, ROUNDS_QUICK = 5, 1
 
 
 def _tensors(obj: dict) -> list:
@@ -260,6 +264,39 @@ def _gloo(total: int, reps: int) -> float:
     return statistics.median(times[1:])
 
 
+# ----------------------------------------------------------------------------- rounds
+def _rounds(total: int, reps: int, stream: int, torch_tensors: bool, n: int) -> dict[str, list[tuple]]:
+    """``n`` rounds of rlinf (views), raw pyzmq and the floor, each round in a new pair of
+    processes and in a rotated order: ``{method: [(one at a time, streamed), ...]}``.
+
+    This VM runs everything up to ~1.8x slower for seconds at a time (the host throttles
+    its vCPUs), so methods measured once each, one after the other, can land in
+    different phases and their ratio says more about the phases than the methods.
+    Alternating rounds expose every method to the same mix of phases."""
+    methods = {
+        "rlinf": lambda: run_loop(_rlinf(total, reps, stream, {}, torch_tensors)),
+        "raw": lambda: _raw_zmq(total, reps, stream, torch_tensors),
+        "floor": lambda: _shm_floor.run(ctx, total, reps, stream, torch_tensors),
+    }
+    names = list(methods)
+    out: dict[str, list[tuple]] = {k: [] for k in names}
+    for r in range(n):
+        for k in names[r % 3:] + names[:r % 3]:
+            out[k].append(methods[k]())
+    return out
+
+
+def _medians(results: list[tuple]) -> tuple[float, float | None]:
+    """The median over rounds of each of ``(one at a time, streamed)``."""
+    streamed = [s for _, s in results if s is not None]
+    return statistics.median(t for t, _ in results), statistics.median(streamed) if streamed else None
+
+
+def _spread(results: list[tuple], i: int) -> str:
+    values = [r[i] for r in results if r[i] is not None]
+    return f"{min(values) * 1e6:.0f}-{max(values) * 1e6:.0f} us" if values else "-"
+
+
 # ----------------------------------------------------------------------------- table
 def run(quick: bool = False, sizes: list[str] | None = None) -> list[Row]:
     rows = []
@@ -271,18 +308,25 @@ def run(quick: bool = False, sizes: list[str] | None = None) -> list[Row]:
         stream = (STREAM // 10 if quick else STREAM) if small else 0
         torch_tensors = not quick
         memcpy = _memcpy(total, reps)
-        views, views_stream = run_loop(_rlinf(total, reps, stream, {}, torch_tensors))
+        if small:   # rlinf, raw pyzmq and the floor in alternating rounds: see _rounds
+            rounds = _rounds(total, reps, stream, torch_tensors, ROUNDS_QUICK if quick else ROUNDS)
+            (views, views_stream), (raw, raw_stream), (floor, floor_stream) = (
+                _medians(rounds[k]) for k in ("rlinf", "raw", "floor"))
+        else:
+            views, views_stream = run_loop(_rlinf(total, reps, stream, {}, torch_tensors))
+            raw, raw_stream = _raw_zmq(total, reps, stream, torch_tensors)
         copy, _ = run_loop(_rlinf(total, reps, 0, {"RLINF_SHM_VIEWS": "0"}, torch_tensors))
-        raw, raw_stream = _raw_zmq(total, reps, stream, torch_tensors)
         shared_q = _torch_queue(total, reps, shared=True)
         fresh_q = _torch_queue(total, reps, shared=False)
         gloo = _gloo(total, reps)
         if small:
-            floor, floor_stream = _shm_floor.run(ctx, total, reps, stream, torch_tensors)
+            spread = ", ".join(f"{k} {_spread(rounds[k], 0)}" for k in ("rlinf", "raw", "floor"))
+            spread_stream = ", ".join(f"{k} {_spread(rounds[k], 1)}" for k in ("rlinf", "raw", "floor"))
             rows += [
-                Row(f"S3 {label} views, one at a time", views, "raw pyzmq multipart ipc", raw, "s", target=">= 2x (<= 0.5x time)"),
+                Row(f"S3 {label} views, one at a time", views, "raw pyzmq multipart ipc", raw, "s",
+                    target=">= 2x (<= 0.5x time)", note=f"rounds: {spread}"),
                 Row(f"S3 {label} views, streamed ({stream})", views_stream, "raw pyzmq multipart ipc", raw_stream, "s",
-                    target=">= 2x (<= 0.5x time)"),
+                    target=">= 2x (<= 0.5x time)", note=f"rounds: {spread_stream}"),
                 Row(f"{label} views, one at a time", views, "hand-written shm loop (floor)", floor, "s",
                     note=f"floor takes {floor / raw:.2f}x raw pyzmq's time"),
                 Row(f"{label} views, streamed ({stream})", views_stream, "hand-written shm loop (floor)", floor_stream,
