@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one device check: GPU tests, then the GPU benchmark; prints a short table last.
+# The one device check: GPU tests, the GPU benchmark, then S3 on this quieter machine.
 # Runs on the lent GPU machine with only what it already has (torch, cupy, msgpack,
 # uvloop, pytest, hypothesis) plus the wheels carried in .gpu/wheels (pyzmq,
 # pytest-asyncio). Usage (from the repo root): bash scripts/gpu_check.sh
@@ -15,4 +15,6 @@ timeout 200 python3 -m pytest -q -p no:cacheprovider -o timeout=120 \
     tests/gpu tests/unit/test_codec.py tests/unit/test_routing.py tests/unit/test_devices.py \
     tests/integration/test_p2p.py 2>&1 | tee "$OUT/pytest.log" | tail -25 || status=1
 timeout 120 python3 benchmarks/gpu.py --quick 2>&1 | tee "$OUT/bench.log" | tail -20 || status=1
+# S3 (400 KiB same node, CPU path) on a machine quieter than the 2-vCPU VMs (issue #4).
+timeout 150 python3 benchmarks/transfer.py --size "400 KiB" 2>&1 | tee "$OUT/transfer.log" | tail -12 || status=1
 exit $status
