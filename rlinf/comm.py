@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import zmq
 
-from . import control, devices, routing, wire
+from . import control, devices, leftovers, routing, wire
 from .arrival import ArrivalOrder
 from .busypoll import BusyPoll
 from .codec import Codec, is_device_buffer
@@ -188,6 +188,7 @@ class Communicator:
             return self
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
+        leftovers.remove_orphans()     # of a job that died here with no one left to clean up
         self._context = zmq.Context()
         try:
             self._zap = ZapHandler(self._context, self._keys)

@@ -28,7 +28,7 @@ from typing import Any
 
 import zmq
 
-from . import control
+from . import control, leftovers
 from .devices import process_gone
 from .errors import ProtocolError
 from .info import MembershipEvent, WorkerInfo, check_plain
@@ -95,6 +95,7 @@ class Manager:
     async def start(self) -> Manager:
         """Bind and start serving. Returns self."""
         self._loop = asyncio.get_running_loop()
+        leftovers.remove_orphans()     # of a job that died here with its manager
         self._context = zmq.Context()
         self._zap = ZapHandler(self._context, self._keys)
         self._zap.attach(self._loop)

@@ -80,7 +80,8 @@ SLOT_ALIGN = 64
 _PAGE = 4096
 #: Segment file names: ``rlinf-<pid>-<token>-<n>`` (the pid lets a sweeper find a dead
 #: process's segments; nothing else may appear, so a name can never leave /dev/shm).
-_SEGMENT_NAME = re.compile(r"rlinf-([0-9]{1,10})-[0-9a-f]{1,32}-[0-9]{1,12}")
+#: ``rlinf-<pid>-<pid namespace>-<pool>-<n>`` (see :mod:`rlinf.leftovers`).
+_SEGMENT_NAME = re.compile(r"rlinf-([0-9]{1,10})-(?:[0-9a-f]{1,16}|x)-[0-9a-f]{1,32}-[0-9]{1,12}")
 
 _packer_opts = {"use_bin_type": True}
 

@@ -9,10 +9,11 @@ import sys
 
 import numpy as np
 
+from ..leftovers import SHM_DIR, owned_by, remove
+
 
 log = logging.getLogger("rlinf.transports.shm")
 
-SHM_DIR = "/dev/shm"
 #: Smallest slot (smaller payloads are rounded up to it).
 MIN_SLOT = 64 << 10
 #: Copies of at least this many bytes run in an executor thread (``RLINF_SHM_OFFLOAD``).
@@ -60,22 +61,9 @@ def offload_threshold() -> int:
 
 
 def sweep(pid: int, directory: str = SHM_DIR) -> int:
-    """Unlink every segment of process ``pid`` (call only once it is gone). Returns the count."""
-    prefix, count = f"rlinf-{int(pid)}-", 0
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return 0
-    for name in names:
-        if name.startswith(prefix):
-            try:
-                os.unlink(os.path.join(directory, name))
-                count += 1
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                log.warning("rlinf: cannot remove %s/%s: %s", directory, name, exc)
-    return count
+    """Unlink every segment of process ``pid`` of this PID namespace (call only once it is
+    gone). Returns the count."""
+    return sum(remove(path) for path in owned_by(pid, directory))
 
 
 def _slot_size(n: int) -> int:

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .. import wire
+from .. import leftovers, wire
 from ..copier import Copier
 from ..memory import page_aligned
 from ._shm_common import default_cap, SHM_DIR, _NUMPY_COPY, _prefault, _slot_size, _U8
@@ -146,7 +146,7 @@ class ShmPool:
     def __init__(self, cap: int | None = None, *, directory: str = SHM_DIR) -> None:
         self.cap = default_cap(directory) if cap is None else cap
         self._dir = directory
-        self._prefix = f"rlinf-{os.getpid()}-{secrets.token_hex(4)}-"
+        self._prefix = f"{leftovers.prefix()}{secrets.token_hex(4)}-"
         self._seq = itertools.count()
         self._generations = itertools.count(1)
         self._free: dict[int, list[_Slot]] = {}

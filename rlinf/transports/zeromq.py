@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
-import glob
 import logging
 import os
 import shutil
@@ -30,6 +29,7 @@ from typing import Any, Callable, Sequence
 import zmq
 from zmq.backend import Socket as _BackendSocket
 
+from .. import leftovers
 from ..errors import ClosedError, PeerLostError, TransportUnavailableError
 from ..security import ClusterKeys
 from .base import Inbox, Link, Listener, Received, Transport
@@ -67,15 +67,11 @@ def _remove_ipc_dirs_at_exit() -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _ipc_root() -> str | None:
-    return "/tmp" if os.path.isdir("/tmp") else None
-
-
 def make_ipc_dir() -> str:
     """A short private directory for socket files (AF_UNIX paths max 107 bytes), named
-    after this process (:func:`ipc_dirs_of`). Whoever listens there removes it on close;
+    after this process (:mod:`rlinf.leftovers`). Whoever listens there removes it on close;
     if the process exits first, an exit hook does."""
-    path = tempfile.mkdtemp(prefix=f"rlinf-{os.getpid()}-", dir=_ipc_root())
+    path = tempfile.mkdtemp(prefix=leftovers.prefix(), dir=leftovers.tmp_dir())
     os.chmod(path, 0o700)
     if len(_IPC_DIRS) > 10_000:   # closed listeners removed theirs: forget those
         for old in [p for p in _IPC_DIRS if not os.path.isdir(p)]:
@@ -87,8 +83,7 @@ def make_ipc_dir() -> str:
 def ipc_dirs_of(pid: int) -> list[str]:
     """The socket directories process ``pid`` made and did not remove: for whoever
     cleans up after it once it is gone, also those it made before telling anyone."""
-    root = _ipc_root() or tempfile.gettempdir()
-    return glob.glob(os.path.join(root, f"rlinf-{int(pid)}-*"))
+    return [path for path in leftovers.owned_by(pid, leftovers.tmp_dir()) if os.path.isdir(path)]
 
 
 def _nbytes(frame: Any) -> int:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import signal
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 import rlinf
+from rlinf.devices import process_gone
 from rlinf.transports import shm
 
 from .same import assert_same
@@ -294,7 +298,7 @@ async def test_bad_slot_descriptor_is_a_decode_error(cluster, driver):
             rlinf.security.ClusterKeys(cluster.token).secure_client(s, encrypt=False)
             s.connect(driver.info.endpoints["ipc"])
             header, _ = rlinf.codec.encode(np.zeros(100))
-            for name in ("rlinf-1-ab-0", f"rlinf-{os.getpid()}-00-999999"):
+            for name in ("rlinf-1-ff-ab-0", f"rlinf-{os.getpid()}-ff-00-999999"):
                 slot = [name, 0, 1 << 20, 1, False]
                 s.send_multipart([rlinf.wire.pack_header("evil:0", "i1", [[0, 0, header, [-800], slot]], True), b""])
                 with pytest.raises(rlinf.DecodeError):
@@ -391,3 +395,56 @@ async def test_pre_shared_tensors_are_copied_when_handles_are_off(cluster, monke
             assert float(t[0]) == 0.0             # the receiver wrote to its own copy
             assert sender._shm.pool.exports == 1
             await peer.join(timeout=60)
+
+
+_WHOLE_JOB = """
+import asyncio, json, os
+import numpy as np
+import rlinf
+from rlinf.control import run
+from tests.integration import workers_shm
+
+async def main():
+    async with rlinf.Cluster() as cluster, cluster.connect("driver:0") as comm:
+        group = await cluster.spawn(workers_shm.hold, "holder", 1, args=("driver:0",))
+        await comm.send({"x": np.ones(1 << 20)}, "holder:0", timeout=60)
+        await comm.recv("holder:0", tag=5, timeout=60)
+        print(json.dumps([os.getpid(), *group.pids]), flush=True)
+        await asyncio.Event().wait()
+
+run(main())
+"""
+
+
+def _leftovers(pid: int) -> list[str]:
+    from rlinf.transports.zeromq import ipc_dirs_of
+
+    return _segments(pid) + ipc_dirs_of(pid)
+
+
+async def test_a_job_killed_whole_is_cleaned_up_by_the_next_start():
+    """Driver, embedded manager and worker killed at once: no one is left to notice, so
+    their segments and socket directories stay until rlinf next starts on this machine."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    job = await asyncio.create_subprocess_exec(sys.executable, "-c", _WHOLE_JOB, cwd=root,
+                                               stdout=asyncio.subprocess.PIPE, start_new_session=True)
+    pids: list[int] = []
+    try:
+        async with asyncio.timeout(120):
+            pids = json.loads(await job.stdout.readline())
+            assert len(pids) == 2 and _segments(pids[0]) and all(_leftovers(p) for p in pids)
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            await job.wait()
+            await until(lambda: process_gone(pids[1]), what="the worker to die")
+            assert all(_leftovers(p) for p in pids)          # no one noticed
+            async with rlinf.Manager():
+                pass
+            assert not any(_leftovers(p) for p in pids)
+    finally:
+        for pid in pids:
+            if not process_gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        if job.returncode is None:
+            job.kill()
+            await job.wait()

@@ -74,7 +74,7 @@ def test_release_must_match_reader_and_generation(pool):
     slot, _ = _export(pool, [b"x" * 10], readers={"r:0": 1})
     assert not pool.release("intruder:0", slot.name, slot.generation)
     assert not pool.release("r:0", slot.name, slot.generation + 1)
-    assert not pool.release("r:0", "rlinf-1-ab-0", 1)
+    assert not pool.release("r:0", "rlinf-1-ff-ab-0", 1)
     assert pool.busy == 1
     assert pool.release("r:0", slot.name, slot.generation)
     assert pool.busy == 0 and not pool.release("r:0", slot.name, slot.generation)   # no double free
@@ -219,14 +219,14 @@ def test_reader_refuses_foreign_missing_or_short_segments(pool, reader):
 
 @pytest.mark.parametrize("slot", [
     ["../../etc/passwd", 0, 4096, 1, False],
-    ["rlinf-1-ab-0/x", 0, 4096, 1, False],
+    ["rlinf-1-ff-ab-0/x", 0, 4096, 1, False],
     ["torch_1_2_3", 0, 4096, 1, False],
-    ["rlinf-1-ab-0", 100, 4096, 1, False],           # offset not page-aligned
-    ["rlinf-1-ab-0", 0, 0, 1, False],                # empty slot
-    ["rlinf-1-ab-0", 0, 1 << 41, 1, False],          # beyond MAX_SLOT
-    ["rlinf-1-ab-0", 0, 4096, -1, False],
-    ["rlinf-1-ab-0", 0, 4096, 1, 1],                 # private must be a bool
-    ["rlinf-1-ab-0", 0, 4096],
+    ["rlinf-1-ff-ab-0", 100, 4096, 1, False],           # offset not page-aligned
+    ["rlinf-1-ff-ab-0", 0, 0, 1, False],                # empty slot
+    ["rlinf-1-ff-ab-0", 0, 1 << 41, 1, False],          # beyond MAX_SLOT
+    ["rlinf-1-ff-ab-0", 0, 4096, -1, False],
+    ["rlinf-1-ff-ab-0", 0, 4096, 1, 1],                 # private must be a bool
+    ["rlinf-1-ff-ab-0", 0, 4096],
 ])
 def test_bad_slot_descriptors_are_protocol_errors(slot):
     header = wire.pack_header("x:0", "i", [[0, 0, b"", [-10], slot]], True)
@@ -235,7 +235,7 @@ def test_bad_slot_descriptors_are_protocol_errors(slot):
 
 
 def test_layout_must_fit_its_slot_and_negative_counts_need_one():
-    ok = ["rlinf-1-ab-0", 0, 4096, 1, False]
+    ok = ["rlinf-1-ff-ab-0", 0, 4096, 1, False]
     entries = wire.unpack_header(wire.pack_header("x:0", "i", [[0, 0, b"", [-10, 0, -4000], ok]], True), [])[2]
     assert entries[0].slot.pid == 1 and entries[0].frame_counts == [-10, 0, -4000]
     with pytest.raises(ProtocolError, match="cannot hold"):
@@ -265,13 +265,6 @@ def test_recycled_memory_starts_on_a_page():
         assert recycler.take(n).ctypes.data % mmap.PAGESIZE == 0
     copies = recycler.copy([b"x" * 5000, b"y" * 70000])
     assert np.frombuffer(copies[0], np.uint8).ctypes.data % mmap.PAGESIZE == 0
-
-
-def test_sweep_removes_only_that_pid(tmp_path):
-    for name in ("rlinf-123-ab-0", "rlinf-123-cd-7", "rlinf-1234-ab-0", "other"):
-        (tmp_path / name).write_bytes(b"")
-    assert shm.sweep(123, directory=str(tmp_path)) == 2
-    assert sorted(os.listdir(tmp_path)) == ["other", "rlinf-1234-ab-0"]
 
 
 def test_cap_parsing(monkeypatch):
@@ -391,16 +384,16 @@ def test_a_receiver_that_mapped_a_link_is_not_waited_for_again(released):
 
 
 def test_relayed_places_are_validated_against_their_relays():
-    relay = ["rlinf-7-ab-3", 0, 8192, 5]
+    relay = ["rlinf-7-ff-ab-3", 0, 8192, 5]
     entries = wire.unpack_header(
         wire.pack_header("x:0", "i", [[0, 0, b"", [[0, 64, 100], 0, [0, 4096, 4096]], None, [relay]]], True), [])[2]
     (entry,) = entries
     assert entry.slot is None and entry.relays[0].pid == 7 and entry.relays[0].generation == 5
     assert entry.relays[0].private                                  # relayed slots are mapped copy-on-write
-    own = ["rlinf-7-ab-0", 0, 4096, 1, False]
+    own = ["rlinf-7-ff-ab-0", 0, 4096, 1, False]
     both = wire.unpack_header(
         wire.pack_header("x:0", "i", [[0, 0, b"", [-10, [0, 0, 10]], own, [relay]]], True), [])[2][0]
-    assert both.slot.segment == "rlinf-7-ab-0" and both.relays[0].segment == "rlinf-7-ab-3"
+    assert both.slot.segment == "rlinf-7-ff-ab-0" and both.relays[0].segment == "rlinf-7-ff-ab-3"
     bad = [
         [[0, 0, b"", [[0, 0, 10]]]],                                      # a place without relays
         [[0, 0, b"", [[1, 0, 10]], None, [relay]]],                       # no relay 1
@@ -410,8 +403,8 @@ def test_relayed_places_are_validated_against_their_relays():
         [[0, 0, b"", [[0, 0]], None, [relay]]],
         [[0, 0, b"", [[0, 0, 10]], None, []]],                            # empty relay list
         [[0, 0, b"", [[0, 0, 10]], None, [["../x", 0, 8192, 5]]]],        # not a segment name
-        [[0, 0, b"", [[0, 0, 10]], None, [["rlinf-7-ab-3", 10, 8192, 5]]]],   # unaligned
-        [[0, 0, b"", [[0, 0, 10]], None, [["rlinf-7-ab-3", 0, 8192]]]],
+        [[0, 0, b"", [[0, 0, 10]], None, [["rlinf-7-ff-ab-3", 10, 8192, 5]]]],   # unaligned
+        [[0, 0, b"", [[0, 0, 10]], None, [["rlinf-7-ff-ab-3", 0, 8192]]]],
     ]
     for entries in bad:
         with pytest.raises(ProtocolError):
