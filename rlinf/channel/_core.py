@@ -610,12 +610,13 @@ class ChannelCore:
             if h.want <= 0:
                 h.want = 0
                 self.want_queue.popleft()
-        if self.want_queue:
-            for h in self.handles.values():
+        if self.want_queue or (self.soft_wants and self._free() <= 0):
+            for h in self.handles.values():   # a put_nowait waits for space too (soft_wants)
                 if h.leased > 0 and h.want == 0 and not h.revoking:
                     h.revoking = True
                     self.send(h, ("revoke",))
-            return
+            if self.want_queue:
+                return
         while self.soft_wants and self._free() > 0:
             h = self.soft_wants.popleft()
             if not h.dead:

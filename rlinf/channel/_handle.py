@@ -49,6 +49,11 @@ def _check_key(key: Any) -> None:
         except UnicodeEncodeError as exc:       # lone surrogates
             raise ValueError(f"a channel key str must be valid Unicode text: {exc}") from None
 
+#: A count no channel reaches: larger ``max_items``/``prefetch`` mean the same (and must
+#: fit the wire's integers).
+MAX_COUNT = 1 << 31
+
+
 def _check_weight(weight: Any) -> float:
     kind = type(weight)
     if kind is not float and kind is not int and (isinstance(weight, bool) or not isinstance(weight, numbers.Real)):
@@ -121,7 +126,7 @@ class HandleBase:
         self._hid = next(_hids)
         self._tag = reply_tag(self._hid)
         self._codec = comm._codec
-        self._prefetch = prefetch
+        self._prefetch = min(prefetch, MAX_COUNT)
         self._free_memory = free_memory or default_free_memory
         self._memory: tuple[float, int | None] = (-1.0, None)
         self._clock = time.monotonic
@@ -479,6 +484,7 @@ class HandleBase:
         """The handle is unusable from now on: fail everything pending with ``error()``."""
         if self._error is None:
             self._error = error
+        self._unacked.clear()      # the server takes them back (or they are lost with it)
         for table in (self._gets, self._calls):
             for future in table.values():
                 if not future.done():

@@ -24,6 +24,7 @@ so keep them picklable (plain attributes, a module-level class).
 from __future__ import annotations
 
 import math
+import operator
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -498,13 +499,17 @@ def select_checked(policy: LoadBalancePolicy, item: ItemInfo, consumers: list[Co
 
     Raises:
         ValueError: ``consumers`` is empty, or the policy returned an out-of-range index.
-        TypeError: the policy returned something other than an int.
+        TypeError: the policy returned something other than an integer (a bool, a float...).
     """
     _require(consumers)
-    choice = policy.select_consumer(item, consumers)
-    if isinstance(choice, bool) or not isinstance(choice, int):
+    answer = policy.select_consumer(item, consumers)
+    try:   # any integer (numpy's too: ``np.argmax``), not a bool
+        choice = operator.index(answer)
+    except TypeError:
+        choice = None
+    if choice is None or isinstance(answer, bool):
         raise TypeError(
-            f"policy {policy.name!r} returned {type(choice).__name__} {choice!r}; "
+            f"policy {policy.name!r} returned {type(answer).__name__} {answer!r}; "
             "select_consumer must return an index into consumers"
         )
     if not 0 <= choice < len(consumers):

@@ -623,3 +623,80 @@ async def test_a_large_item_is_written_once_and_only_its_descriptor_passes_the_s
         del got                                                 # release: consumer -> server -> producer
         await until(lambda: driver._shm.pool.busy == 0, timeout=30, what="the producer's slot to come back")
         await out.close()
+
+
+async def test_a_huge_max_items_is_no_limit_and_breaks_nothing(driver, comms):
+    """It failed at encoding, failing the whole handle (and the puts queued with it)."""
+    async with asyncio.timeout(30):
+        await driver.create_channel("mi", in_process=True)
+        [h] = await _handles(comms, "mi", 1)
+        for i in range(3):
+            await h.put(i)
+        assert await h.get_batch(max_items=2**64, timeout=10) == [0, 1, 2]
+        await h.put("after")
+        assert await h.get(timeout=10) == "after"
+        with pytest.raises(ValueError):
+            await h.get_batch(max_items=0)
+
+
+async def test_put_nowait_gets_the_space_an_idle_handle_leased(driver, comms):
+    """The creator's handle leased the only space of the channel at its hello: a
+    put_nowait elsewhere asks for it back (as a blocking put does)."""
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("pn", maxsize=1, in_process=True)
+        [producer] = await _handles(comms, "pn", 1)
+
+        def put_nowait() -> bool:
+            try:
+                producer.put_nowait("x")
+            except rlinf.WouldBlock:
+                return False
+            return True
+
+        assert not put_nowait()                  # no lease yet: asked for one
+        await until(put_nowait, what="put_nowait to get the space")
+        await producer.flush(timeout=10)
+        assert (await ch.stats(timeout=10)).length == 1
+
+
+async def test_concurrent_closes_all_return(driver, comms):
+    async with asyncio.timeout(30):
+        await driver.create_channel("cc", in_process=True)
+        a, b = await _handles(comms, "cc", 2)
+        assert await asyncio.gather(a.close(timeout=10), b.close(timeout=10)) == [None, None]
+
+
+async def test_task_done_after_detach_says_the_item_went_back(driver, comms):
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("td", in_process=True)
+        first, second = await _handles(comms, "td", 2)
+        await ch.put({"job": 1})
+        item = await first.get(ack=True, timeout=10)
+        await first.detach()
+        with pytest.raises(rlinf.ClosedError, match="detached"):
+            first.task_done(item)
+        assert await second.get(timeout=10) == {"job": 1}
+
+
+async def test_a_batch_acked_together_reports_its_time_once(driver, comms):
+    """8 items of one get_batch, finished after ~0.2 s: the consumer ran at ~40 weight per
+    second, not 8 / (8 x 0.2 s) = 5."""
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("sp", in_process=True, policy="performance_aware")
+        [consumer] = await _handles(comms, "sp", 1)
+        for i in range(8):
+            await ch.put(i)
+        await ch.flush(timeout=10)
+        batch = await consumer.get_batch(timeout=10, ack=True)
+        assert len(batch) == 8
+        started = asyncio.get_running_loop().time()
+        await asyncio.sleep(0.2)                                   # the "work" (timed, not a sync)
+        consumer.task_done(*batch)
+        elapsed = asyncio.get_running_loop().time() - started
+        await consumer.flush(timeout=10)
+
+        async def speed():
+            return (await ch.stats(timeout=10)).consumer("c0:0").speed
+
+        await until(speed, what="the consumer's speed to be reported")
+        assert 8 / (elapsed + 0.1) <= await speed() <= 8 / 0.2 * 1.01

@@ -8,6 +8,7 @@ import pickle
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from rlinf.channel import policies as policies_module
@@ -365,7 +366,8 @@ def test_subclass_of_builtin_gets_its_own_name() -> None:
     assert MyRR.name == "MyRR" and RoundRobin.name == "round_robin"
 
 
-@pytest.mark.parametrize(("bias", "error"), [(5, ValueError), (-1, ValueError), (True, TypeError), ("0", TypeError)])
+@pytest.mark.parametrize(("bias", "error"), [(5, ValueError), (-1, ValueError), (True, TypeError), ("0", TypeError),
+                                             (1.0, TypeError), (np.bool_(True), TypeError), (np.int64(2), ValueError)])
 def test_select_checked_rejects_bad_answers(bias: object, error: type[Exception]) -> None:
     with pytest.raises(error, match="NeedsArgs"):
         select_checked(NeedsArgs(bias), ITEM, consumers(pending_weight=[0.0, 0.0]))  # type: ignore[arg-type]
@@ -403,3 +405,10 @@ def test_balance_simulation_performance_aware_meets_q3() -> None:
     assert best["median_imbalance"] == min(r["median_imbalance"] for r in rows.values())
     # Speed-blind policies leave the fast consumer idle: far from balanced.
     assert rows["shortest_queue"]["median_imbalance"] > 0.5
+
+
+def test_select_checked_takes_any_integer_index() -> None:
+    """numpy's integers are indices too (a policy returning ``np.argmax(...)``)."""
+    for index in (np.int64(1), np.uint8(1), np.intp(1)):
+        choice = select_checked(NeedsArgs(index), ITEM, consumers(pending_weight=[0.0, 0.0]))
+        assert choice == 1 and type(choice) is int
