@@ -68,8 +68,11 @@ class ChannelStats:
         keys: per sub-queue length and weight (sub-queues that ever held an item).
         consumers: every live consumer, in the order they joined.
         producers: handles that have put at least one item and are still attached.
-        put_count, get_count: items accepted / handed to consumers since the start.
-        requeued: items put back in the queue (consumer died, cancelled get, stolen).
+        put_count, get_count: items accepted / handed to consumers since the start (an
+            item handed out, put back and handed out again counts twice in
+            ``get_count``, ``get_rate`` and ``bytes_out``; ``requeued`` counts the returns).
+        requeued: items put back in the queue (consumer died or detached, cancelled get,
+            stolen by work stealing).
         rejected: puts refused because the channel was closed.
         put_rate, get_rate: items per second over the last 5 s.
         bytes_in, bytes_out: payload bytes accepted / handed out.
