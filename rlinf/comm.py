@@ -31,7 +31,7 @@ from .errors import AuthenticationError, ClosedError, CommTimeoutError, PeerLost
 from .inbound import FrameReader
 from .info import MembershipEvent, WorkerInfo, check_plain, parse_address
 from .mailbox import Mailbox, Message
-from .recent import Recent
+from .bounded import Recent
 from .outbox import SMALL_MESSAGE, OutMessage, Outbox, bulk_frames, split_frames
 from .security import ClusterKeys, ZapHandler, tcp_encryption_enabled
 from .stats import CommStats, Counters

@@ -25,7 +25,7 @@ from typing import Any
 
 from .busypoll import BusyPoll
 from .errors import ClosedError, PeerLostError
-from .recent import Recent
+from .bounded import Recent
 
 __all__ = ["Mailbox", "Message", "RETIRED_TAGS"]
 

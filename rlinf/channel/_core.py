@@ -24,6 +24,7 @@ import math
 import time
 from typing import Any, Callable
 
+from ..bounded import Doubling
 from ._state import Handle, Item, Request, insert_by_id
 from .policies import ItemInfo, LoadBalancePolicy, make_policy, select_checked
 
@@ -78,6 +79,7 @@ class ChannelCore:
         self.bytes_in = self.bytes_out = 0
         self._rates: collections.deque[list] = collections.deque()   # [second, puts, gets]
         self._deferred: set | None = None   # keys to serve once the current batch is applied
+        self._keys_looked = Doubling()       # when to forget idle keys again (_forget_idle_keys)
 
     def __repr__(self) -> str:
         return (f"<ChannelCore {self.name} queued={self.queued} live={self.live_total} "
@@ -123,6 +125,27 @@ class ChannelCore:
             for key in deferred:
                 self._serve_wanting(key)
         self._grant()
+        if self._keys_looked.due(len(self.live)):
+            self._forget_idle_keys()
+
+    def _forget_idle_keys(self) -> None:
+        """Forget the keys under which nothing is queued, in flight or waited for. A
+        channel keyed by episode or request id sees each key for a while, then never
+        again: its per-key state must not grow for good. (A consumer with ``prefetch``
+        keeps the credit of every key it got from, so its keys are kept.) A key used
+        again starts afresh: its consumers join it with their next get."""
+        for key in [k for k, n in self.live.items() if n == 0]:
+            members = self.consumers.get(key, ())
+            if self.shared.get(key) or any(h.wants(key) or h.assigned.get(key) for h in members):
+                continue
+            for h in members:
+                h.keys.discard(key)
+                h.requests.pop(key, None)
+                h.assigned.pop(key, None)
+                h.credit.pop(key, None)
+            for table in (self.shared, self.consumers, self.wanting, self.key_len, self.key_weight, self.live):
+                table.pop(key, None)
+        self._keys_looked.looked(len(self.live))
 
     def _hello(self, src: str, hid: int, rid: int, incarnation: str, node_id: str, name: str) -> Handle:
         old = self.handles.get((src, hid))

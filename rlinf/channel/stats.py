@@ -65,7 +65,9 @@ class ChannelStats:
         name, policy, maxsize: the channel's configuration (maxsize 0: unbounded).
         closed: ``close()`` was called (no more puts).
         length, weight: items waiting in the channel (all keys), and their total weight.
-        keys: per sub-queue length and weight (sub-queues that ever held an item).
+        keys: per sub-queue length and weight (sub-queues that hold items, or did
+            lately: the state of keys under which nothing is queued, in flight or awaited
+            is dropped from time to time).
         consumers: every live consumer, in the order they joined.
         producers: handles that have put at least one item and are still attached.
         put_count, get_count: items accepted / handed to consumers since the start (an

@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ._fdshare import FD_RELEASE, FdShares, shared_storages
-from ._shm_common import Doubling
+from ..bounded import Doubling
 
 __all__ = ["Relay"]
 

@@ -78,20 +78,3 @@ def _prefault(mm: mmap.mmap, size: int) -> None:
         mm.madvise(_MADV_POPULATE_WRITE)
     except (OSError, ValueError):   # kernels before 5.14: touch every page instead
         np.frombuffer(mm, _U8, size)[::_PAGE] = 0
-
-
-class Doubling:
-    """When to look again for dead entries of a collection that may keep growing: once
-    it has doubled since the last look. Dead entries then stay fewer than live ones, and
-    each entry costs O(1) checks in all (looking at every growth would be quadratic)."""
-
-    __slots__ = ("_last",)
-
-    def __init__(self) -> None:
-        self._last = 2
-
-    def due(self, n: int) -> bool:
-        return n >= 2 * self._last
-
-    def looked(self, n: int) -> None:
-        self._last = max(n, 2)

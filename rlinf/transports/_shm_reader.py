@@ -15,7 +15,8 @@ import numpy as np
 from .. import wire
 from ..errors import ClosedError, ProtocolError
 from ._pagemap import written_runs
-from ._shm_common import SHM_DIR, _PAGE, _POPULATE_MAX, _U8, Doubling
+from ..bounded import Doubling
+from ._shm_common import SHM_DIR, _PAGE, _POPULATE_MAX, _U8
 
 log = logging.getLogger("rlinf.transports.shm")
 

@@ -402,6 +402,32 @@ def test_lease_holders_are_asked_to_give_back_idle_space():
 
 
 # -- stats and payloads ------------------------------------------------------------------------
+def test_the_state_of_idle_keys_is_forgotten():
+    """Keys used once each (episode ids) do not grow the channel for good; a key still
+    queued, in flight or awaited is kept, and a forgotten key works again."""
+    t = Harness(policy="round_robin")
+    t.hello("p:0", "a:0", "b:0")
+    core = t.core
+    waiting = t.get("b:0", key="waited")
+    t.put("p:0", 1.0, key="queued")
+    for episode in range(1000):
+        t.get("a:0", key=episode)
+        t.put("p:0", 1.0, key=episode)
+        [[item]] = t.items("a:0")
+        t.took("a:0", [item])
+    tables = (core.live, core.key_len, core.key_weight, core.shared, core.consumers)
+    assert max(len(table) for table in tables) < 100
+    assert core.key_len["queued"] == 1 and "waited" in core.consumers
+    handle = core.handles[("a:0", 1)]
+    assert len(handle.keys) < 100 and len(handle.requests) < 100
+    t.put("p:0", 2.0, key="waited")
+    assert [op[1] for op in t.drain("b:0") if op[0] == "items"] == [waiting]
+    t.get("a:0", key=3)                 # a forgotten key: joined again, served again
+    t.put("p:0", 1.0, key=3)
+    assert len(t.items("a:0")) == 1
+    assert core.stats()["put_count"] == 1003
+
+
 def test_stats_snapshot_is_frozen_and_readable():
     t = Harness(policy="round_robin")
     t.hello("p:0", "c:0")
