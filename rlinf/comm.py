@@ -99,11 +99,18 @@ class Communicator:
         exclusive: join only if no live worker holds ``address`` (else ``start``
             raises :class:`~rlinf.AddressInUseError`). By default a second worker under
             a live address replaces the first, as a restarted worker does.
+        manager_host: the address of the worker whose process also runs the manager, if
+            one does (``rlinf.init`` passes rank 0's). Lost peers are reported by the
+            manager; while it is silent for the peer timeout, this communicator reports
+            lost, by itself, that worker and the peers on its own machine whose process
+            is gone (operations on them fail with ``PeerLostError`` instead of waiting
+            for a manager that may never come back).
     """
 
     def __init__(self, address: str | None = None, *, manager: str | None = None, token: str | None = None,
                  codec: Codec | None = None, connect_timeout: float = 30.0, meta: dict | None = None,
-                 shm_views: bool | None = None, exclusive: bool = False) -> None:
+                 shm_views: bool | None = None, exclusive: bool = False,
+                 manager_host: str | None = None) -> None:
         address = address or os.environ.get("RLINF_ADDRESS")
         if not address:
             raise ValueError("no worker address: pass address='group:rank' or set RLINF_ADDRESS")
@@ -124,6 +131,7 @@ class Communicator:
         self._meta = dict(meta or {})
         check_plain(self._meta, "meta")     # the manager refuses a registration with other data
         self._exclusive = bool(exclusive)
+        self._manager_host = manager_host if manager_host is None else str(manager_host)
         self._roster: dict[str, WorkerInfo] = {}
         self._outboxes: dict[str, Outbox] = {}
         self._busy_poll = BusyPoll.from_env()
@@ -219,7 +227,8 @@ class Communicator:
             )
             self._control = control.ControlClient(self._context, self._keys, self.manager_address, self.info,
                                                   self._on_event, stats=self._heartbeat_stats,
-                                                  exclusive=self._exclusive, on_superseded=self._superseded)
+                                                  exclusive=self._exclusive, on_superseded=self._superseded,
+                                                  manager_host=self._manager_host)
             await self._control.register(timeout=self._connect_timeout)
         except BaseException:
             await self._teardown(deregister=False)

@@ -22,6 +22,7 @@ import msgpack
 import zmq
 import zmq.utils.monitor
 
+from .devices import process_gone
 from .errors import AddressInUseError, AuthenticationError, ClosedError, CommTimeoutError, ProtocolError
 from .info import MembershipEvent, WorkerInfo
 from .security import ClusterKeys
@@ -121,13 +122,22 @@ class ControlClient:
         on_superseded: called (loop thread, with the manager's reason) when we are no
             longer registered and another incarnation has taken our address meanwhile: a
             re-registration never evicts it, so this incarnation should stop.
+        manager_host: the address of the worker whose process also runs the manager (the
+            facade's rank 0), if any.
+
+    While the manager is silent (no heartbeat answered for the peer timeout: it died,
+    or its machine is cut off), nobody reports lost peers, so this client judges what it
+    can alone: a peer on its own machine (same ``machine_id``) whose process is gone,
+    and ``manager_host``, are reported ``lost``. Other peers wait for the manager (a
+    restarted one rebuilds the roster).
     """
 
     def __init__(self, context: zmq.Context, keys: ClusterKeys, manager: str, info: WorkerInfo,
                  on_event: Callable[[MembershipEvent], None],
                  stats: Callable[[], dict] | None = None, exclusive: bool = False,
-                 on_superseded: Callable[[str], None] | None = None) -> None:
+                 on_superseded: Callable[[str], None] | None = None, manager_host: str | None = None) -> None:
         self.manager = manager
+        self.manager_host = manager_host
         self.info = info
         self.exclusive = exclusive
         self._on_event = on_event
@@ -154,6 +164,8 @@ class ControlClient:
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._stats_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
+        self._heard = time.monotonic()     # the last heartbeat answer (set by the heartbeat thread)
         self._reregistering = False
         self.latest_stats: dict | None = None
         self._closed = False
@@ -221,9 +233,29 @@ class ControlClient:
             self._heartbeat = threading.Thread(target=self._heartbeat_thread, name="rlinf-heartbeat",
                                                args=(self._context, self._keys, self._stop), daemon=True)
             self._heartbeat.start()
+            self._watch_task = self._loop.create_task(self._watch_loop())
             if self._stats is not None:
                 self._stats_task = self._loop.create_task(self._stats_loop())
         return roster
+
+    async def _watch_loop(self) -> None:
+        """While the manager is silent, report the peers we can judge alone (class doc)."""
+        timeout, interval = default_peer_timeout(), heartbeat_interval()
+        while True:
+            await asyncio.sleep(interval)
+            if time.monotonic() - self._heard > timeout:
+                self._judge_alone(timeout)
+
+    def _judge_alone(self, silent: float) -> None:
+        machine = self.info.meta.get("machine")
+        for address, info in list(self._known.items()):
+            if address == self.info.address:
+                continue
+            if address == self.manager_host or (
+                    info.pid and machine and info.meta.get("machine") == machine and process_gone(info.pid)):
+                log.warning("rlinf %s: the manager has been silent for over %.1f s and %s is gone; "
+                            "reporting it lost", self.info.address, silent, address)
+                self._apply(MembershipEvent("lost", address, info.incarnation, info))
 
     async def _stats_loop(self) -> None:
         while True:
@@ -379,6 +411,7 @@ class ControlClient:
                             reply = unpack(sock.recv(zmq.NOBLOCK))
                         except (zmq.Again, ProtocolError):
                             continue
+                        self._heard = time.monotonic()   # here: a busy loop must not look like silence
                         self._loop.call_soon_threadsafe(self._on_heartbeat_reply, reply)
         except zmq.ContextTerminated:
             pass
@@ -406,12 +439,13 @@ class ControlClient:
         if self._closed:
             return
         self._stop.set()
-        if self._stats_task is not None:
-            self._stats_task.cancel()
-            try:
-                await self._stats_task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._stats_task, self._watch_task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         try:
             if self._heartbeat is not None:
                 await self._loop.run_in_executor(None, self._heartbeat.join, 2.0)

@@ -83,6 +83,7 @@ def _rendezvous(env: dict[str, str]) -> dict[str, Any]:
             raise ValueError("RLINF_MANAGER is set but RLINF_TOKEN is not")
         out["manager"] = env["RLINF_MANAGER"]
         return out
+    out["manager_host"] = f"{prefix}:0"     # rank 0 runs the manager from here on
     master, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
     if not master or not port:
         raise ValueError("rlinf.init() needs MASTER_ADDR and MASTER_PORT (torchrun sets them) "
@@ -260,7 +261,8 @@ class SyncCommunicator:
                     manager, published = store.get(key).decode().split(" ", 1)
                     token = token or published
             self.communicator = Communicator(self.address, manager=manager, token=token,
-                                             connect_timeout=connect_timeout)
+                                             connect_timeout=connect_timeout,
+                                             manager_host=spec.get("manager_host"))
             self._run(self.communicator.start())
             self._group = self.communicator.group(self._addresses)
         except BaseException:

@@ -173,6 +173,24 @@ def _numpy_program() -> None:
     print(f"OK {rank}", flush=True)
 
 
+def _host_dies_program() -> None:
+    """Rank 0 (it runs the manager too) is killed after a barrier: rank 1's collective
+    fails with PeerLostError instead of waiting for ever (nobody else reports losses)."""
+    import time
+
+    import numpy as np
+
+    comm = facade.init()
+    comm.barrier()
+    if comm.rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    started = time.monotonic()
+    _expect(rlinf.PeerLostError, ["rank:0"], comm.all_reduce, np.ones(4, np.float32))
+    assert time.monotonic() - started < 10
+    print(f"OK {comm.rank}", flush=True)
+    os._exit(0)        # the manager's rank is gone: nothing to shut down with
+
+
 # -- helpers ---------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
@@ -180,8 +198,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _run_ranks(program: str, envs: list[dict[str, str]], timeout: float) -> None:
-    """Start one interpreter per env running ``program``; all must print OK <rank>.
+async def _run_ranks(program: str, envs: list[dict[str, str]], timeout: float, killed: tuple[int, ...] = ()) -> None:
+    """Start one interpreter per env running ``program``; all must print OK <rank>, but
+    the ``killed`` ranks, which must die of SIGKILL.
 
     On timeout every rank dumps its threads' stacks (faulthandler, SIGUSR1) into the
     failure message before it is killed.
@@ -218,6 +237,9 @@ async def _run_ranks(program: str, envs: list[dict[str, str]], timeout: float) -
             task.cancel()
     for rank, (p, out) in enumerate(zip(procs, outputs)):
         text = "".join(out)
+        if rank in killed:
+            assert p.returncode == -signal.SIGKILL, f"rank {rank} was not killed:\n{text}"
+            continue
         assert p.returncode == 0 and f"OK {rank}" in text, f"rank {rank} failed:\n{text}"
 
 
@@ -230,6 +252,14 @@ async def test_three_ranks_started_like_torchrun():
         for key in ("RLINF_MANAGER", "RLINF_TOKEN", "RLINF_ADDRESS", "TORCHELASTIC_USE_AGENT_STORE"):
             env[key] = ""
     await _run_ranks("_torch_program", envs, timeout=100)
+
+
+async def test_the_death_of_the_rank_that_runs_the_manager_fails_the_others_fast():
+    port = str(_free_port())
+    envs = [{"RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+             "RLINF_MANAGER": "", "RLINF_TOKEN": "", "RLINF_ADDRESS": "", "TORCHELASTIC_USE_AGENT_STORE": ""}
+            for r in range(2)]
+    await _run_ranks("_host_dies_program", envs, timeout=60, killed=(0,))
 
 
 async def test_join_an_existing_manager_by_rlinf_env(cluster):
@@ -262,6 +292,7 @@ def test_rendezvous_choices():
     base = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29500"}
     plain = facade._rendezvous(base)
     assert plain["manager"] == "tcp://10.0.0.5:29500" and plain["host"] is None and len(plain["token"]) == 64
+    assert plain["manager_host"] == "rank:0"        # its death is reported without the manager
     assert facade._rendezvous(base)["token"] == plain["token"]                       # same on every rank
     assert facade._rendezvous({**base, "MASTER_PORT": "29501"})["token"] != plain["token"]
     assert facade._rendezvous({**base, "RANK": "0"})["host"] == "tcp://10.0.0.5:29500"
@@ -274,6 +305,7 @@ def test_rendezvous_choices():
     joined = facade._rendezvous({**base, "RLINF_MANAGER": "tcp://m:1", "RLINF_TOKEN": "t",
                                  "RLINF_ADDRESS": "trainer:1"})
     assert (joined["manager"], joined["prefix"], joined["rank"]) == ("tcp://m:1", "trainer", 1)
+    assert joined.get("manager_host") is None       # no rank runs that manager
 
 
 def test_init_arguments():

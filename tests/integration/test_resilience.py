@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -47,6 +51,45 @@ async def test_manager_restart_keeps_peers_talking_and_rebuilds_roster():
                 assert await a.recv("b:0", timeout=5) == "after"
             finally:
                 await manager.close()
+
+
+_PEER = """
+import asyncio, sys
+import rlinf
+from rlinf.control import run
+
+async def main():
+    async with rlinf.connect("b:0", manager=sys.argv[1], token=sys.argv[2]) as b:
+        await b.send("ready", "a:0")
+        await asyncio.Event().wait()
+
+run(main())
+"""
+
+
+async def test_while_the_manager_is_down_a_dead_peer_of_this_machine_is_still_reported():
+    """Nobody reports losses while the manager is down: a peer process of this machine
+    that dies then is judged by its pid, and what waits on it fails instead of hanging."""
+    async with asyncio.timeout(60):
+        manager = await rlinf.Manager("tcp://127.0.0.1:0").start()
+        peer = None
+        try:
+            async with rlinf.connect("a:0", manager=manager.address, token=manager.token) as a:
+                peer = await asyncio.create_subprocess_exec(sys.executable, "-c", _PEER, manager.address,
+                                                            manager.token)
+                assert await a.recv("b:0", timeout=30) == "ready"
+                await manager.close()
+                os.kill(peer.pid, signal.SIGKILL)
+                await peer.wait()
+                started = time.monotonic()
+                with pytest.raises(rlinf.PeerLostError, match="b:0"):
+                    await a.recv("b:0", timeout=20)
+                assert time.monotonic() - started < 10
+        finally:
+            await manager.close()
+            if peer is not None and peer.returncode is None:
+                peer.kill()
+                await peer.wait()
 
 
 async def test_garbage_on_data_and_control_endpoints_is_survived(cluster, driver):
