@@ -420,8 +420,8 @@ class SyncCommunicator:
         if self.rank == dst:
             if not isinstance(gather_list, (list, tuple)) or len(gather_list) != self.world_size:
                 raise ValueError(f"gather: the destination rank needs a gather_list of {self.world_size} tensors")
-        elif gather_list is not None:
-            raise ValueError("gather: gather_list must be None on ranks other than dst")
+        elif gather_list:    # None or empty, as torch.distributed accepts
+            raise ValueError("gather: gather_list must be None or empty on ranks other than dst")
         self._collective(self._gather(tensor, gather_list, dst))
 
     async def _gather(self, tensor: Any, gather_list: list | None, dst: int) -> None:

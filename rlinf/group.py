@@ -322,6 +322,10 @@ async def _all_reduce(call: Call, array: Any, op: str, inplace: bool) -> Any:
     elif type(array).__module__.startswith("torch") and hasattr(array, "is_floating_point"):
         if array.is_complex() and op in ("max", "min"):
             raise TypeError(f"op={op!r} is not defined for complex tensors ({array.dtype})")
+        if inplace and (array.is_inference() or any(
+                step == 0 and n > 1 for n, step in zip(array.shape, array.stride()))):
+            raise ValueError("all_reduce(inplace=True) needs a tensor it can write: this one is an inference "
+                             "tensor, or its elements share memory (an expand()ed view)")
         flat, family = array.detach().contiguous().reshape(-1), "torch"
         floating, dtype = array.is_floating_point() or array.is_complex(), str(array.dtype)
     else:

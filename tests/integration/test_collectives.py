@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 import rlinf
 from rlinf.reshard import reshard
@@ -93,6 +94,12 @@ async def test_single_member_group_and_bad_arguments(driver):
         frozen.flags.writeable = False
         with pytest.raises(ValueError, match="writable"):
             await g.all_reduce(frozen, inplace=True)
+        with pytest.raises(ValueError, match="share memory"):       # checked before anything moves
+            await g.all_reduce(torch.ones(1).expand(4), inplace=True)
+        with torch.inference_mode():
+            inference = torch.ones(2)
+        with pytest.raises(ValueError, match="inference"):
+            await g.all_reduce(inference, inplace=True)
         with pytest.raises(ValueError, match="not a member"):
             driver.group(["a:0", "b:0"])
         with pytest.raises(ValueError, match="duplicate"):

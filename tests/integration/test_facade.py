@@ -102,7 +102,7 @@ def _torch_program() -> None:
     comm.all_reduce(weight)
     assert weight.tolist() == [6.0] * 3 and weight.requires_grad
     # gather at dst
-    out = [torch.zeros(2) for _ in range(world)] if rank == 2 else None
+    out = [torch.zeros(2) for _ in range(world)] if rank == 2 else [None, []][rank]   # [] too, as torch takes
     comm.gather(torch.full((2,), rank * 10.0), out, dst=2)
     if rank == 2:
         assert [o.tolist() for o in out] == [[0.0, 0.0], [10.0, 10.0], [20.0, 20.0]]
