@@ -832,14 +832,15 @@ class Communicator:
             outbox.fail(error)
 
     # -- subsystems (each lives in its own module) ---------------------------------------
-    def group(self, addresses: list[str]):
-        """A collective group over ``addresses`` (same list, any order, on every member).
+    def group(self, addresses: list[str], *, name: str = ""):
+        """A collective group over ``addresses`` (same list, any order, on every member),
+        and ``name`` (the same on every member: after a member restarted, use a new one).
 
         See :class:`rlinf.group.Group`. No setup call is needed on the other members.
         """
         from .group import Group
 
-        return Group(self, addresses)
+        return Group(self, addresses, name)
 
     async def reshard(self, shard: Any, *, src: list[str], dst: list[str], dim: int = 0,
                       timeout: float | None = None) -> Any:

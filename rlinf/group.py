@@ -76,9 +76,11 @@ def canonical_members(addresses: Any, me: str | None = None) -> tuple[str, ...]:
     return members
 
 
-def group_id(members: Sequence[str]) -> str:
-    """A short stable id of a canonical member list (the same on every member)."""
-    return hashlib.blake2b("\n".join(members).encode(), digest_size=8).hexdigest()
+def group_id(members: Sequence[str], name: str = "") -> str:
+    """A short stable id of a canonical member list and a group name (the same on every
+    member)."""
+    text = "\n".join(members) + (f"\n#{name}" if name else "")
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 def tree_children(rel: int, n: int) -> list[int]:
@@ -408,16 +410,23 @@ class Group:
     Args:
         comm: this worker's communicator (it must be one of ``addresses``).
         addresses: the members' ``"group:rank"`` addresses.
+        name: tells apart groups over the same members (every member passes the same).
+            Calls are numbered per group in each member, and a member restarted under
+            its address numbers from 0 again while the others go on: after a restart,
+            make the group under a new name on every member (say, the restart count).
 
     Raises:
-        TypeError / ValueError: malformed or duplicated addresses, or ``comm`` not a member.
+        TypeError / ValueError: malformed or duplicated addresses, ``comm`` not a member,
+            or a ``name`` that is not a str.
     """
 
-    def __init__(self, comm, addresses: Sequence[str]) -> None:
+    def __init__(self, comm, addresses: Sequence[str], name: str = "") -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"a group name is a str, got {type(name).__name__}")
         self._comm = comm
         self._members = canonical_members(addresses, comm.address)
         self._set = frozenset(self._members)
-        self._id = group_id(self._members)
+        self._id = group_id(self._members, name)
         self._namespace = f"g:{self._id}"
         self._rank = self._members.index(comm.address)
         shown = ", ".join(self._members[:6]) + (", ..." if len(self._members) > 6 else "")

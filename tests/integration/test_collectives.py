@@ -207,3 +207,20 @@ async def test_killed_member_fails_every_survivor(cluster, driver):
             for (what, at, peer), victim, killed in zip(outcomes, ("victim:0", "victim:1"), killed_at):
                 assert (what, peer) == ("lost", victim)
                 assert at - killed < 3.0
+
+
+async def test_a_restarted_member_meets_the_others_in_a_group_made_under_a_new_name(cluster, driver):
+    """A restarted member numbers its calls from 0 while the others go on: the group is
+    made again under a new name (a named group is another group, numbered from 0)."""
+    async with asyncio.timeout(90):
+        members = ["driver:0", "w:0"]
+        first = await cluster.spawn(workers_coll.gather_in_named_group, "w", 1, args=(members, "", True))
+        assert await driver.group(members).all_gather("driver:0", timeout=30) == ["driver:0", "w:0"]
+        await driver.recv("w:0", tag=9, timeout=30)
+        await first.kill()
+        again = await cluster.spawn(workers_coll.gather_in_named_group, "w", 1, args=(members, "gen1", False))
+        assert await driver.group(members, name="gen1").all_gather("driver:0", timeout=30) == members
+        assert await again.join(timeout=30) == [members]
+        with pytest.raises(TypeError, match="name"):
+            driver.group(members, name=1)
+        assert driver.group(members, name="gen1").id != driver.group(members).id

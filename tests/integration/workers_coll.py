@@ -306,3 +306,12 @@ async def reshard_cases(comm) -> list[str]:
             assert got is None
         done.append(name)
     return done
+
+
+async def gather_in_named_group(comm, members: list[str], name: str, then_wait: bool):
+    """One all_gather in ``comm.group(members, name=name)``; then wait to be killed, or return it."""
+    result = await comm.group(members, name=name).all_gather(comm.address, timeout=30)
+    if then_wait:
+        await comm.send("done", "driver:0", tag=9, timeout=30)
+        await asyncio.Event().wait()
+    return result
