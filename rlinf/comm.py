@@ -824,7 +824,9 @@ class Communicator:
         error = PeerLostError(f"{address} {'left' if kind == 'left' else 'was lost'}", peer=address)
         self._mailbox.peer_lost(address, error)
         if self._shm is not None:
-            self._shm.peer_gone(address)
+            gone = current is not None and current.pid and current.meta.get("machine") == control.machine_id() \
+                and devices.process_gone(current.pid)
+            self._shm.peer_gone(address, alive=not gone)
         for hook in self._gone_hooks:
             hook(address, incarnation)
         outbox = self._outboxes.get(address)

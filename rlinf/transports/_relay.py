@@ -21,6 +21,14 @@ How it stays safe:
 * Only slots mapped shared (one reader) are relayed; a copy-on-write view may hold this
   process's own writes, which the file does not have. The same slot is never relayed
   twice to the same receiver at once (its releases could not be told apart).
+* **Reuse after send.** ``send`` returns at once, and the sender may then reuse (write)
+  its buffers. So before a slot is relayed, this process's mapping of it is made
+  copy-on-write in place (``ShmReader.privatize``): its later writes stay its own, and
+  the receiver reads the bytes as they were when sent. (The slot is then relayed once.)
+* **A receiver that leaves alive.** A receiver that closed its communicator but still
+  runs may keep its views; the holds for it are then kept (the owner's slot stays
+  busy, never rewritten) until this process closes. Those of a receiver whose process
+  is gone are dropped.
 
 On the wire, a relayed buffer's layout item is ``[r, offset, nbytes]``: the place in the
 entry's relay ``r``, ``[segment, slot_offset, slot_size, relay_id]``
@@ -65,11 +73,16 @@ class Relay:
         live: ``live() -> bool``: whether ``locate`` could find anything (a shortcut).
         fds: where torch storages already in shared memory are held while they travel
             by handle; None sends them as copies.
+        privatize: ``privatize(segment, path) -> bool`` (the reader's): make our mapping
+            of a segment copy-on-write before relaying it; None: relay as mapped.
     """
 
     def __init__(self, locate: Callable[[int, int], Any], names: Any, *,
-                 live: Callable[[], bool] | None = None, fds: FdShares | None = None) -> None:
+                 live: Callable[[], bool] | None = None, fds: FdShares | None = None,
+                 privatize: Callable[[str, str], bool] | None = None) -> None:
         self._locate = locate
+        self._privatize = privatize
+        self._kept: list = []      # holds for receivers that left alive (see the module docstring)
         self._names = names
         self._live = live
         self.fds = fds
@@ -119,6 +132,9 @@ class Relay:
                     continue
                 link = self._link(slot.segment)
                 if link is None:
+                    continue
+                if self._privatize is not None and not self._privatize(slot.segment, link.path):
+                    self._tidy(link)      # cannot guard it from our writes: copy instead
                     continue
                 r = index[key] = len(relays)
                 self._ids += 1
@@ -200,13 +216,18 @@ class Relay:
         held = {(dst, link.name) for (dst, _), (link, _, _) in self._holds.items()}
         return sorted({dst for dst, name in self._unconfirmed if (dst, name) in held})
 
-    def reader_gone(self, reader: str) -> None:
-        """``reader`` left or died: drop what we held for it."""
+    def reader_gone(self, reader: str, *, alive: bool = False) -> None:
+        """``reader`` left or died: drop what we held for it, or, when its process may
+        still run (``alive``: it may keep views of what we relayed), keep the views until
+        we close, so the owner never rewrites those slots."""
         if self.fds is not None:
             self.fds.reader_gone(reader)
         for dst, relay_id in [k for k in self._holds if k[0] == reader]:
-            link, key, _ = self._holds.pop((dst, relay_id))
+            link, key, views = self._holds.pop((dst, relay_id))
             self._inflight.discard((dst, *key))
+            if alive:
+                self._kept.append(views)
+                continue
             link.holds -= 1
         self._unconfirmed = {u for u in self._unconfirmed if u[0] != reader}
         for link in list(self._links.values()):
@@ -238,6 +259,7 @@ class Relay:
         if self.fds is not None:
             self.fds.close()
         self._holds.clear()
+        self._kept.clear()
         self._inflight.clear()
         self._unconfirmed.clear()
         for link in list(self._links.values()):

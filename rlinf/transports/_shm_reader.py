@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import ctypes
+import functools
 import itertools
 import logging
 import mmap
@@ -31,6 +33,33 @@ def _drop_written(mm: mmap.mmap, offset: int, size: int) -> None:
     runs = written_runs(base + start, length) if base else None
     for off, n in [(0, length)] if runs is None else runs:
         mm.madvise(mmap.MADV_DONTNEED, start + off, n)
+
+
+_MAP_FIXED = 0x10      # Linux
+
+
+@functools.cache
+def _libc_mmap():
+    fn = ctypes.CDLL(None, use_errno=True).mmap
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    return fn
+
+
+def _remap_private(base: int, size: int, path: str) -> None:
+    """Replace the shared mapping of ``path`` at ``base`` by a copy-on-write one, in
+    place: same addresses and bytes, but this process's later writes stay its own.
+
+    Raises:
+        OSError: the file cannot be opened or mapped there.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        got = _libc_mmap()(base, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)
+        if got != base:
+            raise OSError(ctypes.get_errno(), f"cannot map {path} copy-on-write in place")
+    finally:
+        os.close(fd)
 
 
 class ShmReader:
@@ -118,9 +147,11 @@ class ShmReader:
         return memoryview(exporter)
 
     def _forget_removed(self, src: Hashable) -> None:
-        """Unmap the cached segments of ``src`` whose files are gone (once no view of them
-        is left): a sender at its cap drops a free segment to make a new one, and the
-        cached mapping would keep its memory in use for as long as the sender lives.
+        """Drop the cached mappings of ``src``'s segments whose files are gone (unmapped
+        once no view of them is left): a sender at its cap drops a free segment to make a
+        new one, and retires the slots a departed reader held, and the cached mapping
+        (shared or copy-on-write) would keep their memory in use for as long as the
+        sender lives.
 
         Looked at when ``src`` sends a segment not seen before (that is when it may have
         dropped one), and only once its cached segments have doubled since the last look:
@@ -131,8 +162,9 @@ class ShmReader:
         if not names or not looked.due(len(names)):
             return
         for name in list(names):
-            if name in self._shared and not os.path.exists(os.path.join(self._dir, name)):
-                del self._shared[name]
+            if not os.path.exists(os.path.join(self._dir, name)):
+                self._shared.pop(name, None)
+                self._private.pop(name, None)
                 self._bases.pop(name, None)
                 names.discard(name)
         looked.looked(len(names))
@@ -146,6 +178,27 @@ class ShmReader:
     def relayable(self) -> bool:
         """Whether any slot has live views that :meth:`locate` could find."""
         return bool(self._live)
+
+    def privatize(self, segment: str, path: str) -> bool:
+        """Make this process's shared mapping of ``segment`` copy-on-write in place (the
+        views into it keep their addresses and bytes): done before its slot is relayed
+        (:mod:`._relay`), so that what this process writes after the send returns never
+        reaches the file the receiver reads. The mapping then leaves the cache (a later
+        message in ``segment`` maps it afresh) and its slot can no longer be relayed.
+        ``path`` names the file (our link to it). False if it could not be done."""
+        mm = self._shared.get(segment)
+        if mm is None:
+            return False
+        try:
+            _remap_private(self._bases[segment], len(mm), path)
+        except OSError as exc:
+            log.debug("rlinf: cannot make %s copy-on-write: %s", segment, exc)
+            return False
+        del self._shared[segment]
+        self._bases.pop(segment, None)
+        for key in [k for k, (_, slot) in self._live.items() if slot.segment == segment]:
+            del self._live[key]
+        return True
 
     def locate(self, address: int, nbytes: int) -> tuple[wire.SlotRef, int] | None:
         """The shared (not copy-on-write) slot with live views that holds the ``nbytes``

@@ -56,7 +56,7 @@ class ShmSession:
         self.reader = ShmReader(self._released, self._mapped)
         self.fd_maps = FdMaps()
         self.relay = Relay(self.reader.locate, self.pool, live=lambda: self.reader.relayable,
-                           fds=FdShares() if fd_enabled() else None)
+                           fds=FdShares() if fd_enabled() else None, privatize=self.reader.privatize)
         self.views = views
         self._recycler = recycler if recycler is not None else Recycler()
         self.copier = Copier()     # large copies into and out of slots, split across threads
@@ -239,11 +239,12 @@ class ShmSession:
             self._changed.set()
 
     # -- membership and lifecycle ----------------------------------------------------------
-    def peer_gone(self, address: str) -> None:
+    def peer_gone(self, address: str, *, alive: bool = False) -> None:
         """``address`` left or died: retire what it held, forget its segments, and sweep
-        them when its process is gone from this machine."""
+        them when its process is gone from this machine. ``alive``: its process may still
+        run (it left without exiting, or its liveness is unknown)."""
         self.pool.reader_gone(address)
-        self.relay.reader_gone(address)
+        self.relay.reader_gone(address, alive=alive)
         self.fd_maps.peer_gone(address)
         self._owed -= sum(map(len, self._pending.pop(address, ((), ()))))
         self._holding.discard(address)

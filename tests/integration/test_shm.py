@@ -448,3 +448,40 @@ async def test_a_job_killed_whole_is_cleaned_up_by_the_next_start():
         if job.returncode is None:
             job.kill()
             await job.wait()
+
+
+async def test_a_relayed_view_keeps_its_bytes_when_the_forwarder_reuses_its_buffer(cluster, driver):
+    """relay:0 forwards the views it got (by reference to the driver's slot), then writes
+    into them: send had returned. What the driver received must not change."""
+    async with asyncio.timeout(60):
+        relay = await cluster.spawn(workers_shm.forward_then_overwrite, "relay", 1, args=("driver:0", "driver:0"))
+        await driver.send({"x": np.ones(4 << 20, np.uint8)}, "relay:0")
+        got = await driver.recv("relay:0")
+        assert got["x"].sum() == 4 << 20
+        await driver.send("got it", "relay:0", tag=7)
+        assert await driver.recv("relay:0", tag=8) == "overwrote"
+        assert got["x"].sum() == 4 << 20
+        await relay.join(timeout=30)
+
+
+async def test_a_relayed_slot_is_not_rewritten_while_a_departed_live_reader_holds_it(cluster):
+    """c:0 closes its communicator but keeps (and its process keeps running with) a view
+    it got through relay:0: the producer's slot must never be rewritten under it."""
+    nbytes = 4 << 20
+    async with asyncio.timeout(90), cluster.connect("ctl:0") as ctl:
+        relay = await cluster.spawn(workers_shm.forward_each, "relay", 1, args=("c:0", "ctl:0"))
+        producer = await cluster.spawn(workers_shm.produce_on_command, "prod", 1, args=("ctl:0", "relay:0", nbytes))
+        consumer = await cluster.connect("c:0").start()
+        await ctl.send(1, "prod:0", tag=71)
+        await ctl.recv("prod:0", tag=72)
+        got = await consumer.recv("relay:0", timeout=30)
+        assert await ctl.recv("relay:0", tag=70) == "sent"
+        await consumer.aclose()                  # leaves, still holding `got`
+        await ctl.send(2, "prod:0", tag=71)      # the next item: relay:0 can no longer forward it
+        await ctl.recv("prod:0", tag=72)
+        assert await ctl.recv("relay:0", tag=70) == "lost"
+        await ctl.send(None, "prod:0", tag=71)
+        assert await producer.join(timeout=30) == [2]      # a new slot: the held one stays busy
+        assert int(got["x"][0]) == 1 and got["x"].sum() == nbytes
+        await ctl.send("stop", "relay:0")
+        await relay.join(timeout=30)

@@ -7,6 +7,8 @@ import asyncio
 import numpy as np
 import torch
 
+import rlinf
+
 
 def shm_state(comm) -> dict:
     """What a test needs to know about a communicator's shared memory."""
@@ -142,3 +144,36 @@ async def drop_and_ack(comm, src: str, n: int):
         i = obj["i"]
         del obj
         await comm.send(i, src, tag=1, timeout=60)
+
+
+async def forward_then_overwrite(comm, src: str, dst: str):
+    """Receive one message from ``src``, forward it to ``dst``, then (once ``dst`` has it)
+    overwrite the received array: ``send`` returned, so its buffers may be reused."""
+    obj = await comm.recv(src, timeout=30)
+    await comm.send(obj, dst, timeout=30)
+    await comm.recv(dst, tag=7, timeout=30)
+    obj["x"][:] = 7
+    await comm.send("overwrote", dst, tag=8, timeout=30)
+
+
+async def forward_each(comm, dst: str, ctl: str):
+    """Forward every message to ``dst`` until "stop"; tell ``ctl`` how each forward went."""
+    while True:
+        obj, _src = await comm.recv_any(timeout=60)
+        if obj == "stop":
+            return
+        try:
+            await comm.send(obj, dst, timeout=10)
+            outcome = "sent"
+        except rlinf.PeerLostError:
+            outcome = "lost"
+        del obj
+        await comm.send(outcome, ctl, tag=70, timeout=10)
+
+
+async def produce_on_command(comm, ctl: str, dst: str, nbytes: int):
+    """Send an array of ``nbytes`` filled with each value ``ctl`` sends (tag 71) to ``dst``."""
+    while (value := await comm.recv(ctl, tag=71, timeout=60)) is not None:
+        await comm.send({"x": np.full(nbytes, value, np.uint8)}, dst, timeout=30)
+        await comm.send("sent", ctl, tag=72, timeout=30)
+    return comm._shm.pool.created

@@ -128,6 +128,37 @@ def test_a_reader_unmaps_segments_its_sender_evicted(reader):
         small.close()
 
 
+def test_a_reader_unmaps_copy_on_write_segments_their_sender_retired(pool, reader):
+    """A multicast slot is retired (unlinked) when one of its readers dies holding it:
+    the other readers' cached copy-on-write mappings of it kept its memory in use for
+    as long as the sender lived."""
+    for i in range(12):
+        slot, sizes = _export(pool, [b"x" * (1 << 20)], readers={"r:0": 1, f"dies:{i}": 1}, private=True)
+        view = reader.open("s:0", slot.ref(), sizes, os.getpid())[0]
+        assert bytes(view[:1]) == b"x"
+        del view
+        gc.collect()
+        pool.release("r:0", slot.name, slot.generation)
+        assert pool.reader_gone(f"dies:{i}") == 1            # retired: unlinked, never reused
+    assert pool.created == 12
+    gone = [n for n in reader._private if not os.path.exists(os.path.join(shm.SHM_DIR, n))]
+    assert len(gone) <= 4                                        # was: all 12 kept mapped
+
+
+def test_a_relayed_slot_is_made_copy_on_write_in_place(pool, reader):
+    """Before its slot is relayed, the reader's shared mapping becomes private in place:
+    its views keep their bytes, its later writes no longer reach the file."""
+    slot, sizes = _export(pool, [b"\x01" * 8192])
+    view = np.frombuffer(reader.open("s:0", slot.ref(), sizes, os.getpid())[0], np.uint8)
+    address = view.ctypes.data
+    assert reader.locate(address, 8192) is not None
+    assert reader.privatize(slot.name, slot.path)
+    assert view.ctypes.data == address and bytes(view[:2]) == b"\x01\x01"
+    view[:] = 9
+    assert slot.array[0] == 1                                    # the file kept the sent bytes
+    assert reader.locate(address, 8192) is None and not reader.privatize(slot.name, slot.path)
+
+
 def test_reader_gone_retires_its_slots(pool):
     slot, _ = _export(pool, [b"x" * 10], readers={"gone:0": 1})
     assert pool.reader_gone("gone:0") == 1
