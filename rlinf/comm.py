@@ -29,7 +29,7 @@ from .busypoll import BusyPoll
 from .codec import Codec, is_device_buffer
 from .errors import AuthenticationError, ClosedError, CommTimeoutError, PeerLostError, ProtocolError, TransportUnavailableError
 from .inbound import FrameReader
-from .info import MembershipEvent, WorkerInfo, check_plain, parse_address
+from .info import MembershipEvent, WorkerInfo, check_plain, check_timeout, parse_address
 from .mailbox import Mailbox, Message
 from .bounded import Recent
 from .outbox import SMALL_MESSAGE, OutMessage, Outbox, bulk_frames, split_frames
@@ -373,6 +373,8 @@ class Communicator:
         """
         if type(tag) is not int or not _TAG_MIN <= tag <= _TAG_MAX:
             _check_tag(tag)
+        if timeout is not None:
+            timeout = check_timeout(timeout)
         future = self._enqueue(obj, dst, tag, wire.USER, need_future=False)
         if future is not None:
             await self._wait(future, timeout, f"send to {dst}")
@@ -618,6 +620,8 @@ class Communicator:
         """
         if type(tag) is not int or not _TAG_MIN <= tag <= _TAG_MAX:
             _check_tag(tag)
+        if timeout is not None:
+            timeout = check_timeout(timeout)
         if src not in self._valid:
             self._check_address(src)
         msg = self._get_nowait(src, tag)
@@ -630,6 +634,7 @@ class Communicator:
     async def recv_any(self, *, tag: int = 0, timeout: float | None = None) -> tuple[Any, str]:
         """Receive the oldest message with ``tag`` from any source: ``(obj, src)``."""
         _check_tag(tag)
+        timeout = check_timeout(timeout)
         msg = await self._get(None, tag, timeout)
         if msg.shm and not self._shm_views:
             return await self._decode_owned(msg), msg.src
@@ -665,6 +670,7 @@ class Communicator:
 
         if type(tag) is not int or not _TAG_MIN <= tag <= _TAG_MAX:
             _check_tag(tag)
+        timeout = check_timeout(timeout)
         if src not in self._valid:
             self._check_address(src)
         msg = await self._get(src, tag, timeout)
@@ -1013,7 +1019,12 @@ class Communicator:
         if running is self._loop or threading.get_ident() == self._loop_thread:
             coro.close()
             raise RuntimeError("blocking_* would deadlock on the communicator's own loop; use 'await'")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except BaseException:   # interrupted (KeyboardInterrupt): the operation must not go on alone
+            future.cancel()
+            raise
 
 
 

@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["DeviceInfo", "WorkerInfo", "MembershipEvent", "parse_address", "check_plain", "PLAIN_DEPTH"]
+__all__ = ["DeviceInfo", "WorkerInfo", "MembershipEvent", "parse_address", "check_plain", "check_timeout",
+           "PLAIN_DEPTH"]
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -26,9 +27,27 @@ def parse_address(address: str) -> tuple[str, int]:
     if not isinstance(address, str):
         raise TypeError(f"a worker address must be a str like 'rollout:3', got {type(address).__name__}")
     group, sep, rank = address.rpartition(":")
-    if not sep or not group or not rank.isdigit():
-        raise ValueError(f"a worker address must look like 'group:rank' (e.g. 'rollout:3'), got {address!r}")
+    if not sep or not group or not (rank.isascii() and rank.isdigit()) or (rank[0] == "0" and rank != "0"):
+        raise ValueError(f"a worker address must look like 'group:rank' (e.g. 'rollout:3', a rank without "
+                         f"leading zeros), got {address!r}")
     return group, int(rank)
+
+
+def check_timeout(timeout: Any) -> float | None:
+    """A ``timeout=`` argument: None (wait), or seconds >= 0 (``inf``: wait).
+
+    Raises:
+        TypeError: not a real number (a bool, a str...).
+        ValueError: negative or NaN (a NaN deadline would never expire).
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) and not hasattr(timeout, "__float__"):
+        raise TypeError(f"timeout must be None or a number of seconds, got {type(timeout).__name__}")
+    seconds = float(timeout)
+    if not seconds >= 0:
+        raise ValueError(f"timeout must be None or a number of seconds >= 0, got {timeout!r}")
+    return seconds
 
 
 @dataclass(frozen=True, slots=True)

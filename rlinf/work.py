@@ -28,12 +28,13 @@ class Work(Generic[T]):
         description: short text for ``repr`` (e.g. ``"send to rollout:1 tag=0"``).
     """
 
-    __slots__ = ("_future", "_loop", "_description", "__weakref__")
+    __slots__ = ("_future", "_loop", "_description", "_done_event", "__weakref__")
 
     def __init__(self, future: asyncio.Future, description: str = "") -> None:
         self._future = future
         self._loop = future.get_loop()
         self._description = description
+        self._done_event: threading.Event | None = None   # for threads that wait (one per Work)
 
     def __await__(self):
         return self._future.__await__()
@@ -79,8 +80,10 @@ class Work(Generic[T]):
             return True
         if self._on_loop_thread():
             raise RuntimeError("Work.wait() would block the event loop; use 'await work' instead")
-        event = threading.Event()
-        self._loop.call_soon_threadsafe(self._future.add_done_callback, lambda _f: event.set())
+        event = self._done_event
+        if event is None:    # one event and one callback, however often threads poll
+            event = self._done_event = threading.Event()
+            self._loop.call_soon_threadsafe(self._future.add_done_callback, lambda _f: event.set())
         return event.wait(timeout)
 
     def result(self, timeout: float | None = None) -> T:

@@ -66,9 +66,6 @@ def _check_weight(weight: Any) -> float:
         raise ValueError(f"weight must be finite and >= 0, got {weight!r}")
     return weight
 
-def _check_timeout(timeout: Any) -> None:
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
-        raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
 
 def default_free_memory() -> int | None:
     """Free bytes on this process's current GPU, if torch has initialised CUDA; else None."""

@@ -16,6 +16,7 @@ import weakref
 from typing import Any, Callable
 
 from ..errors import AddressInUseError, ClosedError, CommTimeoutError, EndOfChannel, RlinfError, WouldBlock
+from ..info import check_timeout as _check_timeout
 from ..outbox import SMALL_MESSAGE
 from ..work import Work
 from ._handle import (
@@ -23,7 +24,6 @@ from ._handle import (
     HandleBase,
     _chain,
     _check_key,
-    _check_timeout,
     _check_weight,
     _retrieve,
     default_free_memory,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import signal
+import threading
 import time
 
 import numpy as np
@@ -123,6 +125,89 @@ async def test_work_semantics(cluster, driver):
             await driver.send("bottom", "tags:0", tag=-2 ** 63)
             assert await other.recv("driver:0", tag=-2 ** 63) == "bottom"
             assert await other.recv("driver:0", tag=2 ** 64 - 1) == "top"
+
+
+async def test_bad_timeouts_and_addresses_are_refused_at_the_call(driver):
+    """A NaN timeout made a receive hang (a NaN deadline never comes); a str one raised a
+    raw TypeError deep inside; 'a:01' passed for 'a:1' and then waited for ever."""
+    async with asyncio.timeout(20):
+        await driver.send("queued", "driver:0", tag=3)
+        for bad, error in ((float("nan"), ValueError), (-1, ValueError), ("0.1", TypeError), (True, TypeError)):
+            with pytest.raises(error, match="timeout"):
+                await driver.recv("driver:0", tag=3, timeout=bad)     # even with a message queued
+            with pytest.raises(error, match="timeout"):
+                await driver.recv_any(tag=3, timeout=bad)
+            with pytest.raises(error, match="timeout"):
+                await driver.send("x", "driver:0", timeout=bad)
+        assert await driver.recv("driver:0", tag=3, timeout=np.float32(5)) == "queued"
+        for alias in ("driver:00", "driver:01", "driver:\u0661", "driver:\u00b2"):
+            with pytest.raises(ValueError, match="group:rank"):
+                await driver.send("x", alias)
+
+
+def test_an_interrupted_blocking_recv_does_not_swallow_the_next_message():
+    """KeyboardInterrupt in a thread blocked in blocking_recv left the receive running on
+    the loop: it took the next message, and the next blocking_recv timed out."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start():
+        manager = await rlinf.Manager("tcp://127.0.0.1:0").start()
+        comm = await rlinf.connect("t:0", manager=manager.address, token=manager.token).start()
+        return manager, comm
+
+    manager, comm = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+    try:
+        interrupt = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))     # Ctrl-C
+        interrupt.start()
+        try:
+            comm.blocking_recv("t:0", tag=1, timeout=20)
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("blocking_recv was not interrupted")
+        finally:
+            interrupt.join()
+        comm.blocking_send("precious", "t:0", tag=1, timeout=10)
+        assert comm.blocking_recv("t:0", tag=1, timeout=10) == "precious"
+    finally:
+        async def stop():
+            await comm.aclose()
+            await manager.close()
+
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def test_polling_a_work_from_a_thread_takes_no_memory_per_poll():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        future = asyncio.run_coroutine_threadsafe(_pending_future(), loop).result(10)
+        work = rlinf.Work(future, "never")
+        for _ in range(1000):
+            assert not work.wait(0)
+        callbacks = asyncio.run_coroutine_threadsafe(_callbacks(future), loop).result(10)
+        assert callbacks == 1                        # was one callback (and Event) per poll
+        loop.call_soon_threadsafe(future.set_result, 7)
+        assert work.wait(10) and work.result() == 7
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+async def _pending_future():
+    return asyncio.get_running_loop().create_future()
+
+
+async def _callbacks(future) -> int:
+    await asyncio.sleep(0)          # the polls' call_soon_threadsafe requests ran
+    return len(future._callbacks)
 
 
 async def test_cancelled_recv_loses_nothing(driver):
