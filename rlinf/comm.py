@@ -65,6 +65,12 @@ def _check_tag(tag: Any) -> None:
         raise ValueError(f"tag must lie in [-2**63, 2**64 - 1], got {tag}")
 
 
+def _process_gone(info: WorkerInfo) -> bool:
+    """Whether ``info``'s process is known to be gone (only a process of this machine and
+    PID namespace can be judged; False for the others)."""
+    return bool(info.pid) and info.meta.get("machine") == control.machine_id() and devices.process_gone(info.pid)
+
+
 def _tcp_host(manager: str) -> tuple[str, str]:
     """(bind host, advertised host) for the data TCP listener."""
     host = os.environ.get("RLINF_HOST")
@@ -379,7 +385,15 @@ class Communicator:
         if future is not None:
             await self._wait(future, timeout, f"send to {dst}")
         if self._shm is not None and self._shm.behind(dst):
-            await self._shm.room(dst)   # backpressure: ``dst`` holds a window of our slots
+            await self._room(dst)
+
+    async def _room(self, dst: str) -> None:
+        """Backpressure: wait while ``dst`` holds a window of our slots. Raises the
+        peer's error if it went away meanwhile (it may never have read what we sent)."""
+        await self._shm.room(dst)
+        outbox = self._outboxes.get(dst)
+        if outbox is not None and outbox.error is not None:
+            raise outbox.error
 
     def async_send(self, obj: Any, dst: str, *, tag: int = 0) -> Work[None]:
         """Start a send now (ordering is fixed by this call) and return its :class:`Work`."""
@@ -580,6 +594,9 @@ class Communicator:
         try:
             link = await self._stream.connect(info.endpoints[routing.STREAM], identity=self._identity)
         except (PeerLostError, AuthenticationError) as exc:
+            if _process_gone(info):   # it died: what waits for the link must fail, not go to ZeroMQ
+                outbox.fail(PeerLostError(f"{outbox.address} was lost", peer=outbox.address))
+                return
             log.warning("rlinf %s: no stream to %s (%s); using ZeroMQ", self.address, outbox.address, exc)
             link = self._zmq_link(info, "ipc")
         if outbox.error is not None:
@@ -830,9 +847,7 @@ class Communicator:
         error = PeerLostError(f"{address} {'left' if kind == 'left' else 'was lost'}", peer=address)
         self._mailbox.peer_lost(address, error)
         if self._shm is not None:
-            gone = current is not None and current.pid and current.meta.get("machine") == control.machine_id() \
-                and devices.process_gone(current.pid)
-            self._shm.peer_gone(address, alive=not gone)
+            self._shm.peer_gone(address, alive=current is None or not _process_gone(current))
         for hook in self._gone_hooks:
             hook(address, incarnation)
         outbox = self._outboxes.get(address)
@@ -900,7 +915,7 @@ class Communicator:
         if future is not None:
             await self._wait(future, timeout, f"send to {dst}")
         if self._shm is not None and self._shm.behind(dst):
-            await self._shm.room(dst)   # backpressure: ``dst`` holds a window of our slots
+            await self._room(dst)
 
     def _async_send_internal(self, obj: Any, dst: str, tag: str) -> asyncio.Future:
         return self._enqueue(obj, dst, tag, wire.USER, need_future=True)

@@ -391,6 +391,12 @@ class Outbox:
     async def _await_release(self, link, tracker, msg: OutMessage) -> None:
         await link.released(tracker)
         msg.frames = []
+        if link is not self.link and self.error is not None:
+            # the link was closed under the message (its peer was lost): the transport
+            # dropped the frames it had not sent, so the send did not happen
+            if msg.future is not None and not msg.future.done():
+                msg.future.set_exception(self.error)
+            return
         self._complete(msg)
 
     async def _wait_writable(self) -> None:

@@ -477,3 +477,23 @@ async def test_messages_queued_behind_a_broken_bulk_stream_go_through_zeromq(clu
         back = await driver.recv("far:0")
         assert back.shape == (2 << 20,) and (back == 1).all() and len(calls) == 1   # the rest: ZeroMQ
         assert await group.join() == [1]
+
+
+@pytest.mark.parametrize("disabled", ["", "shm,stream"], ids=["default", "zeromq"])
+async def test_large_sends_pending_when_their_peer_dies_fail(cluster, monkeypatch, disabled):
+    """The peer stops reading (SIGSTOP), then is killed: the sends still pending must
+    raise PeerLostError. They returned None (success) and the data was silently lost:
+    ZeroMQ released the dropped frames, and a stream dial that failed because the peer
+    died fell back to ZeroMQ, which took the messages."""
+    monkeypatch.setenv("RLINF_DISABLE_TRANSPORTS", disabled)
+    async with asyncio.timeout(60), cluster.connect("s:0") as sender:
+        victim = await cluster.spawn(workers.idle, "v", 1)
+        os.kill(victim.pids[0], signal.SIGSTOP)
+        payload = np.ones(64 << 20, np.uint8)
+        sends = [asyncio.ensure_future(sender.send(payload, "v:0", tag=i)) for i in range(6)]
+        done, _ = await asyncio.wait(sends, timeout=0.5)
+        assert not done                                    # stuck behind the stopped peer
+        os.kill(victim.pids[0], signal.SIGKILL)
+        for send in sends:
+            with pytest.raises(rlinf.PeerLostError):
+                await send
