@@ -10,17 +10,23 @@ __all__ = ["Recent", "Doubling"]
 
 
 class Recent(dict):
-    """The keys added, oldest first (a ``dict`` of keys to None: ``key in recent`` costs
-    what a dict lookup costs, on a receive path). :meth:`add` forgets the oldest beyond
-    its ``limit``: what is forgotten is old enough that nothing more arrives for it."""
+    """The keys added, oldest first (a ``dict`` of keys to a value, None by default:
+    ``key in recent`` costs what a dict lookup costs, on a receive path). :meth:`add`
+    forgets the oldest beyond its ``limit``: what is forgotten is old enough that nothing
+    more arrives for it."""
 
     __slots__ = ()
 
-    def add(self, key: Any, limit: int) -> None:
-        """Remember ``key`` (as the newest); keep at most ``limit`` keys."""
-        self[key] = None
+    def add(self, key: Any, limit: int, value: Any = None) -> Any:
+        """Remember ``key`` (as the newest, with ``value``); keep at most ``limit`` keys.
+        Returns the key forgotten to make room, or None."""
+        self.pop(key, None)
+        self[key] = value
         if len(self) > limit:
-            del self[next(iter(self))]
+            oldest = next(iter(self))
+            del self[oldest]
+            return oldest
+        return None
 
     def discard(self, key: Any) -> None:
         self.pop(key, None)

@@ -143,6 +143,7 @@ class Communicator:
         self._busy_poll = BusyPoll.from_env()
         self._mailbox = Mailbox(self._busy_poll)
         self._dead = Recent()     # (address, incarnation) of peers known gone
+        self._failed = Recent()   # addresses whose outbox failed (kept: sends to them fail at once)
         self._closing: asyncio.Task | None = None     # a close we started ourselves
         self._valid: set[str] = set()      # addresses already checked (hot-path memo)
         self._system_handlers: dict[str, Callable[[str, Any], None]] = {}
@@ -152,6 +153,7 @@ class Communicator:
         self._subscribers: list[asyncio.Queue] = []
         self._counters = Counters(address)
         self._identity = f"{address}|{self.incarnation}".encode()
+        self._header = wire.HeaderPacker(address, self.incarnation)   # one for every outbox
         self._loop: asyncio.AbstractEventLoop | None = None
         self._context: zmq.Context | None = None
         self._closed: ClosedError | None = None
@@ -561,7 +563,7 @@ class Communicator:
         lost = self._mailbox.is_lost(dst)
         if lost is not None:
             raise PeerLostError(str(lost), peer=dst)
-        outbox = self._outboxes[dst] = Outbox(dst, (self.address, self.incarnation), self._counters)
+        outbox = self._outboxes[dst] = Outbox(dst, self._header, self._counters)
         info = self._roster.get(dst)
         if info is not None:
             self._connect(outbox, info)
@@ -853,6 +855,10 @@ class Communicator:
         outbox = self._outboxes.get(address)
         if outbox is not None and (outbox.info is None or outbox.info.incarnation == incarnation):
             outbox.fail(error)
+            forgotten = self._failed.add(address, DEAD_KEPT)
+            old = self._outboxes.get(forgotten) if forgotten is not None else None
+            if old is not None and old.error is not None:
+                del self._outboxes[forgotten]   # bounded: a send there now waits for it to join
 
     # -- subsystems (each lives in its own module) ---------------------------------------
     def group(self, addresses: list[str], *, name: str = ""):

@@ -61,6 +61,9 @@ class _Waiter:
 
 #: How many retired tags (:meth:`Mailbox.retire`) a mailbox remembers.
 RETIRED_TAGS = 4096
+#: How many departed peers a mailbox remembers (their receives fail at once; a receive
+#: from one forgotten waits, as for a peer not joined yet).
+LOST_KEPT = 4096
 
 
 class Mailbox:
@@ -77,7 +80,7 @@ class Mailbox:
         self._sources_by_tag: dict[Any, set[str]] = collections.defaultdict(set)
         self._waiters: dict[tuple[str, Any], collections.deque[_Waiter]] = {}
         self._any_waiters: dict[Any, collections.deque[_Waiter]] = {}
-        self._lost: dict[str, PeerLostError] = {}
+        self._lost = Recent()      # address -> why it is gone (the newest LOST_KEPT)
         self._closed: BaseException | None = None
         self._arrivals = itertools.count()
         self._retired = Recent()   # tags nobody will receive again
@@ -216,8 +219,8 @@ class Mailbox:
     # -- membership --------------------------------------------------------------------
     def peer_lost(self, address: str, error: PeerLostError) -> None:
         """Fail waiters on ``address``; later ``recv(address)`` raises once its queue drains."""
-        self._lost[address] = error
-        for waiter in self._waiters.pop_matching(address) if False else self._take_waiters(address):
+        self._lost.add(address, LOST_KEPT, error)
+        for waiter in self._take_waiters(address):
             if not waiter.future.done():
                 waiter.future.set_exception(error)
 

@@ -140,12 +140,13 @@ class Outbox:
 
     Args:
         address: the destination's address.
-        header_prefix: ``(src, incarnation)`` of the sender, packed into every header.
+        header: the sender's header packer (one per communicator: its buffer is large),
+            or ``(src, incarnation)`` to make one.
         counters: the communicator's traffic counters.
         clock: seconds, for the :data:`IN_FLIGHT` window (tests pass a fake one).
     """
 
-    def __init__(self, address: str, header_prefix: tuple[str, str], counters: Counters, *,
+    def __init__(self, address: str, header: wire.HeaderPacker | tuple[str, str], counters: Counters, *,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.address = address
         self.info: WorkerInfo | None = None
@@ -153,7 +154,7 @@ class Outbox:
         self.queue: collections.deque[OutMessage] = collections.deque()
         self.error: BaseException | None = None
         self.resolving: asyncio.Task | None = None
-        self._header = wire.HeaderPacker(*header_prefix)
+        self._header = header if isinstance(header, wire.HeaderPacker) else wire.HeaderPacker(*header)
         self._counters = counters
         self._scheduled = False
         self._blocked = False

@@ -261,7 +261,8 @@ class HeaderPacker:
 
     The constant start of the header (version, ``src``, ``incarnation``) is packed once
     and the packer is reused: a small message's header costs one pack of its entries.
-    Not thread-safe: one per sending queue (loop thread).
+    Not thread-safe: one per communicator, shared by its sending queues (loop thread);
+    its msgpack buffer takes 256 KiB.
     """
 
     __slots__ = ("_prefix", "_pack")

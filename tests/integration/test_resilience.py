@@ -248,3 +248,29 @@ async def test_dead_incarnations_remembered_are_bounded(driver, monkeypatch):
     assert list(driver._dead) == [("ghost:0", f"inc{i}") for i in (2, 3, 4)]
     with pytest.raises(rlinf.PeerLostError):
         await driver.recv("ghost:0", timeout=5)
+
+
+async def test_the_state_kept_per_departed_peer_is_bounded(driver, monkeypatch):
+    """Each peer a long-lived worker ever sent to kept an outbox (with a 256 KiB msgpack
+    buffer of its own) and a mailbox entry for good: ~270 KiB per peer that came and
+    went. Outboxes now share one header packer, and only the newest departed peers are
+    remembered (a send or receive to them fails at once)."""
+    from rlinf import comm as comm_module
+    from rlinf import mailbox as mailbox_module
+    from rlinf.info import MembershipEvent
+
+    monkeypatch.setattr(comm_module, "DEAD_KEPT", 3)
+    monkeypatch.setattr(mailbox_module, "LOST_KEPT", 3)
+    async with asyncio.timeout(30):
+        for i in range(6):
+            work = driver.async_send("hello", f"gone{i}:0")   # an outbox, waiting for the peer
+            driver._on_event(MembershipEvent("lost", f"gone{i}:0", ""))
+            with pytest.raises(rlinf.PeerLostError):
+                await work
+        assert all(box._header is driver._header for box in driver._outboxes.values())
+        assert sorted(a for a in driver._outboxes if a.startswith("gone")) == ["gone3:0", "gone4:0", "gone5:0"]
+        assert list(driver._mailbox._lost) == ["gone3:0", "gone4:0", "gone5:0"]
+        with pytest.raises(rlinf.PeerLostError):
+            await driver.send("again", "gone5:0", timeout=5)
+        with pytest.raises(rlinf.PeerLostError):
+            await driver.recv("gone5:0", timeout=5)
