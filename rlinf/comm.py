@@ -27,7 +27,8 @@ from . import control, devices, leftovers, routing, wire
 from .arrival import ArrivalOrder
 from .busypoll import BusyPoll
 from .codec import Codec, is_device_buffer
-from .errors import AuthenticationError, ClosedError, CommTimeoutError, PeerLostError, ProtocolError, TransportUnavailableError
+from .errors import (AuthenticationError, ClosedError, CommTimeoutError, PeerLostError, ProtocolError, RlinfError,
+                     TransportUnavailableError)
 from .inbound import FrameReader
 from .info import MembershipEvent, WorkerInfo, check_plain, check_timeout, parse_address
 from .mailbox import Mailbox, Message
@@ -660,12 +661,40 @@ class Communicator:
         return self._decode(msg), msg.src
 
     def async_recv(self, src: str, *, tag: int = 0) -> Work[Any]:
-        """Start a receive now and return its :class:`Work` (cancel it safely with ``cancel()``)."""
+        """Start a receive now and return its :class:`Work` (cancel it safely with
+        ``cancel()``). Its place in line is taken by this call: a ``recv`` made later
+        gets a later message."""
         _check_tag(tag)
         parse_address(src)
         self._check_open()
-        task = self._loop.create_task(self.recv(src, tag=tag))
-        return Work(task, f"recv from {src} tag={tag}")
+        what = f"recv from {src} tag={tag}"
+        try:
+            msg = self._get_nowait(src, tag)
+        except RlinfError as exc:    # lost or closed: the Work fails with it
+            failed = self._loop.create_future()
+            failed.set_exception(exc)
+            return Work(failed, what)
+        waiter = self._mailbox.park(src, tag) if msg is None else None
+        started = []
+        task = self._loop.create_task(self._finish_recv(msg, waiter, started))
+
+        def cancelled_before_it_ran(t: asyncio.Task) -> None:
+            if t.cancelled() and not started:   # the message (or the place) is not lost
+                if waiter is not None:
+                    self._mailbox.abandon(waiter)
+                else:
+                    self._mailbox.put_back(msg)
+
+        task.add_done_callback(cancelled_before_it_ran)
+        return Work(task, what)
+
+    async def _finish_recv(self, msg: Message | None, waiter: Any, started: list) -> Any:
+        started.append(True)
+        if msg is None:
+            msg = await self._mailbox.wait_parked(waiter)
+        if msg.shm and not self._shm_views:
+            return await self._decode_owned(msg)
+        return self._decode(msg)
 
     def blocking_recv(self, src: str, *, tag: int = 0, timeout: float | None = None) -> Any:
         """:meth:`recv` from a thread other than the loop's."""

@@ -21,7 +21,7 @@ import asyncio
 import collections
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Coroutine
 
 from .busypoll import BusyPoll
 from .errors import ClosedError, PeerLostError
@@ -179,42 +179,69 @@ class Mailbox:
             return msg
         return await self.wait(src, tag)
 
-    async def wait(self, src: str | None, tag: Any) -> Message:
+    def wait(self, src: str | None, tag: Any) -> Coroutine[Any, Any, Message]:
         """Wait for the next matching message to be delivered, when :meth:`get_nowait`
-        just returned None (nothing matching is queued). Cancellation-safe.
+        just returned None (nothing matching is queued). Cancellation-safe. (Its place in
+        line is taken when called: await the result at once.)
 
         The message is handed over in a one-item list that this empties: the loop keeps
         the finished future (and so its result) alive until the receiving task yields,
         and a message held that long would keep its shared-memory slot from going back
         to the sender after the caller dropped everything decoded from it.
         """
-        future = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(future, src, tag)
+        return self.wait_parked(self.park(src, tag))
+
+    def park(self, src: str | None, tag: Any) -> _Waiter:
+        """Take this receive's place in line now (what :meth:`wait` does first), to wait
+        later with :meth:`wait_parked`; a place never waited on is given up with :meth:`abandon`."""
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), src, tag)
         table = self._waiters if src is not None else self._any_waiters
-        key = (src, tag) if src is not None else tag
-        table.setdefault(key, collections.deque()).append(waiter)
+        table.setdefault((src, tag) if src is not None else tag, collections.deque()).append(waiter)
+        return waiter
+
+    def abandon(self, waiter: _Waiter) -> None:
+        """Give up a place taken by :meth:`park` and never waited on: a message already
+        handed to it is next again."""
+        if not self._reclaim(waiter.future):
+            waiter.future.cancel()
+        self._unpark(waiter)
+
+    def _reclaim(self, future: asyncio.Future) -> bool:
+        """Put back the message handed to a waiter that will not take it; False if none was."""
+        if future.done() and not future.cancelled() and future.exception() is None and future.result():
+            self.put_back(future.result().pop())
+            return True
+        return False
+
+    def _unpark(self, waiter: _Waiter) -> None:
+        table = self._waiters if waiter.src is not None else self._any_waiters
+        key = (waiter.src, waiter.tag) if waiter.src is not None else waiter.tag
+        waiters = table.get(key)
+        if waiters is not None:
+            try:
+                waiters.remove(waiter)
+            except ValueError:
+                pass
+            if not waiters:
+                del table[key]
+
+    async def wait_parked(self, waiter: _Waiter) -> Message:
+        """:meth:`wait`, from a place taken by :meth:`park`."""
+        future = waiter.future
         try:
             if self._busy_poll is not None:
                 return (await self._busy_poll.wait(future)).pop()
             return (await future).pop()
         except asyncio.CancelledError:
-            if future.done() and not future.cancelled() and future.exception() is None and future.result():
-                # handed over, then cancelled: the next waiter for it gets it, else it is
-                # queued first (queued behind, a later message would overtake it)
-                self.put_back(future.result().pop())
+            # handed over, then cancelled: the next waiter for it gets it, else it is
+            # queued first (queued behind, a later message would overtake it)
+            self._reclaim(future)
             raise
         finally:
-            waiters = table.get(key)
-            if waiters is not None:
-                # A waiter that got its message was popped by the hand-over; one that
-                # failed or was cancelled may still be queued.
-                if not future.done() or future.cancelled() or future.exception() is not None:
-                    try:
-                        waiters.remove(waiter)
-                    except ValueError:
-                        pass
-                if not waiters:
-                    del table[key]
+            # A waiter that got its message was popped by the hand-over; one that failed
+            # or was cancelled may still be queued.
+            if not future.done() or future.cancelled() or future.exception() is not None:
+                self._unpark(waiter)
 
     # -- membership --------------------------------------------------------------------
     def peer_lost(self, address: str, error: PeerLostError) -> None:

@@ -210,6 +210,28 @@ async def _callbacks(future) -> int:
     return len(future._callbacks)
 
 
+async def test_async_recv_takes_its_place_in_line_when_called(driver):
+    """The order of receives is fixed when async_recv is called: a recv made after it
+    took the earlier message (the async_recv's task only started on the next turn)."""
+    async with asyncio.timeout(20):
+        for text in ("first", "second"):
+            await driver.send(text, "driver:0", tag=12)
+        work = driver.async_recv("driver:0", tag=12)           # a message is queued: taken now
+        assert await driver.recv("driver:0", tag=12) == "second"
+        assert await work == "first"
+        work = driver.async_recv("driver:0", tag=13)           # nothing queued: first in line
+        later = asyncio.ensure_future(driver.recv("driver:0", tag=13))
+        for text in ("third", "fourth"):
+            await driver.send(text, "driver:0", tag=13)
+        assert (await work, await later) == ("third", "fourth")
+        await driver.send("kept", "driver:0", tag=14)          # cancelled before its task ran:
+        driver.async_recv("driver:0", tag=14).cancel()          # the message it took goes back,
+        driver.async_recv("driver:0", tag=15).cancel()          # and its place in line is given up
+        await driver.send("also kept", "driver:0", tag=15)
+        assert await driver.recv("driver:0", tag=14, timeout=5) == "kept"
+        assert await driver.recv("driver:0", tag=15, timeout=5) == "also kept"
+
+
 async def test_cancelled_recv_loses_nothing(driver):
     """Cancel receives racing deliveries: every message still arrives exactly once."""
     got = []
