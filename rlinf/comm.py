@@ -145,7 +145,7 @@ class Communicator:
         self._mailbox = Mailbox(self._busy_poll)
         self._dead = Recent()     # (address, incarnation) of peers known gone
         self._failed = Recent()   # addresses whose outbox failed (kept: sends to them fail at once)
-        self._closing: asyncio.Task | None = None     # a close we started ourselves
+        self._closing: asyncio.Future | None = None   # the close in progress (a second aclose waits for it)
         self._valid: set[str] = set()      # addresses already checked (hot-path memo)
         self._system_handlers: dict[str, Callable[[str, Any], None]] = {}
         self._gone_hooks: list[Callable[[str, str], None]] = []
@@ -287,7 +287,11 @@ class Communicator:
                 await asyncio.shield(self._closing)
             return
         self._closed = ClosedError(f"communicator {self.address} is closed")
-        await self._teardown(deregister=True)
+        self._closing = closing = asyncio.get_running_loop().create_future()   # what a second aclose awaits
+        try:
+            await self._teardown(deregister=True)
+        finally:
+            closing.set_result(None)
 
     def _superseded(self, why: str) -> None:
         """The manager took us for lost and another incarnation holds our address now

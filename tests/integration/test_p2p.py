@@ -519,3 +519,18 @@ async def test_large_sends_pending_when_their_peer_dies_fail(cluster, monkeypatc
         for send in sends:
             with pytest.raises(rlinf.PeerLostError):
                 await send
+
+
+async def test_a_second_aclose_returns_once_the_first_is_done(cluster):
+    """It returned at once while the first was still tearing down (sockets open)."""
+    async with asyncio.timeout(30):
+        a = await cluster.connect("a:0").start()
+        b = await cluster.connect("b:0").start()
+        try:
+            await a.send(np.ones(4 << 20, np.uint8), "b:0")    # b holds a's slot: a's close drains
+            first = asyncio.ensure_future(a.aclose())
+            await asyncio.sleep(0)                              # (a yield) the first close has begun
+            await a.aclose()
+            assert first.done() and a._context is None
+        finally:
+            await b.aclose()
