@@ -183,19 +183,26 @@ class ShmReader:
         """Make this process's shared mapping of ``segment`` copy-on-write in place (the
         views into it keep their addresses and bytes): done before its slot is relayed
         (:mod:`._relay`), so that what this process writes after the send returns never
-        reaches the file the receiver reads. The mapping then leaves the cache (a later
-        message in ``segment`` maps it afresh) and its slot can no longer be relayed.
-        ``path`` names the file (our link to it). False if it could not be done."""
+        reaches the file the receiver reads. A new shared mapping of the file takes its
+        place in the cache, for the segment's later messages (the sender counts on a
+        reader that mapped a segment keeping it mapped: it may unlink the file once the
+        reader said so); the views of the old one can no longer be relayed. ``path``
+        names the file (our link to it). False if it could not be done."""
         mm = self._shared.get(segment)
         if mm is None:
             return False
         try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            try:     # not populated: this process seldom touches a slot it relays
+                fresh = mmap.mmap(fd, len(mm), flags=mmap.MAP_SHARED)
+            finally:
+                os.close(fd)
             _remap_private(self._bases[segment], len(mm), path)
         except OSError as exc:
             log.debug("rlinf: cannot make %s copy-on-write: %s", segment, exc)
             return False
-        del self._shared[segment]
-        self._bases.pop(segment, None)
+        self._shared[segment] = fresh
+        self._bases[segment] = np.frombuffer(fresh, _U8, 0).ctypes.data
         for key in [k for k, (_, slot) in self._live.items() if slot.segment == segment]:
             del self._live[key]
         return True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -484,4 +485,27 @@ async def test_a_relayed_slot_is_not_rewritten_while_a_departed_live_reader_hold
         assert await producer.join(timeout=30) == [2]      # a new slot: the held one stays busy
         assert int(got["x"][0]) == 1 and got["x"].sum() == nbytes
         await ctl.send("stop", "relay:0")
+        await relay.join(timeout=30)
+
+
+async def test_the_next_message_in_a_relayed_slot_is_readable_after_its_sender_closed(cluster, driver):
+    """A relaying process that made its mapping of a slot copy-on-write must keep a
+    mapping of that segment: the sender counts on a reader that said it mapped a segment
+    keeping it, and unlinks the file when it closes. The next message in the same slot,
+    sent just before closing, was dropped ("cannot open shared-memory segment")."""
+    nbytes = 4 << 20
+    async with asyncio.timeout(60):
+        relay = await cluster.spawn(workers_shm.forward_each, "relay", 1, args=("driver:0", "driver:0"))
+        async with cluster.connect("prod:0") as producer:
+            await producer.send({"x": np.full(nbytes, 1, np.uint8)}, "relay:0")
+            first = await driver.recv("relay:0")
+            assert first["x"][0] == 1 and await driver.recv("relay:0", tag=70) == "sent"
+            del first
+            gc.collect()
+            await until(lambda: producer._shm.pool.busy == 0, what="the producer's slot to come back")
+            await producer.send({"x": np.full(nbytes, 2, np.uint8)}, "relay:0")   # the same slot
+            assert producer._shm.pool.created == 1
+        second = await driver.recv("relay:0", timeout=20)                  # the producer has closed
+        assert second["x"][0] == 2 and second["x"].sum() == 2 * nbytes
+        await driver.send("stop", "relay:0")
         await relay.join(timeout=30)
