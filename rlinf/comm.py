@@ -424,6 +424,8 @@ class Communicator:
         """
         if self._closed is not None or not self._started:
             self._check_open()
+        if threading.get_ident() != self._loop_thread:
+            raise self._wrong_thread()
         if dst not in self._valid:
             self._check_address(dst)
         codec_header, buffers = self._codec.encode(obj)
@@ -742,6 +744,8 @@ class Communicator:
     def _get_nowait(self, src: str | None, tag: Any) -> Message | None:
         """The next matching message if one is queued (raises if none can ever come)."""
         self._check_open()
+        if threading.get_ident() != self._loop_thread:
+            raise self._wrong_thread()
         msg = self._mailbox.get_nowait(src, tag)
         if msg is not None and self._shm is not None and self._shm.owed >= _OWED_BURST:
             # consuming a backlog without yielding: return the slots now, not at the end
@@ -1063,6 +1067,10 @@ class Communicator:
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
             raise CommTimeoutError(f"{self.address}: {what} did not complete within {timeout} s") from None
+
+    def _wrong_thread(self) -> RuntimeError:
+        return RuntimeError(f"communicator {self.address} is used on its own event loop's thread only; "
+                            f"from another thread use its blocking_* methods (or asyncio.run_coroutine_threadsafe)")
 
     def _run_threadsafe(self, coro, timeout: float | None) -> Any:
         self._check_open()

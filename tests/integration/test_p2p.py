@@ -534,3 +534,19 @@ async def test_a_second_aclose_returns_once_the_first_is_done(cluster):
             assert first.done() and a._context is None
         finally:
             await b.aclose()
+
+
+async def test_another_threads_loop_is_refused(driver):
+    """recv/send awaited on another thread's event loop parked a future of that loop,
+    completed from the wrong thread (the receive came back seconds late, or never)."""
+    def elsewhere(coro_fn):
+        try:
+            asyncio.run(coro_fn())
+        except RuntimeError as exc:
+            return str(exc)
+        return "no error"
+
+    for coro_fn in (lambda: driver.recv("driver:0", tag=20, timeout=5),
+                    lambda: driver.send("x", "driver:0", tag=20)):
+        said = await asyncio.get_running_loop().run_in_executor(None, elsewhere, coro_fn)
+        assert "blocking_" in said
