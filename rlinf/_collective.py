@@ -88,7 +88,7 @@ class Call:
         self.stash: deque = deque()
         self.sends: list[asyncio.Future] = []
         self.error: BaseException | None = None      # fails the call at once (timeout)
-        self.gone: set[str] = set()                   # members lost (or left) meanwhile
+        self.gone: dict[str, None] = {}               # members lost (or left) meanwhile, in that order
         self.needs: frozenset | set | None = None     # whom the pending receive waits for
         self.task: asyncio.Task | None = None
         self.baseline = 0                              # task.cancelling() when the call began
@@ -145,7 +145,8 @@ class Call:
                 if item[0] in phases and (accept is None or item[1] in accept):
                     del self.stash[i]
                     return item
-            hopeless = next((m for m in needs if m in self.gone), None) if self.gone else None
+            # the first to go is named (a member that failed because of it may leave next)
+            hopeless = next((m for m in self.gone if m in needs), None) if self.gone else None
             if hopeless is not None:
                 try:   # take what is already queued first
                     obj, sender = await self.comm._recv_any_internal(self.tag, 0)
@@ -200,7 +201,7 @@ class Call:
     def lose(self, address: str) -> None:
         """``address`` is gone: the call fails once it waits for a message that it owed."""
         if not self.finished:
-            self.gone.add(address)
+            self.gone.setdefault(address)
             if self.needs is not None and address in self.needs:
                 self._interrupt()
 
@@ -258,7 +259,7 @@ async def execute(call: Call, body: Callable[..., Awaitable[Any]], *args: Any, t
     task = call.task = asyncio.current_task()
     call.baseline = task.cancelling()
     call.state.pending.add(call)
-    call.gone.update(m for m in call.members if call.comm._mailbox.is_lost(m) is not None)
+    call.gone.update((m, None) for m in call.members if call.comm._mailbox.is_lost(m) is not None)
     timer = None
     if timeout is not None and call.arg_error is None:
         timer = asyncio.get_running_loop().call_later(
@@ -275,7 +276,7 @@ async def execute(call: Call, body: Callable[..., Awaitable[Any]], *args: Any, t
                 call.interrupted = False
                 if task.uncancel() <= call.baseline:
                     if call.error is None:     # woken for a lost member outside a receive
-                        gone = min(call.gone)
+                        gone = next(iter(call.gone))     # the first to go
                         call.error = PeerLostError(f"{gone} was lost during {call.what}", peer=gone)
                     raise call.error from None
             raise
