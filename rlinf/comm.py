@@ -13,6 +13,7 @@ late is reachable at once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 import os
@@ -54,6 +55,8 @@ _BYE_GRACE = 2.0
 #: Incarnations of peers known gone (their late frames are dropped) that are remembered,
 #: the oldest forgotten first: a peer restarted under one name adds one each time.
 DEAD_KEPT = 4096
+#: Seconds a blocking_* call waits beyond its timeout for a busy loop to run it.
+_LOOP_GRACE = 1.0
 
 
 _TAG_MIN, _TAG_MAX = wire.INT_MIN, wire.INT_MAX   # user tags travel as msgpack integers
@@ -1073,7 +1076,16 @@ class Communicator:
                             f"from another thread use its blocking_* methods (or asyncio.run_coroutine_threadsafe)")
 
     def _run_threadsafe(self, coro, timeout: float | None) -> Any:
-        self._check_open()
+        """Run ``coro`` on the loop from another thread. ``timeout`` (the operation's own)
+        also bounds the wait for a loop too busy to start it (plus :data:`_LOOP_GRACE`)."""
+        try:
+            timeout = check_timeout(timeout)
+            self._check_open()
+            if self._loop.is_closed() or not self._loop.is_running():
+                raise ClosedError(f"communicator {self.address}: its event loop is not running")
+        except BaseException:
+            coro.close()
+            raise
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
@@ -1083,7 +1095,11 @@ class Communicator:
             raise RuntimeError("blocking_* would deadlock on the communicator's own loop; use 'await'")
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
-            return future.result()
+            return future.result(None if timeout is None else timeout + _LOOP_GRACE)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise CommTimeoutError(f"{self.address}: the event loop did not run the operation within "
+                                   f"{timeout} s (it is busy)") from None
         except BaseException:   # interrupted (KeyboardInterrupt): the operation must not go on alone
             future.cancel()
             raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -145,9 +146,10 @@ async def test_bad_timeouts_and_addresses_are_refused_at_the_call(driver):
                 await driver.send("x", alias)
 
 
-def test_an_interrupted_blocking_recv_does_not_swallow_the_next_message():
-    """KeyboardInterrupt in a thread blocked in blocking_recv left the receive running on
-    the loop: it took the next message, and the next blocking_recv timed out."""
+@contextlib.contextmanager
+def _comm_on_a_loop_thread():
+    """``(comm, loop, thread)``: a communicator (with its manager) on an event loop run by
+    another thread, as a program with a background loop has it; closed afterwards."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -159,6 +161,25 @@ def test_an_interrupted_blocking_recv_does_not_swallow_the_next_message():
 
     manager, comm = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
     try:
+        yield comm, loop, thread
+    finally:
+        async def stop():
+            await comm.aclose()
+            await manager.close()
+
+        if loop.is_running():
+            asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
+            loop.call_soon_threadsafe(loop.stop)
+        else:
+            loop.run_until_complete(stop())
+        thread.join(10)
+        loop.close()
+
+
+def test_an_interrupted_blocking_recv_does_not_swallow_the_next_message():
+    """KeyboardInterrupt in a thread blocked in blocking_recv left the receive running on
+    the loop: it took the next message, and the next blocking_recv timed out."""
+    with _comm_on_a_loop_thread() as (comm, _loop, _thread):
         interrupt = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))     # Ctrl-C
         interrupt.start()
         try:
@@ -171,15 +192,23 @@ def test_an_interrupted_blocking_recv_does_not_swallow_the_next_message():
             interrupt.join()
         comm.blocking_send("precious", "t:0", tag=1, timeout=10)
         assert comm.blocking_recv("t:0", tag=1, timeout=10) == "precious"
-    finally:
-        async def stop():
-            await comm.aclose()
-            await manager.close()
 
-        asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
+
+def test_blocking_calls_keep_their_timeout_and_fail_once_the_loop_is_gone():
+    """A loop busy for seconds made blocking_recv(timeout=0.3) wait until it was free; a
+    loop that ended without aclose gave a raw RuntimeError (or 'would deadlock', when
+    the caller's thread got the old loop thread's id)."""
+    with _comm_on_a_loop_thread() as (comm, loop, thread):
+        loop.call_soon_threadsafe(time.sleep, 3)            # the loop runs 3 s of blocking work
+        started = time.monotonic()
+        with pytest.raises(rlinf.CommTimeoutError, match="busy"):
+            comm.blocking_recv("t:0", tag=1, timeout=0.3)
+        assert time.monotonic() - started < 2.5
+        loop.call_soon_threadsafe(loop.stop)                # ends without aclose
         thread.join(10)
-        loop.close()
+        for call in (lambda: comm.blocking_recv("t:0", timeout=1), lambda: comm.blocking_send(1, "t:0", timeout=1)):
+            with pytest.raises(rlinf.ClosedError, match="not running"):
+                call()
 
 
 def test_polling_a_work_from_a_thread_takes_no_memory_per_poll():
