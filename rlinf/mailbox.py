@@ -84,6 +84,7 @@ class Mailbox:
         self._closed: BaseException | None = None
         self._arrivals = itertools.count()
         self._retired = Recent()   # tags nobody will receive again
+        self._handed: list[tuple[_Waiter, list]] = []   # boxes handed over, maybe not taken yet
         self.queued = 0
 
     def __len__(self) -> int:
@@ -112,7 +113,12 @@ class Mailbox:
         while waiters:
             waiter = waiters.popleft()
             if not waiter.future.done():
-                waiter.future.set_result([msg])   # a box: see wait()
+                box = [msg]                        # see wait()
+                waiter.future.set_result(box)
+                handed = self._handed
+                if len(handed) >= 32:              # keep the boxes not taken yet (see put_back)
+                    handed[:] = [(w, b) for w, b in handed if b and not w.future.cancelled()]
+                handed.append((waiter, box))
                 return True
         return False
 
@@ -139,9 +145,21 @@ class Mailbox:
         return msg
 
     def put_back(self, msg: Message) -> None:
-        """Return a message taken by a receive that was then cancelled: it is next again."""
+        """Return a message taken by a receive that was then cancelled: it is next again.
+
+        A later receive may already have been handed a newer message of the same source
+        and tag in the same loop turn (and not have taken it yet): it gets ``msg``
+        instead, and the newer one is put back, so that no receive overtakes another.
+        """
         if self._closed is not None:
             return
+        boxes = [box for waiter, box in self._handed
+                 if box and not waiter.future.cancelled() and box[0].src == msg.src and box[0].tag == msg.tag]
+        if boxes:
+            ordered = sorted([box[0] for box in boxes] + [msg], key=lambda m: m.seq)
+            for box, older in zip(boxes, ordered):
+                box[0] = older
+            msg = ordered[-1]
         if not (self._hand_over(self._waiters.get((msg.src, msg.tag)), msg)
                 or self._hand_over(self._any_waiters.get(msg.tag), msg)):
             self._push_front(msg)

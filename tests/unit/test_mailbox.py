@@ -76,6 +76,30 @@ async def test_a_cancelled_receive_passes_its_message_to_the_next_waiter():
         assert mailbox.get_nowait("a:0", 0) is second
 
 
+async def test_a_receive_cancelled_in_the_turn_both_messages_arrived_keeps_the_order():
+    """Two receives wait; both messages arrive in one loop turn (one each), and the first
+    receive is cancelled before it resumed (a timeout due in that turn): the second must
+    get the first message, and the second message is next. It got the second one, and
+    the first came after it."""
+    for other_src in ("a:0", None):
+        mailbox = Mailbox()
+        cancelled = asyncio.create_task(mailbox.wait("a:0", 0))
+        await asyncio.sleep(0)
+        waiting = asyncio.create_task(mailbox.wait(other_src, 0))
+        await asyncio.sleep(0)
+        (first, _), (second, _) = _message(), _message()
+        mailbox.deliver(first)
+        mailbox.deliver(second)              # both handed over, neither receive has resumed
+        cancelled.cancel()
+        async with asyncio.timeout(5):
+            try:
+                await cancelled
+            except asyncio.CancelledError:
+                pass
+            assert await waiting is first, other_src
+        assert mailbox.get_nowait("a:0", 0) is second
+
+
 async def test_a_retired_tag_drops_queued_and_later_messages_and_is_remembered_boundedly():
     from rlinf.mailbox import RETIRED_TAGS
 
