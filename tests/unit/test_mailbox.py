@@ -15,6 +15,25 @@ def _message(tag: int = 0) -> tuple[Message, weakref.ref]:
     return Message("a:0", "inc", tag, b"", [buf]), weakref.ref(buf)
 
 
+async def _two_waiting_receives(other_src: str | None) -> tuple[Mailbox, asyncio.Task, asyncio.Task]:
+    """A mailbox, a receive from a:0 waiting in it, and a second one (from ``other_src``,
+    None: any source) waiting behind it."""
+    mailbox = Mailbox()
+    first = asyncio.create_task(mailbox.wait("a:0", 0))
+    await asyncio.sleep(0)                   # let it park
+    second = asyncio.create_task(mailbox.wait(other_src, 0))
+    await asyncio.sleep(0)
+    return mailbox, first, second
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
 async def test_a_handed_over_message_dies_when_the_receiver_drops_it():
     """The loop keeps a finished future alive until the receiving task yields; the
     message handed over through it must not live that long (its buffers may hold a
@@ -57,19 +76,11 @@ async def test_a_cancelled_receive_passes_its_message_to_the_next_waiter():
     """Put back while another receive (same source and tag, or any source) waits: that
     one gets it, in order; queued instead, the next message would reach it first."""
     for other_src in ("a:0", None):
-        mailbox = Mailbox()
-        cancelled = asyncio.create_task(mailbox.wait("a:0", 0))
-        await asyncio.sleep(0)
-        waiting = asyncio.create_task(mailbox.wait(other_src, 0))
-        await asyncio.sleep(0)
+        mailbox, cancelled, waiting = await _two_waiting_receives(other_src)
         first, _ = _message()
         mailbox.deliver(first)               # handed to the first receive, which is then cancelled
-        cancelled.cancel()
         async with asyncio.timeout(5):
-            try:
-                await cancelled
-            except asyncio.CancelledError:
-                pass
+            await _cancel(cancelled)
             second, _ = _message()
             mailbox.deliver(second)
             assert await waiting is first, other_src
@@ -82,20 +93,12 @@ async def test_a_receive_cancelled_in_the_turn_both_messages_arrived_keeps_the_o
     get the first message, and the second message is next. It got the second one, and
     the first came after it."""
     for other_src in ("a:0", None):
-        mailbox = Mailbox()
-        cancelled = asyncio.create_task(mailbox.wait("a:0", 0))
-        await asyncio.sleep(0)
-        waiting = asyncio.create_task(mailbox.wait(other_src, 0))
-        await asyncio.sleep(0)
+        mailbox, cancelled, waiting = await _two_waiting_receives(other_src)
         (first, _), (second, _) = _message(), _message()
         mailbox.deliver(first)
         mailbox.deliver(second)              # both handed over, neither receive has resumed
-        cancelled.cancel()
         async with asyncio.timeout(5):
-            try:
-                await cancelled
-            except asyncio.CancelledError:
-                pass
+            await _cancel(cancelled)
             assert await waiting is first, other_src
         assert mailbox.get_nowait("a:0", 0) is second
 
