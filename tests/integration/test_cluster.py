@@ -387,8 +387,10 @@ async def test_workers_killed_before_they_registered_leave_no_socket_directories
     import glob
     import socket
 
-    def orphans() -> set[str]:     # nothing else makes socket directories meanwhile
-        return set(glob.glob("/tmp/rlinf-*")) - set(glob.glob("/tmp/rlinf-bench-*"))
+    def orphans() -> set[str]:     # socket directories of processes that are gone
+        from rlinf.devices import process_gone
+
+        return {d for d in glob.glob("/tmp/rlinf-[0-9]*") if process_gone(int(os.path.basename(d).split("-")[1]))}
 
     before = orphans()
     silent = socket.socket()           # a "manager" that accepts and never answers
