@@ -26,6 +26,7 @@ import zmq
 
 from . import control, devices, leftovers, routing, wire
 from .arrival import ArrivalOrder
+from .bounded import Recent
 from .busypoll import BusyPoll
 from .codec import Codec, is_device_buffer
 from .errors import (AuthenticationError, ClosedError, CommTimeoutError, PeerLostError, ProtocolError, RlinfError,
@@ -33,7 +34,6 @@ from .errors import (AuthenticationError, ClosedError, CommTimeoutError, PeerLos
 from .inbound import FrameReader
 from .info import MembershipEvent, WorkerInfo, check_plain, check_timeout, parse_address
 from .mailbox import Mailbox, Message
-from .bounded import Recent
 from .outbox import SMALL_MESSAGE, OutMessage, Outbox, bulk_frames, split_frames
 from .security import ClusterKeys, ZapHandler, tcp_encryption_enabled
 from .stats import CommStats, Counters

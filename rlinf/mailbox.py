@@ -23,9 +23,9 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Coroutine
 
+from .bounded import Recent
 from .busypoll import BusyPoll
 from .errors import ClosedError, PeerLostError
-from .bounded import Recent
 
 __all__ = ["Mailbox", "Message", "RETIRED_TAGS"]
 

@@ -46,8 +46,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ._fdshare import FD_RELEASE, FdShares, shared_storages
 from ..bounded import Doubling
+from ._fdshare import FD_RELEASE, FdShares, shared_storages
 
 __all__ = ["Relay"]
 

@@ -15,9 +15,9 @@ from typing import Callable, Hashable, Sequence
 import numpy as np
 
 from .. import wire
+from ..bounded import Doubling
 from ..errors import ClosedError, ProtocolError
 from ._pagemap import written_runs
-from ..bounded import Doubling
 from ._shm_common import SHM_DIR, _PAGE, _POPULATE_MAX, _U8
 
 log = logging.getLogger("rlinf.transports.shm")
