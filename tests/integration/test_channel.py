@@ -679,24 +679,24 @@ async def test_task_done_after_detach_says_the_item_went_back(driver, comms):
 
 
 async def test_a_batch_acked_together_reports_its_time_once(driver, comms):
-    """8 items of one get_batch, finished after ~0.2 s: the consumer ran at ~40 weight per
-    second, not 8 / (8 x 0.2 s) = 5."""
+    """8 items of one get_batch, finished 0.5 s later (the handle's clock): the consumer
+    ran at 16 weight per second, not 8 / (8 x 0.5 s) = 2."""
     async with asyncio.timeout(30):
         ch = await driver.create_channel("sp", in_process=True, policy="performance_aware")
         [consumer] = await _handles(comms, "sp", 1)
+        now = [1000.0]
+        consumer._clock = lambda: now[0]                          # the time the handle reports
         for i in range(8):
             await ch.put(i)
         await ch.flush(timeout=10)
         batch = await consumer.get_batch(timeout=10, ack=True)
         assert len(batch) == 8
-        started = asyncio.get_running_loop().time()
-        await asyncio.sleep(0.2)                                   # the "work" (timed, not a sync)
+        now[0] += 0.5                                              # the "work"
         consumer.task_done(*batch)
-        elapsed = asyncio.get_running_loop().time() - started
         await consumer.flush(timeout=10)
 
         async def speed():
             return (await ch.stats(timeout=10)).consumer("c0:0").speed
 
         await until(speed, what="the consumer's speed to be reported")
-        assert 8 / (elapsed + 0.1) <= await speed() <= 8 / 0.2 * 1.01
+        assert await speed() == pytest.approx(16.0)
