@@ -69,12 +69,6 @@ def _check_tag(tag: Any) -> None:
         raise ValueError(f"tag must lie in [-2**63, 2**64 - 1], got {tag}")
 
 
-def _process_gone(info: WorkerInfo) -> bool:
-    """Whether ``info``'s process is known to be gone (only a process of this machine and
-    PID namespace can be judged; False for the others)."""
-    return bool(info.pid) and info.meta.get("machine") == control.machine_id() and devices.process_gone(info.pid)
-
-
 def _tcp_host(manager: str) -> tuple[str, str]:
     """(bind host, advertised host) for the data TCP listener."""
     host = os.environ.get("RLINF_HOST")
@@ -606,7 +600,7 @@ class Communicator:
         try:
             link = await self._stream.connect(info.endpoints[routing.STREAM], identity=self._identity)
         except (PeerLostError, AuthenticationError) as exc:
-            if _process_gone(info):   # it died: what waits for the link must fail, not go to ZeroMQ
+            if control.process_gone_here(info):   # it died: what waits for the link must fail, not go to ZeroMQ
                 outbox.fail(PeerLostError(f"{outbox.address} was lost", peer=outbox.address))
                 return
             log.warning("rlinf %s: no stream to %s (%s); using ZeroMQ", self.address, outbox.address, exc)
@@ -889,7 +883,7 @@ class Communicator:
         error = PeerLostError(f"{address} {'left' if kind == 'left' else 'was lost'}", peer=address)
         self._mailbox.peer_lost(address, error)
         if self._shm is not None:
-            self._shm.peer_gone(address, alive=current is None or not _process_gone(current))
+            self._shm.peer_gone(address, alive=current is None or not control.process_gone_here(current))
         for hook in self._gone_hooks:
             hook(address, incarnation)
         outbox = self._outboxes.get(address)

@@ -89,6 +89,13 @@ def machine_id() -> str:
     return f"{host}-pidns{ns.st_dev}:{ns.st_ino}"
 
 
+def process_gone_here(info: WorkerInfo) -> bool:
+    """Whether ``info``'s process is known to be gone: only a process of this machine
+    and PID namespace (same :func:`machine_id`) can be judged by its pid; False for
+    the others."""
+    return bool(info.pid) and info.meta.get("machine") == machine_id() and process_gone(info.pid)
+
+
 def run(coro: Coroutine) -> Any:
     """Run ``coro`` on a fresh event loop, uvloop when installed."""
     try:
@@ -247,12 +254,10 @@ class ControlClient:
                 self._judge_alone(timeout)
 
     def _judge_alone(self, silent: float) -> None:
-        machine = self.info.meta.get("machine")
         for address, info in list(self._known.items()):
             if address == self.info.address:
                 continue
-            if address == self.manager_host or (
-                    info.pid and machine and info.meta.get("machine") == machine and process_gone(info.pid)):
+            if address == self.manager_host or process_gone_here(info):
                 log.warning("rlinf %s: the manager has been silent for over %.1f s and %s is gone; "
                             "reporting it lost", self.info.address, silent, address)
                 self._apply(MembershipEvent("lost", address, info.incarnation, info))
