@@ -47,13 +47,16 @@ def _layout(arrays: list[np.ndarray]) -> tuple[list[int], int]:
 class _Bytes(asyncio.Protocol):
     """Collects what arrives; ``wait()`` returns once there is something."""
 
-    def __init__(self) -> None:
+    def __init__(self, made: asyncio.Future | None = None) -> None:
         self.buf = bytearray()
         self.transport: asyncio.Transport | None = None
         self._waiter: asyncio.Future | None = None
+        self._made = made
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        if self._made is not None and not self._made.done():
+            self._made.set_result(self)   # the factory runs before this: only now can it write
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -131,12 +134,7 @@ async def _source(ctx, total: int, reps: int, stream: int, torch_tensors: bool) 
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
 
-        def factory() -> _Bytes:
-            proto = _Bytes()
-            accepted.set_result(proto)
-            return proto
-
-        server = await loop.create_unix_server(factory, path)
+        server = await loop.create_unix_server(lambda: _Bytes(accepted), path)
         p = ctx.Process(target=sink, args=(path, ring, slot_size, reps + 1, stream, torch_tensors))
         p.start()
         proto = await asyncio.wait_for(accepted, 60)

@@ -5,8 +5,10 @@
 For 1 MiB, 64 MiB and 512 MiB float32 CUDA tensors between two processes on one GPU:
 
 * device-to-device copy in one process (the limit);
-* rlinf: `comm.send(tensor)` → the receiver gets a CUDA tensor and acks (first send and
-  steady state);
+* rlinf (CUDA IPC): `comm.send(tensor)` → the receiver gets a CUDA tensor and acks: the
+  first send (slot set-up), one at a time (send + ack round trip), and streamed (several
+  sends back to back, one ack: the steady-state bandwidth);
+* rlinf staged through host memory (`RLINF_DISABLE_TRANSPORTS=cuda_ipc`), streamed;
 * torch.multiprocessing Queue passing the CUDA tensor (CUDA IPC handles), receiver
   reads it and acks;
 
@@ -31,6 +33,8 @@ import rlinf  # noqa: E402
 from rlinf.control import run as run_loop  # noqa: E402
 
 SIZES = {"1 MiB": 1 << 20, "64 MiB": 64 << 20, "512 MiB": 512 << 20}
+#: Messages per streamed round (sent back to back, one ack): steady-state bandwidth.
+STREAM = {"1 MiB": 50, "64 MiB": 20, "512 MiB": 6}
 
 
 def _d2d(nbytes: int, reps: int) -> float:
@@ -48,25 +52,30 @@ def _d2d(nbytes: int, reps: int) -> float:
     return statistics.median(times[2:])
 
 
-async def _rl_sink(comm, n):
+async def _rl_sink(comm, rounds, k):
+    """Receive ``k`` tensors per round, wait until their data is here, ack the round."""
     import torch
 
-    for _ in range(n):
-        t = await comm.recv("driver:0")
-        assert t.is_cuda
+    for _ in range(rounds):
+        for _ in range(k):
+            t = await comm.recv("driver:0")
+            assert t.is_cuda
         torch.cuda.current_stream().synchronize()
+        del t
         await comm.send(b"ok", "driver:0", tag=1)
 
 
-async def _rlinf(reps: int) -> dict[str, tuple[float, float]]:
+async def _rlinf(reps: int, env: dict | None = None, sizes: dict | None = None) -> dict[str, tuple]:
+    """Per size: (first send, steady round trip, streamed per message) in seconds."""
     import torch
 
     out = {}
     async with rlinf.Cluster() as cluster, cluster.connect("driver:0") as comm:
-        cases = {**SIZES, "4 KiB": 4096}
+        cases = sizes if sizes is not None else {**SIZES, "4 KiB": 4096}
         for name, nbytes in cases.items():
             n = reps * 20 if nbytes <= 4096 else reps
-            group = await cluster.spawn(_rl_sink, f"sink{nbytes}", 1, args=(n + 1,))
+            k = STREAM.get(name, 0)
+            group = await cluster.spawn(_rl_sink_mixed, f"sink{nbytes}", 1, args=(n + 1, k), env=env)
             t = torch.randn(nbytes // 4, device="cuda")
             times = []
             for _ in range(n + 1):
@@ -75,9 +84,24 @@ async def _rlinf(reps: int) -> dict[str, tuple[float, float]]:
                 await comm.send(t, group.addresses[0])
                 await comm.recv(group.addresses[0], tag=1)
                 times.append(time.perf_counter() - t0)
-            out[name] = (times[0], statistics.median(times[1:]))
+            streamed = []
+            for _ in range(2 if k else 0):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(k):
+                    await comm.send(t, group.addresses[0])
+                await comm.recv(group.addresses[0], tag=1)
+                streamed.append((time.perf_counter() - t0) / k)
+            out[name] = (times[0], statistics.median(times[1:]), min(streamed) if streamed else None)
             await group.join()
     return out
+
+
+async def _rl_sink_mixed(comm, n, k):
+    """``n`` rounds of one message, then (``k`` > 0) two rounds of ``k``."""
+    await _rl_sink(comm, n, 1)
+    if k:
+        await _rl_sink(comm, 2, k)
 
 
 def _mp_consumer(q, acks, n):
@@ -125,15 +149,24 @@ def run(quick: bool = False) -> list[Row]:
         raise unittest.SkipTest("no CUDA device usable by torch")
     reps = 3 if quick else 7
     rl = run_loop(_rlinf(reps))
+    staged = run_loop(_rlinf(reps, env={"RLINF_DISABLE_TRANSPORTS": "cuda_ipc,nccl"}, sizes=SIZES))
     rows = []
     for name, nbytes in SIZES.items():
         d2d = nbytes / _d2d(nbytes, reps) / 1e9
-        first, steady = rl[name]
+        first, steady, streamed = rl[name]
         tmp = nbytes / _torch_mp(nbytes, reps) / 1e9
-        rows.append(Row(f"G1 {name} steady", nbytes / steady / 1e9, "device-to-device copy", d2d, "GB/s", True, ">= 0.8x"))
-        rows.append(Row(f"G1 {name} steady", nbytes / steady / 1e9, "torch.mp Queue (CUDA IPC)", tmp, "GB/s", True))
-        rows.append(Row(f"G1 {name} first send", first, "-", None, "s", note="setup cost"))
-    rows.append(Row("G2 4 KiB CUDA tensor round trip", rl["4 KiB"][1], "-", None, "s", target="<= 100 us"))
+        rows.append(Row(f"G1 {name} streamed", nbytes / streamed / 1e9, "device-to-device copy", d2d, "GB/s", True,
+                        ">= 0.8x", note=f"{STREAM[name]} sends, one ack"))
+        rows.append(Row(f"G1 {name} one at a time", nbytes / steady / 1e9, "device-to-device copy", d2d, "GB/s", True,
+                        note="send + ack round trip"))
+        rows.append(Row(f"G1 {name} one at a time", nbytes / steady / 1e9, "torch.mp Queue (CUDA IPC)", tmp, "GB/s",
+                        True, note="fresh tensor per message"))
+        s_first, s_steady, s_streamed = staged[name]
+        rows.append(Row(f"G1 {name} streamed", nbytes / streamed / 1e9, "rlinf staged (host)",
+                        nbytes / s_streamed / 1e9, "GB/s", True, note="RLINF_DISABLE_TRANSPORTS=cuda_ipc"))
+        rows.append(Row(f"G1 {name} first send", first, "-", None, "s", note="setup: slot, share, open"))
+    rows.append(Row("G2 4 KiB CUDA tensor round trip", rl["4 KiB"][1], "-", None, "s", target="<= 100 us",
+                    note="send + ack"))
     count = torch.cuda.device_count()
     rows.append(Row("NCCL send/recv", None, "torch NCCL", None, "GB/s", True,
                     note="skipped: needs 2 GPUs" if count < 2 else "not implemented"))

@@ -20,7 +20,7 @@ import os
 import secrets
 import socket
 import threading
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 import zmq
 
@@ -37,7 +37,7 @@ from .mailbox import Mailbox, Message
 from .outbox import SMALL_MESSAGE, OutMessage, Outbox, bulk_frames, split_frames
 from .security import ClusterKeys, ZapHandler, tcp_encryption_enabled
 from .stats import CommStats, Counters
-from .transports import shm, tcp_bulk
+from .transports import cuda_ipc, shm, tcp_bulk
 from .transports.base import Received
 from .transports.stream import StreamTransport
 from .transports.zeromq import ZmqTransport
@@ -109,12 +109,16 @@ class Communicator:
             lost, by itself, that worker and the peers on its own machine whose process
             is gone (operations on them fail with ``PeerLostError`` instead of waiting
             for a manager that may never come back).
+        disable: transports this communicator never uses, added to
+            ``$RLINF_DISABLE_TRANSPORTS`` (names of :data:`rlinf.routing.TRANSPORTS`).
+            GPU buffers received through CUDA IPC are views of the sender's slot, as
+            ``shm_views`` says for shared memory (with ``shm_views=False``, owned copies).
     """
 
     def __init__(self, address: str | None = None, *, manager: str | None = None, token: str | None = None,
                  codec: Codec | None = None, connect_timeout: float = 30.0, meta: dict | None = None,
                  shm_views: bool | None = None, exclusive: bool = False,
-                 manager_host: str | None = None) -> None:
+                 manager_host: str | None = None, disable: Iterable[str] = ()) -> None:
         address = address or os.environ.get("RLINF_ADDRESS")
         if not address:
             raise ValueError("no worker address: pass address='group:rank' or set RLINF_ADDRESS")
@@ -158,6 +162,8 @@ class Communicator:
         self._started = False
         self._warned: set[str] = set()
         self._routing = routing.RoutingConfig.from_env()
+        if disable:
+            self._routing = self._routing.without(disable)
         if shm_views is None:
             shm_views = os.environ.get("RLINF_SHM_VIEWS", "1").strip().lower() not in ("0", "false", "no")
         elif not isinstance(shm_views, bool):
@@ -168,6 +174,8 @@ class Communicator:
         self._stream: StreamTransport | None = None        # frame sets from/to this node's processes
         self._recycler = shm.Recycler()   # receive-side private memory (chunk reassembly, copy-outs)
         self._shm_routes: dict[str, bool] = {}     # peer -> large CPU payloads go by shm
+        self._gpu_routes: dict[str, str] = {}      # peer -> how GPU buffers go to it
+        self._cuda: cuda_ipc.CudaIpcSession | None = None   # made on the first GPU message
 
     def __repr__(self) -> str:
         pending = sum(len(o.queue) for o in self._outboxes.values())
@@ -221,14 +229,19 @@ class Communicator:
                                            recycler=self._recycler)
                 self.on_system("shm", self._shm.on_notice)
                 transports += (routing.SHM,)
-            self._inbound = FrameReader(self._shm, self._recycler, self._pid_of, self._counters.dropped)
+            self._inbound = FrameReader(self._shm, self._recycler, self._pid_of, self._counters.dropped,
+                                        self._open_gpu)
             self._listener.set_handler(self._arrival.zmq)
             if routing.STREAM not in self._routing.disabled and StreamTransport.available():
                 transports += await self._start_stream(endpoints)
+            gpus = devices.discover_devices()
+            if gpus and routing.CUDA_IPC not in self._routing.disabled and cuda_ipc.available():
+                transports += (routing.CUDA_IPC,)
+                self.on_system("cuda", self._on_cuda_notice)
             self.info = WorkerInfo(
                 address=self.address, incarnation=self.incarnation, node_id=devices.node_id(),
                 host=socket.gethostname(), pid=os.getpid(), endpoints=endpoints,
-                devices=devices.discover_devices(), transports=transports,
+                devices=gpus, transports=transports,
                 meta={"machine": control.machine_id(), **self._meta},
             )
             self._control = control.ControlClient(self._context, self._keys, self.manager_address, self.info,
@@ -307,6 +320,8 @@ class Communicator:
             except asyncio.CancelledError as exc:   # finish closing, then re-raise
                 cancelled = exc
             self._shm.close()      # releases owed to peers go out ahead of the bye
+        if self._cuda is not None:
+            self._cuda.flush()
         self._closed = error
         bye_to = self._say_bye() if deregister else []
         for closer in reversed(self._closers):
@@ -344,6 +359,8 @@ class Communicator:
                 zap.close()
             if self._shm is not None:
                 self._shm.close()
+            if self._cuda is not None:
+                self._cuda.close()
             if self._context is not None:
                 context, self._context = self._context, None
                 # term() waits for lingering frames; keep the loop free meanwhile.
@@ -390,6 +407,8 @@ class Communicator:
             await self._wait(future, timeout, f"send to {dst}")
         if self._shm is not None and self._shm.behind(dst):
             await self._room(dst)
+        if self._cuda is not None and self._cuda.behind(dst):
+            await self._cuda.room(dst)
 
     async def _room(self, dst: str) -> None:
         """Backpressure: wait while ``dst`` holds a window of our slots. Raises the
@@ -426,9 +445,10 @@ class Communicator:
         if dst not in self._valid:
             self._check_address(dst)
         codec_header, buffers = self._codec.encode(obj)
+        gpu = None
         for b in buffers:
             if type(b) is not memoryview and is_device_buffer(b):
-                buffers = self._stage_device_buffers(buffers, dst)
+                gpu = True
                 break
         if dst == self.address:
             return self._send_to_self(tag, kind, codec_header, buffers, need_future)
@@ -437,27 +457,75 @@ class Communicator:
             outbox = self._outbox(dst)
         elif outbox.error is not None:
             raise outbox.error
+        if gpu:
+            buffers, gpu = self._device_buffers(buffers, dst)
         if self._shm is not None and self._shm.owed:
             notice = self._shm.take(dst)
             if notice is not None:   # the slots we owe dst go back with this message, ahead of it
                 self._queue_notice(outbox, notice, hold=True)
-                future = self._queue(outbox, kind, tag, codec_header, buffers, need_future)
+                future = self._queue(outbox, kind, tag, codec_header, buffers, need_future, gpu)
                 outbox.flush()
                 return future
-        return self._queue(outbox, kind, tag, codec_header, buffers, need_future)
+        return self._queue(outbox, kind, tag, codec_header, buffers, need_future, gpu)
 
-    def _stage_device_buffers(self, buffers: list, dst: str) -> list:
+    def _device_buffers(self, buffers: list, dst: str) -> tuple[list, list | None]:
+        """Route a message's GPU buffers to ``dst``: ``(host buffers, GPU descriptor)``
+        when they go by CUDA IPC (the device buffers are copied into a slot and left out
+        of the list), else ``(buffers with the GPU ones staged, None)``."""
+        route = self._gpu_routes.get(dst)
+        if route is None:
+            info = self._roster.get(dst)
+            if info is None:     # not known yet: nothing says CUDA IPC reaches it
+                return self._stage_device_buffers(buffers, dst, "its GPUs are not known yet"), None
+            chosen = routing.select_transport(self.info, info, devices.BufferInfo("cuda:0", 1), config=self._routing)
+            route = self._gpu_routes[dst] = chosen.transport if chosen.transport == routing.CUDA_IPC \
+                else chosen.reason
+        if route != routing.CUDA_IPC:
+            return self._stage_device_buffers(buffers, dst, route), None
+        places = [i for i, b in enumerate(buffers) if type(b) is not memoryview and is_device_buffer(b)]
+        gpu = self._cuda_session().sender.export(buffers, places, dst)
+        if gpu is None:
+            why = "its buffers span several devices, or it holds the CUDA IPC cap of our slots"
+            return self._stage_device_buffers(buffers, dst, why), None
+        taken = set(places)
+        return [b for i, b in enumerate(buffers) if i not in taken], gpu
+
+    def _cuda_session(self) -> cuda_ipc.CudaIpcSession:
+        if self._cuda is None:
+            self._cuda = cuda_ipc.CudaIpcSession(self._loop, self._send_cuda_notice, views=self._shm_views)
+        return self._cuda
+
+    def _open_gpu(self, src: str, gpu: wire.GpuRef) -> list:
+        if routing.CUDA_IPC not in self.info.transports:
+            raise ProtocolError("CUDA IPC is not enabled in this process")
+        return self._cuda_session().reader.open(src, gpu)
+
+    def _on_cuda_notice(self, src: str, items: Any) -> None:
+        if self._cuda is not None:
+            self._cuda.on_notice(src, items)
+
+    def _send_cuda_notice(self, dst: str, items: list) -> None:
+        outbox = self._outboxes.get(dst)
+        if outbox is None:
+            self._check_open()
+            outbox = self._outbox(dst)
+        if outbox.error is not None:
+            raise outbox.error
+        self._queue_notice(outbox, items, hold=False, tag="cuda")
+        outbox.flush()
+
+    def _stage_device_buffers(self, buffers: list, dst: str, why: str) -> list:
         """The staged path for GPU buffers: copy them to host memory and send them as CPU
         buffers; the receiver's codec moves them to its current CUDA device.
 
-        This is the fallback of the routing table's GPU rows; it is what runs while the
-        CUDA IPC and NCCL transports are not built. It waits for work already queued on
-        the current stream (``Tensor.cpu()`` synchronises it). Warns once per peer.
+        This is the fallback of the routing table's GPU rows. It waits for work already
+        queued on the current stream (``Tensor.cpu()`` synchronises it). Warns once per
+        peer.
         """
         if dst not in self._warned:
             self._warned.add(dst)
-            log.warning("rlinf %s: GPU buffers to %s are staged through host memory "
-                        "(no direct GPU transport available)", self.address, dst)
+            log.warning("rlinf %s: GPU buffers to %s are staged through host memory (%s)",
+                        self.address, dst, why)
         staged = []
         for b in buffers:
             if type(b) is memoryview or not is_device_buffer(b):
@@ -469,8 +537,9 @@ class Communicator:
         return staged
 
     def _queue(self, outbox: Outbox, kind: int, tag: Any, codec_header: bytes, buffers: list,
-               need_future: bool) -> asyncio.Future | None:
-        """Route and queue one encoded message to ``outbox`` (the rest of the hot path)."""
+               need_future: bool, gpu: list | None = None) -> asyncio.Future | None:
+        """Route and queue one encoded message to ``outbox`` (the rest of the hot path);
+        ``gpu``: the descriptor of its GPU buffers, already in a CUDA IPC slot."""
         nbytes = 0
         for b in buffers:
             nbytes += b.nbytes if type(b) is memoryview else memoryview(b).nbytes
@@ -482,9 +551,20 @@ class Communicator:
                 sizes = [0 if i in relayed[0] else n for i, n in enumerate(sizes)]
             export = self._shm.export(buffers, sizes, {outbox.address: 1}) if any(sizes) else (None, sizes, None)
             if export is not None:
-                return self._queue_slot(outbox, kind, tag, codec_header, export, nbytes, need_future, relayed)
+                return self._queue_slot(outbox, kind, tag, codec_header, export, nbytes, need_future, relayed,
+                                        gpu)
             if relayed is not None:
                 self._shm.relay.cancel(outbox.address, relayed[1])
+        if gpu is not None:     # a large message (its entry's GPU item survives the flush)
+            frames, counts, nbytes = split_frames(buffers)
+            entry = [kind, tag, codec_header, counts, None, None, gpu]
+            future = self._loop.create_future()
+            session = self._cuda
+            nbytes += sum(place[2] for place in gpu[5])    # counted with the message's transport
+            outbox.put(OutMessage(entry, frames, nbytes + len(codec_header), future, True,
+                                  transport=routing.CUDA_IPC, discard=lambda: session.sender.discard(gpu)),
+                       self._loop)
+            return future
         if nbytes < SMALL_MESSAGE:
             # copy now (the caller may reuse its buffers); coalesced into one frame later
             frames, counts, large = [bytes(b) for b in buffers], None, False
@@ -523,15 +603,19 @@ class Communicator:
         return route
 
     def _queue_slot(self, outbox: Outbox, kind: int, tag: Any, codec_header: bytes, export: tuple,
-                    nbytes: int, need_future: bool, relayed: tuple | None = None) -> asyncio.Future | None:
+                    nbytes: int, need_future: bool, relayed: tuple | None = None,
+                    gpu: list | None = None) -> asyncio.Future | None:
         """Queue a message whose buffers sit in shared memory: a slot of ours (``export``:
         ``(slot or None, layout, copying)``) and/or, when ``relayed`` (``(places,
-        relays)``), other processes' slots forwarded by reference (descriptors on the wire)."""
+        relays)``), other processes' slots forwarded by reference (descriptors on the wire);
+        ``gpu``: its GPU buffers' CUDA IPC descriptor."""
         slot, layout, copying = export
         session, dst = self._shm, outbox.address
         if relayed is None:
             entry = [kind, tag, codec_header, layout, slot.to_wire()]
             discard = lambda: session.discard(slot, copying, dst)   # noqa: E731
+            if gpu is not None:
+                entry += [None, gpu]
         else:
             places, relays = relayed
             layout = list(layout)
@@ -543,6 +627,10 @@ class Communicator:
                 session.relay.cancel(dst, relays)
                 if slot is not None:
                     session.discard(slot, copying, dst)
+            if gpu is not None:
+                entry.append(gpu)
+        if gpu is not None:
+            discard = self._with_gpu_discard(discard, gpu)
         msg = OutMessage(entry, [], nbytes + len(codec_header), None, False, transport=routing.SHM,
                          copying=copying, discard=discard)
         if copying is None and not need_future:
@@ -554,8 +642,17 @@ class Communicator:
         outbox.put(msg, self._loop)
         return future
 
+    def _with_gpu_discard(self, discard: Callable[[], None], gpu: list) -> Callable[[], None]:
+        sender = self._cuda.sender
+
+        def both() -> None:
+            discard()
+            sender.discard(gpu)
+        return both
+
     def _send_to_self(self, tag, kind, codec_header, buffers, need_future) -> asyncio.Future | None:
-        copies = [bytearray(memoryview(b).cast("B")) for b in buffers]
+        copies = [bytearray(memoryview(b).cast("B")) if type(b) is memoryview or not is_device_buffer(b)
+                  else b.clone() if hasattr(b, "clone") else b.copy() for b in buffers]
         self._mailbox.deliver(Message(self.address, self.incarnation, tag, codec_header, copies))
         if not need_future:
             return None
@@ -834,11 +931,11 @@ class Communicator:
         self._queue_notice(outbox, obj, hold=False)
         outbox.flush()       # notices are already batched (ShmSession): send now
 
-    def _queue_notice(self, outbox: Outbox, obj: Any, *, hold: bool) -> None:
+    def _queue_notice(self, outbox: Outbox, obj: Any, *, hold: bool, tag: str = "shm") -> None:
         """Queue a notice (a small SYSTEM message without buffers) to ``outbox``; with
         ``hold``, it waits for the next flush (it goes out with the message queued next)."""
         codec_header, _ = self._codec.encode(obj)
-        entry = [wire.SYSTEM, "shm", codec_header, []]
+        entry = [wire.SYSTEM, tag, codec_header, []]
         outbox.put(OutMessage(entry, [], len(codec_header), None, False), self._loop, hold=hold)
 
     # -- membership --------------------------------------------------------------------
@@ -884,6 +981,10 @@ class Communicator:
         self._mailbox.peer_lost(address, error)
         if self._shm is not None:
             self._shm.peer_gone(address, alive=current is None or not control.process_gone_here(current))
+        if self._cuda is not None:
+            self._cuda.peer_gone(address, process_gone=kind != "left" and current is not None
+                                 and control.process_gone_here(current))
+        self._gpu_routes.pop(address, None)
         for hook in self._gone_hooks:
             hook(address, incarnation)
         outbox = self._outboxes.get(address)
@@ -995,6 +1096,10 @@ class Communicator:
                 if outbox.error is not None:
                     raise outbox.error
                 outboxes[dst] = outbox
+        if any(type(b) is not memoryview and is_device_buffer(b) for b in buffers):
+            # GPU buffers: one send each (a CUDA IPC slot has one reader; staged ones copy)
+            await asyncio.gather(*[self._enqueue(obj, dst, tag, wire.USER, need_future=True) for dst in dsts])
+            return
         sizes = [memoryview(b).nbytes for b in buffers]
         nbytes = sum(sizes)
         readers: dict[str, int] = {}

@@ -1,15 +1,16 @@
 """A received frame set's entries, with their buffers rebuilt wherever they travelled.
 
-The data plane carries a message's buffers in one of four ways (see :mod:`rlinf.wire`):
+The data plane carries a message's buffers in one of five ways (see :mod:`rlinf.wire`):
 inside one packed blob shared by coalesced small messages, as payload frames (a large
-buffer as several chunks), in the sender's shared-memory slot, or in another process's
-slot relayed by the sender. :class:`FrameReader` turns each entry back into a list of
+buffer as several chunks), in the sender's shared-memory slot, in another process's
+slot relayed by the sender, or (GPU buffers) in the sender's CUDA IPC slot. :class:`FrameReader` turns each entry back into a list of
 buffers, so that the communicator only delivers messages.
 
 Buffer lifetime: buffers are views of the received frames, of the packed blob, or of
 shared memory (valid, and the slot kept busy, for as long as they or anything decoded
 over them is referenced); chunked buffers are joined into recycled private memory,
-which is reused once nothing references it.
+which is reused once nothing references it. GPU buffers are views of the sender's CUDA
+IPC slot, which goes back to it once they are all garbage-collected.
 """
 
 from __future__ import annotations
@@ -42,14 +43,18 @@ class FrameReader:
         recycler: private memory for chunked buffers.
         pid_of: ``pid_of(address)``: the sender's pid when known (its slots must be its own).
         on_bad_slot: called once per entry whose shared memory could not be opened.
+        open_gpu: ``open_gpu(src, gpu)`` returns an entry's device buffers as
+            ``(index, buffer)`` pairs (see :class:`~rlinf.transports.cuda_ipc.CudaIpcReader`).
     """
 
     def __init__(self, session: shm.ShmSession | None, recycler: shm.Recycler,
-                 pid_of: Callable[[str], int | None], on_bad_slot: Callable[[], None]) -> None:
+                 pid_of: Callable[[str], int | None], on_bad_slot: Callable[[], None],
+                 open_gpu: Callable[[str, wire.GpuRef], list] | None = None) -> None:
         self._shm = session
         self._recycler = recycler
         self._pid_of = pid_of
         self._on_bad_slot = on_bad_slot
+        self._open_gpu = open_gpu
 
     def entries(self, src: str, entries: list[wire.Entry], frames: list, packed: bool) -> Iterator[Rebuilt]:
         """Each entry of a validated frame set (:func:`rlinf.wire.unpack_header`), in order."""
@@ -88,7 +93,26 @@ class FrameReader:
                 i += count
                 buffers.append(buf)
                 nbytes += buf.nbytes
+            if entry.gpu is not None and error is None:
+                try:
+                    nbytes += self._insert_gpu(src, entry.gpu, buffers)
+                except (ProtocolError, ClosedError) as exc:
+                    self._on_bad_slot()
+                    log.warning("rlinf: bad CUDA IPC slot from %s: %r", src, exc)
+                    error = DecodeError(f"message from {src} cannot be read from its GPU slot: {exc}")
             yield entry, buffers, nbytes, in_slot is not None or relayed is not None, error
+
+    def _insert_gpu(self, src: str, gpu: wire.GpuRef, buffers: list) -> int:
+        """Put an entry's device buffers in their places among its host ``buffers``."""
+        if self._open_gpu is None:
+            raise ProtocolError("CUDA IPC is not enabled in this process")
+        nbytes = 0
+        for index, buf in sorted(self._open_gpu(src, gpu), key=lambda p: p[0]):
+            if index > len(buffers):
+                raise ProtocolError("GPU buffer index beyond the message's buffers")
+            buffers.insert(index, buf)
+            nbytes += buf.nbytes
+        return nbytes
 
     def _open(self, src: str, entry: wire.Entry) -> tuple[Iterator | None, Iterator | None]:
         session = self._shm

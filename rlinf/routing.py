@@ -26,8 +26,8 @@ and ``nbytes >= RoutingConfig.bulk_threshold`` between nodes; "same node" means 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rlinf.devices import BufferInfo, describe_buffer
@@ -150,6 +150,16 @@ class RoutingConfig:
         if locked:
             raise ValueError(f"transport(s) {locked} cannot be disabled: they are the fallback of last resort")
         object.__setattr__(self, "disabled", disabled)
+
+    def without(self, names: Iterable[str]) -> RoutingConfig:
+        """This config with ``names`` disabled too.
+
+        Raises:
+            ValueError: a name is unknown or cannot be disabled.
+        """
+        if isinstance(names, str):
+            raise TypeError("names must be a collection of transport names, not a str")
+        return replace(self, disabled=self.disabled | frozenset(names))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RoutingConfig:

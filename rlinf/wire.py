@@ -40,6 +40,17 @@ A relay may instead be a torch storage the sender holds in shared memory (see
 the sender's file descriptor and the file's identity; it is mapped shared and released
 with ``["fd", hold_id]`` once mapped.
 
+An entry may carry a seventh item, its *GPU buffers* in a CUDA IPC slot of the sender's
+(see :class:`GpuRef` and ``rlinf/transports/cuda_ipc.py``); the fifth and sixth items are
+then the slot and relays, or nil::
+
+    [kind, tag, codec_header, layout, slot_or_nil, relays_or_nil,
+     [slot_id, generation, device, share_or_nil, event_or_nil, [[index, offset, nbytes], ...]]]
+
+``layout`` then describes the host buffers only; buffer ``index`` of the message is the
+device buffer at ``offset`` in the slot. ``share`` and ``event`` (torch's IPC description
+of the slot and its ready event) come with the slot's first message to this receiver.
+
 Entries are in send order.
 
 Every size and count is checked before anything is allocated; a bad header raises
@@ -58,7 +69,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-__all__ = ["VERSION", "USER", "SYSTEM", "MAX_FRAME", "SLOT_ALIGN", "Entry", "SlotRef", "FdRef", "pack_header",
+__all__ = ["VERSION", "USER", "SYSTEM", "MAX_FRAME", "SLOT_ALIGN", "Entry", "SlotRef", "FdRef", "GpuRef", "pack_header",
            "HeaderPacker", "unpack_header", "slot_layout", "parse_segment_name"]
 
 VERSION = 1
@@ -96,6 +107,7 @@ class Entry:
     frame_counts: list
     slot: SlotRef | None = None
     relays: list[SlotRef | FdRef] | None = None
+    gpu: GpuRef | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +150,61 @@ class FdRef:
     ino: int
     size: int
     hold_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class GpuRef:
+    """Where a message's GPU buffers are: a validated CUDA IPC slot descriptor.
+
+    Attributes:
+        slot: the sender's slot id, echoed back on release.
+        generation: the slot's use count, echoed back on release.
+        device: the CUDA device of the slot.
+        share: torch's IPC description of the slot (its first message only), else None.
+        event: the IPC handle of the slot's ready event (with ``share``), else None.
+        places: ``(index, offset, nbytes)`` per device buffer, in message order.
+        span: the end of the last buffer in the slot.
+    """
+
+    slot: int
+    generation: int
+    device: int
+    share: tuple | None
+    event: bytes | None
+    places: tuple[tuple[int, int, int], ...]
+    span: int
+
+
+_SHARE_TYPES = (int, bytes, int, int, bytes, int, bytes, bool)
+
+
+def _unpack_gpu(raw: Any, host_buffers: int) -> GpuRef:
+    if not (isinstance(raw, list) and len(raw) == 6):
+        raise ProtocolError("malformed GPU buffer descriptor")
+    slot, generation, device, share, event, places = raw
+    if not (type(slot) is int and type(generation) is int and type(device) is int
+            and 0 <= device < 1 << 16 and isinstance(places, list) and places):
+        raise ProtocolError("malformed GPU buffer descriptor")
+    if share is not None:
+        if not (isinstance(share, list) and len(share) == len(_SHARE_TYPES)
+                and all(type(v) is t for v, t in zip(share, _SHARE_TYPES))
+                and type(event) is bytes and 0 < len(event) <= 256):
+            raise ProtocolError("malformed CUDA IPC share")
+        share = tuple(share)
+    elif event is not None:
+        raise ProtocolError("malformed CUDA IPC share")
+    total = host_buffers + len(places)
+    seen, span, out = set(), 0, []
+    for item in places:
+        if not (isinstance(item, list) and len(item) == 3 and all(type(v) is int for v in item)):
+            raise ProtocolError("bad GPU buffer layout")
+        i, offset, nbytes = item
+        if not (0 <= i < total and i not in seen and 0 <= offset <= MAX_SLOT and 0 <= nbytes <= MAX_SLOT):
+            raise ProtocolError("bad GPU buffer layout")
+        seen.add(i)
+        span = max(span, offset + nbytes)
+        out.append((i, offset, nbytes))
+    return GpuRef(slot, generation, device, share, event, tuple(out), span)
 
 
 def parse_segment_name(name: Any) -> int:
@@ -220,7 +287,7 @@ def _relayed_place(item: list, relays: list[SlotRef | FdRef] | None) -> None:
 def _unpack_entry(raw: Any, limit: int, low: int) -> tuple[Entry, int]:
     """An entry with a slot and/or relays (or a malformed one): the entry, and the
     payload bytes/frames it announces."""
-    if not (isinstance(raw, list) and 4 <= len(raw) <= 6):
+    if not (isinstance(raw, list) and 4 <= len(raw) <= 7):
         raise ProtocolError("malformed message entry")
     kind, tag, codec_header, counts = raw[:4]
     if kind not in (USER, SYSTEM) or not isinstance(codec_header, bytes) or not isinstance(counts, list):
@@ -228,7 +295,8 @@ def _unpack_entry(raw: Any, limit: int, low: int) -> tuple[Entry, int]:
     if not isinstance(tag, (int, str)) or isinstance(tag, bool):
         raise ProtocolError("message tag must be an int or str")
     slot = _unpack_slot(raw[4]) if len(raw) >= 5 and (len(raw) == 5 or raw[4] is not None) else None
-    relays = _unpack_relays(raw[5]) if len(raw) == 6 else None
+    relays = _unpack_relays(raw[5]) if len(raw) >= 6 and raw[5] is not None else None
+    gpu = _unpack_gpu(raw[6], len(counts)) if len(raw) == 7 else None
     total = in_slot = 0
     align = SLOT_ALIGN - 1
     for c in counts:
@@ -247,7 +315,7 @@ def _unpack_entry(raw: Any, limit: int, low: int) -> tuple[Entry, int]:
             raise ProtocolError("bad buffer layout")
     if slot is not None and not 0 < in_slot <= slot.size:
         raise ProtocolError(f"slot of {slot.size} bytes cannot hold the {in_slot} bytes announced")
-    return Entry(kind, tag, codec_header, counts, slot, relays), total
+    return Entry(kind, tag, codec_header, counts, slot, relays, gpu), total
 
 
 def pack_header(src: str, incarnation: str, entries: list[list], packed: bool = False) -> bytes:

@@ -39,6 +39,7 @@ from ..errors import (
 from ..info import socket_dirs
 from ..launch import remove_socket_dirs
 from ..pipe import MessagePipe
+from ..routing import CUDA_IPC
 from ._core import ChannelCore
 from ._state import Handle
 from ._wire import decode_ops, encode_ops
@@ -96,7 +97,10 @@ class ChannelServer:
                                 send=self._send)
         meta = {"kind": "channel", "channel": name, "policy": self.core.policy.name, "maxsize": maxsize}
         # exclusive: of two creators racing for one name, the second fails to join
-        self.comm = Communicator(self.address, manager=manager, token=token, meta=meta, exclusive=True)
+        # The server holds items and never computes on them: GPU items reach it staged
+        # through host memory (no CUDA context here, no producer's slots pinned by a queue).
+        self.comm = Communicator(self.address, manager=manager, token=token, meta=meta, exclusive=True,
+                                 disable=(CUDA_IPC,))
         self._out: dict[tuple[str, int], list] = {}
         self._flush_scheduled = False
         self._task: asyncio.Task | None = None

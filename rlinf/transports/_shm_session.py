@@ -9,6 +9,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 from .. import wire
+from ..codec import is_device_buffer
 from ..copier import Copier
 from ..devices import process_gone
 from ..errors import RlinfError
@@ -165,9 +166,16 @@ class ShmSession:
         return [next(views[r]) for r in order]
 
     def owned(self, buffers: list) -> list:
-        """Copy-out: owned copies of a received message's buffers, in recycled private
-        memory (dropping the views then releases the slot). Thread-safe."""
-        return self._recycler.copy(buffers, self.copier)
+        """Copy-out: owned copies of a received message's host buffers, in recycled
+        private memory (dropping the views then releases the slot); GPU buffers are
+        passed through (CUDA IPC made them owned already). Thread-safe."""
+        host = [i for i, b in enumerate(buffers) if type(b) is memoryview or not is_device_buffer(b)]
+        if len(host) == len(buffers):
+            return self._recycler.copy(buffers, self.copier)
+        out = list(buffers)
+        for i, copy in zip(host, self._recycler.copy([buffers[i] for i in host], self.copier)):
+            out[i] = copy
+        return out
 
     def _released(self, src: str, segment: str, generation: int) -> None:
         if threading.get_ident() == self._loop_thread:

@@ -1,0 +1,512 @@
+"""CUDA IPC: GPU buffers to another process of this node without touching host memory.
+
+Measured on an H200 (docs/benchmarks.md): opening a CUDA IPC memory handle costs
+~120 ms and opening an IPC event handle ~120 µs, while recording and waiting on an
+event costs 1-3 µs. So nothing is opened per message:
+
+* The sender keeps, per receiver and device, a pool of device *slots* (allocations of
+  torch's caching allocator, sized by powers of two from 1 MiB) and shares each slot
+  with its receiver once. A message's GPU buffers are copied into one slot on the
+  sender's current stream, so the copy follows whatever work is already queued there;
+  then the slot's interprocess *ready* event is recorded. Nothing waits on the host.
+* The receiver opens each slot and its event once, makes its current stream wait on
+  the event (a device-side wait, not a synchronisation) and gets views of the slot.
+* When the last view is garbage-collected the slot goes back: the receiver records
+  its own interprocess *free* event on its current stream and tells the sender, whose
+  stream waits on that event before it writes the slot again.
+
+A slot is never shared with a second receiver and never rewritten while a view of it
+lives. A pool grows up to a cap per receiver (``RLINF_CUDA_IPC_CAP``, default 2 GiB);
+past it the communicator stages the message through host memory instead of failing.
+
+Buffer lifetime:
+
+* sender: ``send`` returns once the copy is queued on the current stream. The caller
+  may then write its tensors from that stream (or any work ordered after it); writes
+  from another stream must wait for it, as for any CUDA work.
+* receiver: the tensors are views of the sender's slot, valid for as long as they (or
+  views of them) are referenced. They live on the sender's device; a receiver whose
+  current device differs gets a copy on its own device instead, and so does one that
+  asked for owned copies (``shm_views=False``).
+
+The shared allocation itself is kept alive by torch's CUDA IPC reference counting
+(``torch.multiprocessing``'s mechanism): a slot the sender drops stays allocated until
+its receiver has dropped its mapping, or until the sender learns that the receiver's
+process is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from typing import Any, Callable, Sequence
+
+from .. import wire
+from ..errors import ProtocolError
+
+log = logging.getLogger("rlinf.transports.cuda_ipc")
+
+__all__ = ["available", "default_cap", "CudaIpcSession"]
+
+#: Smallest slot; slots are powers of two from here (reuse across nearby sizes). Up to
+#: 1 MiB, torch's allocator carves them out of 2 MiB segments: one IPC open per segment.
+MIN_SLOT = 256 << 10
+#: Alignment of each buffer inside a slot (covers every dtype and vector loads).
+ALIGN = 256
+DEFAULT_CAP = 2 << 30
+#: A receiver holding this many of our slots (or half the cap) is behind: a send to it
+#: waits for one back (at most :data:`STALL` seconds) before the pool grows further.
+WINDOW_SLOTS = 64
+#: Seconds a send to a receiver that is behind waits for a slot to come back; past it the
+#: receiver counts as keeping its views and the pool grows (up to the cap; beyond it,
+#: messages are staged through host memory).
+STALL = 0.05
+
+
+def available() -> bool:
+    """Whether torch is importable with a usable CUDA device (imports torch)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    try:
+        return bool(torch.cuda.is_available())
+    except RuntimeError:
+        return False
+
+
+def default_cap() -> int:
+    """``RLINF_CUDA_IPC_CAP`` (bytes of slots per receiver), else 2 GiB."""
+    raw = os.environ.get("RLINF_CUDA_IPC_CAP", "").strip()
+    if not raw:
+        return DEFAULT_CAP
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"RLINF_CUDA_IPC_CAP must be a byte count, got {raw!r}") from None
+    if value < MIN_SLOT:
+        raise ValueError(f"RLINF_CUDA_IPC_CAP must be at least {MIN_SLOT}, got {value}")
+    return value
+
+
+def _slot_size(nbytes: int) -> int:
+    return max(MIN_SLOT, 1 << (nbytes - 1).bit_length())
+
+
+def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Offsets of buffers of ``sizes`` bytes in a slot, each :data:`ALIGN`-aligned, and
+    the bytes they span."""
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(end)
+        end += -(-n // ALIGN) * ALIGN
+    return offsets, end
+
+
+def _as_torch(buf: Any, torch: Any) -> Any:
+    """A flat uint8 device buffer (torch or cupy) as a torch tensor (no copy)."""
+    if type(buf).__module__.startswith("torch"):
+        return buf
+    return torch.as_tensor(buf, device=f"cuda:{buf.device.id}")
+
+
+def device_of(buf: Any) -> int:
+    """The CUDA device index of a torch or cupy device buffer."""
+    dev = getattr(buf, "device", None)
+    index = getattr(dev, "index", None)
+    if index is not None:
+        return index
+    return int(getattr(dev, "id", 0))
+
+
+class _Slot:
+    """A device allocation of the sender's, shared with one receiver."""
+
+    __slots__ = ("id", "reader", "device", "size", "tensor", "ready", "share", "announced",
+                 "generation", "busy", "free_event")
+
+    def __init__(self, slot_id: int, reader: str, device: int, size: int, torch: Any) -> None:
+        self.id = slot_id
+        self.reader = reader
+        self.device = device
+        self.size = size
+        self.tensor = torch.empty(size, dtype=torch.uint8, device=f"cuda:{device}")
+        with torch.cuda.device(device):
+            self.ready = torch.cuda.Event(interprocess=True)
+        self.share: tuple | None = None       # torch's IPC description, made once
+        self.announced = False                # the receiver has been sent the share
+        self.generation = 0
+        self.busy = False
+        self.free_event = None                # the receiver's, once it gave the slot back
+
+
+class CudaIpcSender:
+    """Slots per receiver: copy, announce, take back (loop thread only).
+
+    Args:
+        cap: bytes of slots per receiver (default :func:`default_cap`).
+    """
+
+    def __init__(self, cap: int | None = None) -> None:
+        import torch
+
+        self._torch = torch
+        self.cap = default_cap() if cap is None else cap
+        self._slots: dict[int, _Slot] = {}
+        self._free: dict[tuple[str, int, int], list[_Slot]] = {}
+        self._held: dict[str, int] = {}       # reader -> bytes of its slots
+        self._busy: dict[str, int] = {}       # reader -> bytes of its busy slots
+        self._busy_count: dict[str, int] = {}  # reader -> its busy slots
+        self._next = 1
+
+    def __repr__(self) -> str:
+        return f"<CudaIpcSender slots={len(self._slots)} busy={sum(s.busy for s in self._slots.values())}>"
+
+    def busy_bytes(self, reader: str) -> int:
+        """Bytes of ``reader``'s slots that it has not given back."""
+        return self._busy.get(reader, 0)
+
+    def behind(self, reader: str) -> bool:
+        """Whether ``reader`` holds :data:`WINDOW_SLOTS` of our slots or half the cap."""
+        return self._busy_count.get(reader, 0) >= WINDOW_SLOTS or self._busy.get(reader, 0) * 2 > self.cap
+
+    def export(self, buffers: Sequence[Any], places: Sequence[int], reader: str) -> list | None:
+        """Copy the device buffers ``buffers[i]`` for ``i`` in ``places`` into one slot
+        for ``reader`` and return the entry's GPU descriptor (see :mod:`rlinf.wire`), or
+        None when they can't go by CUDA IPC (several devices, or ``reader`` at its cap).
+        """
+        torch = self._torch
+        device = device_of(buffers[places[0]])
+        if any(device_of(buffers[i]) != device for i in places[1:]):
+            return None
+        sizes = [buffers[i].nbytes for i in places]
+        offsets, total = layout(sizes)
+        slot = self._acquire(reader, device, max(total, 1))
+        if slot is None:
+            return None
+        stream = torch.cuda.current_stream(device)
+        if slot.free_event is not None:
+            stream.wait_event(slot.free_event)     # the receiver's last reads come first
+        target = slot.tensor
+        for i, off, n in zip(places, offsets, sizes):
+            if n:
+                target[off:off + n].copy_(_as_torch(buffers[i], torch), non_blocking=True)
+        slot.ready.record(stream)
+        share = handle = None
+        if not slot.announced:
+            if slot.share is None:
+                slot.share = slot.tensor.untyped_storage()._share_cuda_()
+            share, handle = list(slot.share), bytes(slot.ready.ipc_handle())
+            slot.announced = True
+        return [slot.id, slot.generation, device, share, handle,
+                [[i, off, n] for i, off, n in zip(places, offsets, sizes)]]
+
+    def _acquire(self, reader: str, device: int, nbytes: int) -> _Slot | None:
+        size = _slot_size(nbytes)
+        if size > self.cap:
+            return None
+        free = self._free.get((reader, device, size))
+        if free:
+            slot = free.pop()
+        else:
+            if self._held.get(reader, 0) + size > self.cap:
+                return None
+            slot = _Slot(self._next, reader, device, size, self._torch)
+            self._next += 1
+            self._slots[slot.id] = slot
+            self._held[reader] = self._held.get(reader, 0) + size
+        slot.busy = True
+        slot.generation += 1
+        self._busy[reader] = self._busy.get(reader, 0) + size
+        self._busy_count[reader] = self._busy_count.get(reader, 0) + 1
+        return slot
+
+    def _give_back(self, slot: _Slot) -> None:
+        slot.busy = False
+        self._busy[slot.reader] -= slot.size
+        self._busy_count[slot.reader] -= 1
+        self._free.setdefault((slot.reader, slot.device, slot.size), []).append(slot)
+
+    def discard(self, descriptor: list) -> None:
+        """The message carrying ``descriptor`` was never sent: its slot is free again
+        (and, if this was its announcement, announced with the next message)."""
+        slot = self._slots.get(descriptor[0])
+        if slot is not None and slot.busy and slot.generation == descriptor[1]:
+            if descriptor[3] is not None:
+                slot.announced = False
+            self._give_back(slot)
+
+    def release(self, reader: str, slot_id: int, generation: int, free_handle: bytes | None) -> bool:
+        """``reader`` gave ``slot_id`` back; False when that does not match what it holds."""
+        slot = self._slots.get(slot_id)
+        if slot is None or slot.reader != reader or not slot.busy or slot.generation != generation:
+            return False
+        if free_handle is not None and slot.free_event is None:
+            self.open_event(slot, free_handle)
+        self._give_back(slot)
+        return True
+
+    def open_event(self, slot: _Slot, handle: bytes) -> None:
+        try:
+            slot.free_event = self._torch.cuda.Event.from_ipc_handle(slot.device, handle)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            log.warning("rlinf: bad CUDA IPC event from %s: %r", slot.reader, exc)
+
+    def reader_gone(self, reader: str, *, process_gone: bool) -> None:
+        """Drop ``reader``'s slots. When its process is gone it can no longer drop its
+        mappings, so its references are released here (else torch keeps the memory)."""
+        mine = [s for s in self._slots.values() if s.reader == reader]
+        for slot in mine:
+            del self._slots[slot.id]
+            if process_gone and slot.share is not None:   # opened by it or not: it holds one count
+                _release_counter(self._torch, slot)
+        for key in [k for k in self._free if k[0] == reader]:
+            del self._free[key]
+        self._held.pop(reader, None)
+        self._busy.pop(reader, None)
+        self._busy_count.pop(reader, None)
+        if mine:
+            mine.clear()
+            self._torch.cuda.ipc_collect()
+
+    def close(self) -> None:
+        self._slots.clear()
+        self._free.clear()
+        self._held.clear()
+        self._busy.clear()
+        self._busy_count.clear()
+
+
+def _release_counter(torch: Any, slot: _Slot) -> None:
+    share = slot.share
+    try:
+        torch.UntypedStorage._release_ipc_counter(share[4], share[5], device=slot.device)
+    except (RuntimeError, OSError) as exc:   # already gone: nothing is held for it
+        log.debug("rlinf: CUDA IPC counter of slot %d: %r", slot.id, exc)
+
+
+class _Mapped:
+    """A slot of a sender's, opened here once."""
+
+    __slots__ = ("whole", "device", "ready", "free_event", "free_sent")
+
+    def __init__(self, whole: Any, device: int, ready: Any) -> None:
+        self.whole = whole
+        self.device = device
+        self.ready = ready
+        self.free_event = None
+        self.free_sent = False
+
+
+class _Lease:
+    """The views of one message: torch keeps this object while any view lives (the
+    ``__cuda_array_interface__`` it was made from) and its end gives the slot back."""
+
+    __slots__ = ("__cuda_array_interface__", "whole", "_done", "__weakref__")
+
+    def __init__(self, whole: Any, start: int, nbytes: int, done: Callable[[], None]) -> None:
+        self.whole = whole           # the mapping stays open while the views live
+        self._done = done
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (whole.data_ptr() + start, False),
+            "version": 3, "strides": None,
+        }
+
+    def __del__(self) -> None:
+        done, self._done = self._done, None
+        if done is not None:
+            done()
+
+
+class CudaIpcReader:
+    """Slots of other processes, opened once; hands out views and gives slots back.
+
+    Args:
+        loop: the communicator's loop (releases are handled there).
+        on_release: ``on_release(src, item)`` with ``item = [slot_id, generation,
+            free_handle_or_None]``, on the loop thread.
+        views: receivers keep views (else they get owned copies and the slot goes back at once).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_release: Callable[[str, list], None],
+                 *, views: bool = True) -> None:
+        import torch
+
+        torch.cuda.init()        # what torch.multiprocessing does before opening a handle
+        self._torch = torch
+        self._loop = loop
+        self._thread = threading.get_ident()
+        self._on_release = on_release
+        self._views = views
+        self._mapped: dict[tuple[str, int], _Mapped] = {}
+
+    def __repr__(self) -> str:
+        return f"<CudaIpcReader mapped={len(self._mapped)}>"
+
+    def open(self, src: str, gpu: wire.GpuRef) -> list[tuple[int, Any]]:
+        """The device buffers ``(index, tensor)`` of one received entry.
+
+        Raises:
+            ProtocolError: the slot was never announced, or cannot be opened here.
+        """
+        torch = self._torch
+        key = (src, gpu.slot)
+        mapped = self._mapped.get(key)
+        if gpu.share is not None:
+            try:
+                storage = torch.UntypedStorage._new_shared_cuda(*gpu.share)
+                with torch.cuda.device(gpu.device):
+                    ready = torch.cuda.Event.from_ipc_handle(gpu.device, gpu.event)
+            except (RuntimeError, TypeError, ValueError) as exc:
+                raise ProtocolError(f"cannot open a CUDA IPC slot of {src}: {exc}") from exc
+            whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            if whole.numel() < gpu.span:
+                raise ProtocolError(f"CUDA IPC slot of {src} is smaller than its buffers")
+            mapped = self._mapped[key] = _Mapped(whole, gpu.device, ready)
+        elif mapped is None:
+            raise ProtocolError(f"CUDA IPC slot {gpu.slot} of {src} was never announced")
+        elif mapped.whole.numel() < gpu.span:
+            raise ProtocolError(f"CUDA IPC slot of {src} is smaller than its buffers")
+        stream = torch.cuda.current_stream(mapped.device)
+        stream.wait_event(mapped.ready)
+        here = torch.cuda.current_device()
+        generation = gpu.generation
+        if not self._views or here != mapped.device:
+            out = [(i, self._copy(mapped.whole[off:off + n], here)) for i, off, n in gpu.places]
+            self._give_back(src, gpu.slot, generation)
+            return out
+        start = min(off for _i, off, _n in gpu.places)
+        end = max(off + n for _i, off, n in gpu.places)
+        lease = _Lease(mapped.whole, start, end - start,
+                       lambda: self._released_threadsafe(src, gpu.slot, generation))
+        region = torch.as_tensor(lease, device=f"cuda:{mapped.device}")
+        del lease      # the region's storage holds it now
+        return [(i, region[off - start:off - start + n]) for i, off, n in gpu.places]
+
+    def _copy(self, view: Any, device: int) -> Any:
+        out = self._torch.empty(view.numel(), dtype=view.dtype, device=f"cuda:{device}")
+        out.copy_(view)
+        return out
+
+    def _released_threadsafe(self, src: str, slot: int, generation: int) -> None:
+        if threading.get_ident() == self._thread:
+            self._give_back(src, slot, generation)
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._give_back, src, slot, generation)
+        except RuntimeError:       # the loop is closed: the process is ending
+            pass
+
+    def _give_back(self, src: str, slot: int, generation: int) -> None:
+        mapped = self._mapped.get((src, slot))
+        if mapped is None:            # the sender left meanwhile
+            return
+        torch = self._torch
+        handle = None
+        if mapped.free_event is None:
+            with torch.cuda.device(mapped.device):
+                mapped.free_event = torch.cuda.Event(interprocess=True)
+        mapped.free_event.record(torch.cuda.current_stream(mapped.device))
+        if not mapped.free_sent:
+            handle = bytes(mapped.free_event.ipc_handle())
+            mapped.free_sent = True
+        self._on_release(src, [slot, generation, handle])
+
+    def peer_gone(self, src: str) -> None:
+        """Forget ``src``'s slots (views still alive keep their mapping until they die)."""
+        for key in [k for k in self._mapped if k[0] == src]:
+            del self._mapped[key]
+
+    def close(self) -> None:
+        self._mapped.clear()
+
+
+class CudaIpcSession:
+    """A communicator's CUDA IPC state: its slots, the slots it opened, and the releases
+    it owes each sender (sent together once per loop turn).
+
+    Created on the first GPU message sent or received, so a process that never touches
+    a GPU never initialises CUDA.
+
+    Args:
+        loop: the communicator's loop.
+        send_notice: ``send_notice(dst, items)`` sends a SYSTEM ``"cuda"`` message; it may
+            raise an :class:`~rlinf.errors.RlinfError` when ``dst`` is gone.
+        views: receivers keep zero-copy views (else owned copies).
+        cap: bytes of slots per receiver.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, send_notice: Callable[[str, Any], None], *,
+                 views: bool = True, cap: int | None = None) -> None:
+        self.sender = CudaIpcSender(cap)
+        self.reader = CudaIpcReader(loop, self._owe, views=views)
+        self._loop = loop
+        self._send_notice = send_notice
+        self._owed: dict[str, list] = {}
+        self._flush_scheduled = False
+        self._rooms: dict[str, asyncio.Event] = {}
+
+    def __repr__(self) -> str:
+        return f"<CudaIpcSession {self.sender!r} {self.reader!r}>"
+
+    # -- sending side
+    def behind(self, reader: str) -> bool:
+        """``reader`` holds many of our slots: the next send waits a little for one back."""
+        return self.sender.behind(reader)
+
+    async def room(self, reader: str) -> None:
+        """Wait (at most :data:`STALL` seconds) for ``reader`` to give back a slot."""
+        event = self._rooms.setdefault(reader, asyncio.Event())
+        event.clear()
+        try:
+            await asyncio.wait_for(event.wait(), STALL)
+        except asyncio.TimeoutError:
+            pass
+
+    def on_notice(self, src: str, items: Any) -> None:
+        """A SYSTEM ``"cuda"`` notice from ``src``: slots it gave back."""
+        if not isinstance(items, list):
+            log.warning("rlinf: malformed CUDA IPC notice from %s", src)
+            return
+        for item in items:
+            if not (isinstance(item, list) and len(item) == 3 and type(item[0]) is int
+                    and type(item[1]) is int and (item[2] is None or isinstance(item[2], bytes))):
+                log.warning("rlinf: malformed CUDA IPC release from %s", src)
+                continue
+            if not self.sender.release(src, *item):
+                log.warning("rlinf: CUDA IPC release of a slot %s does not hold: %r", src, item[:2])
+        event = self._rooms.get(src)
+        if event is not None:
+            event.set()
+
+    # -- receiving side
+    def _owe(self, src: str, item: list) -> None:
+        self._owed.setdefault(src, []).append(item)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Send the releases owed to each sender, one notice per sender."""
+        self._flush_scheduled = False
+        owed, self._owed = self._owed, {}
+        for src, items in owed.items():
+            try:
+                self._send_notice(src, items)
+            except Exception as exc:     # the sender is gone: nothing to give back
+                log.debug("rlinf: CUDA IPC releases to %s dropped: %r", src, exc)
+
+    def peer_gone(self, address: str, *, process_gone: bool) -> None:
+        self.sender.reader_gone(address, process_gone=process_gone)
+        self.reader.peer_gone(address)
+        self._owed.pop(address, None)
+        event = self._rooms.pop(address, None)
+        if event is not None:
+            event.set()
+
+    def close(self) -> None:
+        self.flush()
+        self.sender.close()
+        self.reader.close()

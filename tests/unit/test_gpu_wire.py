@@ -1,0 +1,107 @@
+"""The CUDA IPC item of a data-plane entry (CPU only): validation, and the receive path
+putting device buffers back in their places among the host buffers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rlinf import routing, wire
+from rlinf.comm import Communicator
+from rlinf.errors import DecodeError, ProtocolError
+from rlinf.inbound import FrameReader
+from rlinf.transports import cuda_ipc
+from rlinf.transports.shm import Recycler
+
+SHARE = [0, b"h" * 64, 1 << 20, 0, b"/torch_1_2", 0, b"e" * 64, True]
+
+
+def _gpu(places, share=None, event=None):
+    return [3, 1, 0, share, event, places]
+
+
+def _unpack(entry, frames=()):
+    return wire.unpack_header(wire.pack_header("a:0", "i", [entry]), list(frames))[2][0]
+
+
+def test_entry_with_gpu_buffers_round_trips():
+    entry = _unpack([wire.USER, 5, b"h", [1, 1], None, None, _gpu([[1, 0, 4096], [3, 4096, 8]], SHARE, b"e" * 64)],
+                    [b"x", b"y"])
+    assert entry.frame_counts == [1, 1] and entry.slot is None and entry.relays is None
+    g = entry.gpu
+    assert (g.slot, g.generation, g.device, g.event) == (3, 1, 0, b"e" * 64)
+    assert g.share == tuple(SHARE) and g.places == ((1, 0, 4096), (3, 4096, 8)) and g.span == 4104
+
+
+@pytest.mark.parametrize("gpu", [
+    _gpu([]),                                        # no buffer
+    _gpu([[0, 0, 8], [0, 8, 8]]),                    # one index twice
+    _gpu([[2, 0, 8]]),                               # beyond the message's buffers
+    _gpu([[0, -1, 8]]),                              # negative offset
+    _gpu([[0, 0, 8]], SHARE[:-1], b"e"),             # short share
+    _gpu([[0, 0, 8]], None, b"e"),                   # an event without its share
+    _gpu([[0, 0, 8]], SHARE, None),                  # a share without its event
+    [3, 1, 0, None, None],                           # short descriptor
+    [3, 1, -1, None, None, [[0, 0, 8]]],             # bad device
+])
+def test_bad_gpu_descriptors_are_protocol_errors(gpu):
+    with pytest.raises(ProtocolError):
+        _unpack([wire.USER, 0, b"h", [], None, None, gpu])
+
+
+def _reader(open_gpu):
+    return FrameReader(None, Recycler(), lambda src: None, lambda: None, open_gpu)
+
+
+def test_frame_reader_puts_device_buffers_in_their_places():
+    opened = []
+
+    def open_gpu(src, gpu):
+        opened.append((src, gpu.slot))
+        return [(i, np.full(n, i, np.uint8)) for i, _off, n in gpu.places]
+
+    entry = _unpack([wire.USER, 0, b"h", [1, 1], None, None, _gpu([[3, 0, 4], [0, 256, 2]])],
+                    [b"aa", b"bbb"])
+    [(_entry, buffers, nbytes, in_shm, error)] = list(_reader(open_gpu).entries("a:0", [entry],
+                                                                                [memoryview(b"aa"), memoryview(b"bbb")],
+                                                                                False))
+    assert error is None and not in_shm and opened == [("a:0", 3)]
+    assert [bytes(b) for b in buffers] == [b"\x00\x00", b"aa", b"bbb", b"\x03\x03\x03\x03"]
+    assert nbytes == 2 + 3 + 4 + 2
+
+
+def test_frame_reader_without_cuda_ipc_reports_the_entry_unreadable():
+    dropped = []
+    reader = FrameReader(None, Recycler(), lambda src: None, lambda: dropped.append(1))
+    entry = _unpack([wire.USER, 0, b"h", [], None, None, _gpu([[0, 0, 4]])])
+    [(_entry, _buffers, _n, _shm, error)] = list(reader.entries("a:0", [entry], [], False))
+    assert isinstance(error, DecodeError) and dropped == [1]
+
+
+def test_routing_config_without():
+    cfg = routing.RoutingConfig().without(["cuda_ipc"])
+    assert cfg.disabled == {"cuda_ipc"}
+    assert cfg.without(("nccl",)).disabled == {"cuda_ipc", "nccl"}
+    with pytest.raises(ValueError):
+        cfg.without(["staged"])
+    with pytest.raises(TypeError):
+        cfg.without("cuda_ipc")
+
+
+def test_communicator_refuses_unknown_disabled_transports():
+    with pytest.raises(ValueError, match="unknown transport"):
+        Communicator("a:0", manager="tcp://127.0.0.1:1", token="t", disable=["carrier_pigeon"])
+
+
+def test_slot_layout_and_sizes():
+    assert cuda_ipc.layout([1, 256, 257, 0]) == ([0, 256, 512, 1024], 1024)
+    assert cuda_ipc._slot_size(1) == cuda_ipc.MIN_SLOT
+    assert cuda_ipc._slot_size(cuda_ipc.MIN_SLOT + 1) == 2 * cuda_ipc.MIN_SLOT
+
+
+def test_cap_from_environment(monkeypatch):
+    monkeypatch.setenv("RLINF_CUDA_IPC_CAP", str(64 << 20))
+    assert cuda_ipc.default_cap() == 64 << 20
+    monkeypatch.setenv("RLINF_CUDA_IPC_CAP", "lots")
+    with pytest.raises(ValueError, match="RLINF_CUDA_IPC_CAP"):
+        cuda_ipc.default_cap()
