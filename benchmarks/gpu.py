@@ -35,6 +35,7 @@ from rlinf.control import run as run_loop  # noqa: E402
 SIZES = {"1 MiB": 1 << 20, "64 MiB": 64 << 20, "512 MiB": 512 << 20}
 #: Messages per streamed round (sent back to back, one ack): steady-state bandwidth.
 STREAM = {"1 MiB": 50, "64 MiB": 20, "512 MiB": 6}
+CPU_4K = 4096 + 4     # a 4 KiB CPU tensor's row (G2's baseline: the same round trip without a GPU)
 
 
 def _d2d(nbytes: int, reps: int) -> float:
@@ -59,7 +60,7 @@ async def _rl_sink(comm, rounds, k):
     for _ in range(rounds):
         for _ in range(k):
             t = await comm.recv("driver:0")
-            assert t.is_cuda
+            assert t.is_cuda or t.numel() == CPU_4K // 4
         torch.cuda.current_stream().synchronize()
         del t
         await comm.send(b"ok", "driver:0", tag=1)
@@ -71,12 +72,12 @@ async def _rlinf(reps: int, env: dict | None = None, sizes: dict | None = None) 
 
     out = {}
     async with rlinf.Cluster() as cluster, cluster.connect("driver:0") as comm:
-        cases = sizes if sizes is not None else {**SIZES, "4 KiB": 4096}
+        cases = sizes if sizes is not None else {**SIZES, "4 KiB": 4096, "4 KiB cpu": CPU_4K}
         for name, nbytes in cases.items():
-            n = reps * 20 if nbytes <= 4096 else reps
+            n = reps * 20 if nbytes <= CPU_4K else reps
             k = STREAM.get(name, 0)
             group = await cluster.spawn(_rl_sink_mixed, f"sink{nbytes}", 1, args=(n + 1, k), env=env)
-            t = torch.randn(nbytes // 4, device="cuda")
+            t = torch.randn(nbytes // 4, device="cuda" if nbytes != CPU_4K else "cpu")
             times = []
             for _ in range(n + 1):
                 torch.cuda.synchronize()
@@ -165,8 +166,8 @@ def run(quick: bool = False) -> list[Row]:
         rows.append(Row(f"G1 {name} streamed", nbytes / streamed / 1e9, "rlinf staged (host)",
                         nbytes / s_streamed / 1e9, "GB/s", True, note="RLINF_DISABLE_TRANSPORTS=cuda_ipc"))
         rows.append(Row(f"G1 {name} first send", first, "-", None, "s", note="setup: slot, share, open"))
-    rows.append(Row("G2 4 KiB CUDA tensor round trip", rl["4 KiB"][1], "-", None, "s", target="<= 100 us",
-                    note="send + ack"))
+    rows.append(Row("G2 4 KiB CUDA tensor round trip", rl["4 KiB"][1], "4 KiB CPU tensor round trip",
+                    rl["4 KiB cpu"][1], "s", target="<= 100 us", note="send + ack"))
     count = torch.cuda.device_count()
     rows.append(Row("NCCL send/recv", None, "torch NCCL", None, "GB/s", True,
                     note="skipped: needs 2 GPUs" if count < 2 else "not implemented"))

@@ -459,14 +459,21 @@ class Communicator:
             raise outbox.error
         if gpu:
             buffers, gpu = self._device_buffers(buffers, dst)
+        held = False      # the slots we owe dst go back with this message, ahead of it
         if self._shm is not None and self._shm.owed:
             notice = self._shm.take(dst)
-            if notice is not None:   # the slots we owe dst go back with this message, ahead of it
+            if notice is not None:
                 self._queue_notice(outbox, notice, hold=True)
-                future = self._queue(outbox, kind, tag, codec_header, buffers, need_future, gpu)
-                outbox.flush()
-                return future
-        return self._queue(outbox, kind, tag, codec_header, buffers, need_future, gpu)
+                held = True
+        if self._cuda is not None and self._cuda.owed:
+            notice = self._cuda.take(dst)
+            if notice is not None:
+                self._queue_notice(outbox, notice, hold=True, tag="cuda")
+                held = True
+        future = self._queue(outbox, kind, tag, codec_header, buffers, need_future, gpu)
+        if held:
+            outbox.flush()
+        return future
 
     def _device_buffers(self, buffers: list, dst: str) -> tuple[list, list | None]:
         """Route a message's GPU buffers to ``dst``: ``(host buffers, GPU descriptor)``
@@ -555,16 +562,8 @@ class Communicator:
                                         gpu)
             if relayed is not None:
                 self._shm.relay.cancel(outbox.address, relayed[1])
-        if gpu is not None:     # a large message (its entry's GPU item survives the flush)
-            frames, counts, nbytes = split_frames(buffers)
-            entry = [kind, tag, codec_header, counts, None, None, gpu]
-            future = self._loop.create_future()
-            session = self._cuda
-            nbytes += sum(place[2] for place in gpu[5])    # counted with the message's transport
-            outbox.put(OutMessage(entry, frames, nbytes + len(codec_header), future, True,
-                                  transport=routing.CUDA_IPC, discard=lambda: session.sender.discard(gpu)),
-                       self._loop)
-            return future
+        if gpu is not None:
+            return self._queue_gpu(outbox, kind, tag, codec_header, buffers, nbytes, need_future, gpu)
         if nbytes < SMALL_MESSAGE:
             # copy now (the caller may reuse its buffers); coalesced into one frame later
             frames, counts, large = [bytes(b) for b in buffers], None, False
@@ -588,6 +587,28 @@ class Communicator:
         if not large and outbox.ready:
             future.set_result(None)
         outbox.put(OutMessage(entry, frames, nbytes, future, large), self._loop)
+        return future
+
+    def _queue_gpu(self, outbox: Outbox, kind: int, tag: Any, codec_header: bytes, buffers: list, nbytes: int,
+                   need_future: bool, gpu: list) -> asyncio.Future | None:
+        """Queue a message whose GPU buffers are in a CUDA IPC slot (``gpu``) and whose
+        host buffers (``nbytes`` in all) go in its frames: coalesced with other small
+        messages when they are small, as a large message otherwise."""
+        session = self._cuda
+        large = nbytes >= SMALL_MESSAGE
+        if large:
+            frames, counts, nbytes = split_frames(buffers)
+        else:      # copied now (the caller may reuse its buffers); the layout is made at the flush
+            frames, counts = [bytes(b) for b in buffers], None
+        entry = [kind, tag, codec_header, counts, None, None, gpu]
+        nbytes += len(codec_header) + sum(place[2] for place in gpu[5])   # counted with its transport
+        future = None
+        if large or need_future or not outbox.ready:
+            future = self._loop.create_future()
+            if not large and outbox.ready:
+                future.set_result(None)
+        outbox.put(OutMessage(entry, frames, nbytes, future, large, transport=routing.CUDA_IPC,
+                              discard=lambda: session.sender.discard(gpu)), self._loop)
         return future
 
     def _shm_route(self, info: WorkerInfo) -> bool:
@@ -631,15 +652,13 @@ class Communicator:
                 entry.append(gpu)
         if gpu is not None:
             discard = self._with_gpu_discard(discard, gpu)
-        msg = OutMessage(entry, [], nbytes + len(codec_header), None, False, transport=routing.SHM,
-                         copying=copying, discard=discard)
-        if copying is None and not need_future:
-            outbox.put(msg, self._loop)
-            return None
-        msg.future = future = self._loop.create_future()
-        if copying is None:
-            future.set_result(None)     # copied: the caller's buffers are free again
-        outbox.put(msg, self._loop)
+        future = None
+        if copying is not None or need_future:
+            future = self._loop.create_future()
+            if copying is None:
+                future.set_result(None)     # copied: the caller's buffers are free again
+        outbox.put(OutMessage(entry, [], nbytes + len(codec_header), future, False, transport=routing.SHM,
+                              copying=copying, discard=discard), self._loop)
         return future
 
     def _with_gpu_discard(self, discard: Callable[[], None], gpu: list) -> Callable[[], None]:
@@ -979,15 +998,16 @@ class Communicator:
             return   # a newer incarnation already joined
         error = PeerLostError(f"{address} {'left' if kind == 'left' else 'was lost'}", peer=address)
         self._mailbox.peer_lost(address, error)
+        outbox = self._outboxes.get(address)
+        info = current if current is not None else outbox.info if outbox is not None else None
+        gone_here = info is not None and info.incarnation == incarnation and control.process_gone_here(info)
         if self._shm is not None:
-            self._shm.peer_gone(address, alive=current is None or not control.process_gone_here(current))
+            self._shm.peer_gone(address, alive=not gone_here)
         if self._cuda is not None:
-            self._cuda.peer_gone(address, process_gone=kind != "left" and current is not None
-                                 and control.process_gone_here(current))
+            self._cuda.peer_gone(address, process_gone=gone_here)
         self._gpu_routes.pop(address, None)
         for hook in self._gone_hooks:
             hook(address, incarnation)
-        outbox = self._outboxes.get(address)
         if outbox is not None and (outbox.info is None or outbox.info.incarnation == incarnation):
             outbox.fail(error)
             forgotten = self._failed.add(address, DEAD_KEPT)

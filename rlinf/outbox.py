@@ -255,8 +255,8 @@ class Outbox:
                 entries, pieces = [], []
                 for msg in batch:
                     entry = msg.entry
-                    if entry[3] is None:
-                        entries.append([entry[0], entry[1], entry[2], [len(f) for f in msg.frames]])
+                    if entry[3] is None:     # (a GPU message keeps its CUDA IPC item: entry[4:])
+                        entries.append([entry[0], entry[1], entry[2], [len(f) for f in msg.frames], *entry[4:]])
                     else:
                         entries.append(entry)
                     pieces.extend(msg.frames)
@@ -341,7 +341,7 @@ class Outbox:
             return
         entry, pieces = msg.entry, msg.frames
         if entry[3] is None:
-            entry = [entry[0], entry[1], entry[2], [len(f) for f in pieces]]
+            entry = [entry[0], entry[1], entry[2], [len(f) for f in pieces], *entry[4:]]
         frames = [self._header.pack([entry], True)]
         if pieces:
             frames.append(pieces[0] if len(pieces) == 1 else b"".join(pieces))

@@ -12,7 +12,7 @@ python3 -m pip install -q --no-deps --no-index .gpu/wheels/*.whl 2>&1 | tail -2
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, zmq; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'pyzmq', zmq.__version__)"
 status=0
-timeout 240 python3 -m pytest -q -p no:cacheprovider -o timeout=150 -n 4 --dist loadfile \
+timeout 240 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -o timeout=150 -n 4 --dist loadfile \
     tests/gpu tests/unit/test_codec.py tests/unit/test_routing.py tests/unit/test_devices.py \
     tests/unit/test_gpu_wire.py tests/integration/test_p2p.py 2>&1 | tee "$OUT/pytest.log" | tail -25 || status=1
 timeout 150 python3 benchmarks/gpu.py 2>&1 | tee "$OUT/bench.log" | tail -22 || status=1

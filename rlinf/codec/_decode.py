@@ -128,7 +128,7 @@ def _d_ndarray(st: Dec, data: bytes) -> Any:
 
 def _device_view(buf: Any, n: int) -> Any:
     """A device buffer as a flat uint8 torch tensor (cupy arrays are wrapped, not copied)."""
-    torch = W.TORCH
+    torch = W.TORCH or W.load_torch()     # a cupy array may be the first thing decoded
     if not type(buf).__module__.startswith("torch"):
         buf = torch.as_tensor(buf, device="cuda")
     if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():

@@ -10,10 +10,13 @@ event costs 1-3 µs. So nothing is opened per message:
   sender's current stream, so the copy follows whatever work is already queued there;
   then the slot's interprocess *ready* event is recorded. Nothing waits on the host.
 * The receiver opens each slot and its event once, makes its current stream wait on
-  the event (a device-side wait, not a synchronisation) and gets views of the slot.
-* When the last view is garbage-collected the slot goes back: the receiver records
-  its own interprocess *free* event on its current stream and tells the sender, whose
-  stream waits on that event before it writes the slot again.
+  the event (a device-side wait, not a synchronisation; skipped when the copy is
+  already done) and gets views of the slot.
+* When the last view is garbage-collected the slot goes back: unless its current
+  stream is idle, the receiver records its own interprocess *free* event on it, and
+  the sender's stream waits on that event before it writes the slot again. (Waits
+  between two processes' streams are skipped when they are not needed: on one GPU they
+  make it switch between the two processes' contexts.)
 
 A slot is never shared with a second receiver and never rewritten while a view of it
 lives. A pool grows up to a cap per receiver (``RLINF_CUDA_IPC_CAP``, default 2 GiB);
@@ -63,6 +66,9 @@ WINDOW_SLOTS = 64
 #: receiver counts as keeping its views and the pool grows (up to the cap; beyond it,
 #: messages are staged through host memory).
 STALL = 0.05
+#: The same wait while the receiver has not yet given back one of the new slots it was
+#: sent: it may still be opening them (~120 ms each on an H200).
+OPEN_STALL = 1.0
 
 
 def available() -> bool:
@@ -125,7 +131,7 @@ class _Slot:
     """A device allocation of the sender's, shared with one receiver."""
 
     __slots__ = ("id", "reader", "device", "size", "tensor", "ready", "share", "announced",
-                 "generation", "busy", "free_event")
+                 "generation", "busy", "free_event", "must_wait", "returned")
 
     def __init__(self, slot_id: int, reader: str, device: int, size: int, torch: Any) -> None:
         self.id = slot_id
@@ -140,6 +146,8 @@ class _Slot:
         self.generation = 0
         self.busy = False
         self.free_event = None                # the receiver's, once it gave the slot back
+        self.must_wait = False                # its last give-back recorded free_event
+        self.returned = False                 # the receiver gave it back once (it opened it)
 
 
 class CudaIpcSender:
@@ -172,6 +180,10 @@ class CudaIpcSender:
         """Whether ``reader`` holds :data:`WINDOW_SLOTS` of our slots or half the cap."""
         return self._busy_count.get(reader, 0) >= WINDOW_SLOTS or self._busy.get(reader, 0) * 2 > self.cap
 
+    def opening(self, reader: str) -> bool:
+        """Whether ``reader`` holds a slot it never gave back (it may still be opening it)."""
+        return any(s.busy and not s.returned for s in self._slots.values() if s.reader == reader)
+
     def export(self, buffers: Sequence[Any], places: Sequence[int], reader: str) -> list | None:
         """Copy the device buffers ``buffers[i]`` for ``i`` in ``places`` into one slot
         for ``reader`` and return the entry's GPU descriptor (see :mod:`rlinf.wire`), or
@@ -187,7 +199,7 @@ class CudaIpcSender:
         if slot is None:
             return None
         stream = torch.cuda.current_stream(device)
-        if slot.free_event is not None:
+        if slot.must_wait and not slot.free_event.query():
             stream.wait_event(slot.free_event)     # the receiver's last reads come first
         target = slot.tensor
         for i, off, n in zip(places, offsets, sizes):
@@ -238,13 +250,17 @@ class CudaIpcSender:
                 slot.announced = False
             self._give_back(slot)
 
-    def release(self, reader: str, slot_id: int, generation: int, free_handle: bytes | None) -> bool:
-        """``reader`` gave ``slot_id`` back; False when that does not match what it holds."""
+    def release(self, reader: str, slot_id: int, generation: int, free_handle: bytes | None,
+                wait: bool = True) -> bool:
+        """``reader`` gave ``slot_id`` back (``wait``: after the work queued when it
+        recorded its free event); False when that does not match what it holds."""
         slot = self._slots.get(slot_id)
         if slot is None or slot.reader != reader or not slot.busy or slot.generation != generation:
             return False
         if free_handle is not None and slot.free_event is None:
             self.open_event(slot, free_handle)
+        slot.must_wait = wait and slot.free_event is not None
+        slot.returned = True
         self._give_back(slot)
         return True
 
@@ -326,7 +342,7 @@ class CudaIpcReader:
     Args:
         loop: the communicator's loop (releases are handled there).
         on_release: ``on_release(src, item)`` with ``item = [slot_id, generation,
-            free_handle_or_None]``, on the loop thread.
+            free_handle_or_None, wait]``, on the loop thread.
         views: receivers keep views (else they get owned copies and the slot goes back at once).
     """
 
@@ -369,8 +385,8 @@ class CudaIpcReader:
             raise ProtocolError(f"CUDA IPC slot {gpu.slot} of {src} was never announced")
         elif mapped.whole.numel() < gpu.span:
             raise ProtocolError(f"CUDA IPC slot of {src} is smaller than its buffers")
-        stream = torch.cuda.current_stream(mapped.device)
-        stream.wait_event(mapped.ready)
+        if not mapped.ready.query():      # the copy is still queued: order our stream after it
+            torch.cuda.current_stream(mapped.device).wait_event(mapped.ready)
         here = torch.cuda.current_device()
         generation = gpu.generation
         if not self._views or here != mapped.device:
@@ -404,15 +420,19 @@ class CudaIpcReader:
         if mapped is None:            # the sender left meanwhile
             return
         torch = self._torch
+        stream = torch.cuda.current_stream(mapped.device)
+        if stream.query():                # nothing of ours queued: no read of the slot can be pending
+            self._on_release(src, [slot, generation, None, False])
+            return
         handle = None
         if mapped.free_event is None:
             with torch.cuda.device(mapped.device):
                 mapped.free_event = torch.cuda.Event(interprocess=True)
-        mapped.free_event.record(torch.cuda.current_stream(mapped.device))
+        mapped.free_event.record(stream)
         if not mapped.free_sent:
             handle = bytes(mapped.free_event.ipc_handle())
             mapped.free_sent = True
-        self._on_release(src, [slot, generation, handle])
+        self._on_release(src, [slot, generation, handle, True])
 
     def peer_gone(self, src: str) -> None:
         """Forget ``src``'s slots (views still alive keep their mapping until they die)."""
@@ -425,7 +445,8 @@ class CudaIpcReader:
 
 class CudaIpcSession:
     """A communicator's CUDA IPC state: its slots, the slots it opened, and the releases
-    it owes each sender (sent together once per loop turn).
+    it owes each sender: they go out with our next message to that sender if one is
+    sent in the same loop turn (:meth:`take`), else together in one notice per sender.
 
     Created on the first GPU message sent or received, so a process that never touches
     a GPU never initialises CUDA.
@@ -457,11 +478,12 @@ class CudaIpcSession:
         return self.sender.behind(reader)
 
     async def room(self, reader: str) -> None:
-        """Wait (at most :data:`STALL` seconds) for ``reader`` to give back a slot."""
+        """Wait for ``reader`` to give back a slot: at most :data:`STALL` seconds, or
+        :data:`OPEN_STALL` while it may still be opening new ones."""
         event = self._rooms.setdefault(reader, asyncio.Event())
         event.clear()
         try:
-            await asyncio.wait_for(event.wait(), STALL)
+            await asyncio.wait_for(event.wait(), OPEN_STALL if self.sender.opening(reader) else STALL)
         except asyncio.TimeoutError:
             pass
 
@@ -471,8 +493,9 @@ class CudaIpcSession:
             log.warning("rlinf: malformed CUDA IPC notice from %s", src)
             return
         for item in items:
-            if not (isinstance(item, list) and len(item) == 3 and type(item[0]) is int
-                    and type(item[1]) is int and (item[2] is None or isinstance(item[2], bytes))):
+            if not (isinstance(item, list) and len(item) == 4 and type(item[0]) is int
+                    and type(item[1]) is int and (item[2] is None or isinstance(item[2], bytes))
+                    and type(item[3]) is bool):
                 log.warning("rlinf: malformed CUDA IPC release from %s", src)
                 continue
             if not self.sender.release(src, *item):
@@ -482,6 +505,15 @@ class CudaIpcSession:
             event.set()
 
     # -- receiving side
+    @property
+    def owed(self) -> int:
+        """How many senders we owe releases."""
+        return len(self._owed)
+
+    def take(self, src: str) -> list | None:
+        """The releases owed to ``src``, to send ahead of our next message to it."""
+        return self._owed.pop(src, None)
+
     def _owe(self, src: str, item: list) -> None:
         self._owed.setdefault(src, []).append(item)
         if not self._flush_scheduled:

@@ -20,6 +20,15 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.multiproc
 
 
+async def _recv(driver, src: str, group, **kwargs):
+    """``driver.recv``; when the worker is gone instead, its own error (with its traceback)."""
+    try:
+        return await driver.recv(src, **kwargs)
+    except rlinf.PeerLostError:
+        await group.join(timeout=30)
+        raise
+
+
 def _sent_by(comm, transport: str) -> int:
     stats = comm.stats().transports.get(transport)
     return 0 if stats is None else stats.msgs
@@ -33,7 +42,7 @@ async def test_gpu_buffers_go_by_cuda_ipc(cluster, driver):
                    "bf": torch.randn(333, device="cuda").to(torch.bfloat16),
                    "nc": torch.arange(64.0, device="cuda").reshape(8, 8).t()}
             await driver.send(obj, "c:0")
-            reply = await driver.recv("c:0")
+            reply = await _recv(driver, "c:0", group)
             assert reply["devices"] == ["cpu", "cuda:0"]
             for key in obj:
                 assert torch.equal(reply["obj"][key], obj[key]), key
@@ -52,7 +61,7 @@ async def test_send_follows_the_senders_stream(cluster, driver):
             t.fill_(float(step))
             await driver.send(t, "o:0")      # then t is rewritten at once, on the same stream
             t.fill_(-1.0)
-            reply = await driver.recv("o:0")
+            reply = await _recv(driver, "o:0", group)
             assert bool((reply["obj"] == step).all()), step
         await group.join()
 
@@ -64,9 +73,10 @@ async def test_no_slot_rewritten_while_a_view_lives(cluster, driver):
         for step in range(20):
             t.fill_(float(step))
             await driver.send(t, "h:0")
-        report = await driver.recv("h:0")
+        report = await _recv(driver, "h:0", group)
         assert report == {"kept": 0.0, "now": 0.0, "all_equal": True}
         assert driver._cuda.sender.busy_bytes("h:0") > 0     # the kept view holds its slot
+        await driver.send(None, "h:0", tag=9)
         await group.join()
 
 
@@ -78,7 +88,7 @@ async def test_slot_not_rewritten_before_the_receivers_queued_reads(cluster, dri
         for step in range(n):
             t.fill_(float(step + 1))
             await driver.send(t, "r:0")
-        sums = await driver.recv("r:0")
+        sums = await _recv(driver, "r:0", group)
         assert sums == [float((step + 1) * (1 << 20)) for step in range(n)]
         await group.join()
 
@@ -92,13 +102,13 @@ async def test_no_device_memory_growth_over_10000_messages(cluster, driver):
         for i in range(n):
             await driver.send(t, "m:0")
             if i + 1 - acked > 2 * every:      # a window: never more than 2 * every in flight
-                acked = await driver.recv("m:0", tag=1)
+                acked = await _recv(driver, "m:0", group, tag=1)
             if i + 1 in (every, n):
                 torch.cuda.synchronize()
                 marks.append(torch.cuda.memory_allocated())
         while acked < n:
-            acked = await driver.recv("m:0", tag=1)
-        report = await driver.recv("m:0", tag=2)
+            acked = await _recv(driver, "m:0", group, tag=1)
+        report = await _recv(driver, "m:0", group, tag=2)
         assert marks[1] == marks[0], marks                 # the sender's slots did not grow
         assert driver._cuda is not None and len(driver._cuda.sender._slots) <= 2 * cuda_ipc.WINDOW_SLOTS
         assert report["allocated"] == 0                     # the receiver allocates nothing
@@ -129,7 +139,7 @@ async def test_receiver_killed_mid_stream(cluster, driver):
 async def test_sender_killed_fails_the_receive_and_forgets_its_slots(cluster, driver):
     async with asyncio.timeout(120):
         group = await cluster.spawn(workers_gpu.send_then_wait, "s", 1, args=("driver:0",))
-        t = await driver.recv("s:0")
+        t = await _recv(driver, "s:0", group)
         assert bool((t == 3.0).all())
         assert any(src == "s:0" for src, _slot in driver._cuda.reader._mapped)
         pending = driver.async_recv("s:0")
@@ -146,9 +156,9 @@ async def test_cupy_arrays_arrive_as_cupy_arrays(cluster, driver):
         group = await cluster.spawn(workers_gpu.gpu_types, "y", 1, args=("driver:0",))
         obj = {"cp": cp.arange(100_000, dtype=cp.float32), "t": torch.ones(10, device="cuda")}
         await driver.send(obj, "y:0")
-        types = await driver.recv("y:0")
+        types = await _recv(driver, "y:0", group)
         assert types == {"cp": ["cupy", "<CUDA Device 0>"], "t": ["torch", "cuda:0"]}
-        back = await driver.recv("y:0")
+        back = await _recv(driver, "y:0", group)
         assert bool((back["cp"] == obj["cp"]).all()) and torch.equal(back["t"], obj["t"])
         await group.join()
 
@@ -161,7 +171,8 @@ async def test_owned_copies_with_shm_views_off(cluster, driver):
         for step in range(5):
             t.fill_(float(step))
             await driver.send(t, "v:0")
-        report = await driver.recv("v:0")
+        report = await _recv(driver, "v:0", group)
         assert report["all_equal"] and report["kept"] == 0.0
         assert driver._cuda.sender.busy_bytes("v:0") == 0    # copies out: no slot is held
+        await driver.send(None, "v:0", tag=9)
         await group.join()

@@ -36,6 +36,7 @@ async def hold_and_check(comm, peer: str, n: int):
     for _ in range(n - 1):
         await comm.recv(peer, timeout=120)
     await comm.send({"kept": kept, "now": float(first[0]), "all_equal": bool((first == kept).all())}, peer)
+    await comm.recv(peer, tag=9, timeout=120)     # still holding `first` until told
     return 0
 
 
