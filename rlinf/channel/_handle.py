@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from .. import wire
 from ..errors import ClosedError, CommTimeoutError, DecodeError, EndOfChannel, PeerLostError, ProtocolError, RlinfError
-from ._payload import unpack
+from ._payload import decoded, unpack
 from ._wire import decode_ops, encode_ops
 from .server import REQUEST_TAG, check_name, reply_tag, server_address
 
@@ -114,9 +114,14 @@ class HandleBase:
     """State and plumbing of a channel handle (see :class:`rlinf.channel.Channel`)."""
 
     def __init__(self, comm, name: str, *, prefetch: int = 0,
-                 free_memory: Callable[[], int | None] | None = None) -> None:
+                 free_memory: Callable[[], int | None] | None = None, decode_ahead: bool = False) -> None:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        if not isinstance(decode_ahead, bool):
+            raise TypeError(f"decode_ahead must be a bool, got {decode_ahead!r}")
+        if decode_ahead and not prefetch:
+            raise ValueError("decode_ahead needs prefetch > 0 (only prefetched items arrive ahead of get)")
+        self._decode_ahead = decode_ahead
         self.name = check_name(name)
         self._comm = comm
         self._server = server_address(name)
@@ -426,6 +431,8 @@ class HandleBase:
             if kind == "items":
                 rid, key, items = op[1], op[2], op[3]
                 if rid == 0:
+                    if self._decode_ahead:
+                        items = [(item_id, weight, decoded(self._codec, payload)) for item_id, weight, payload in items]
                     self._buffers.setdefault(key, collections.deque()).extend(items)
                     self._wake(key)
                 else:

@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from ..codec import Codec, buffer_nbytes, is_device_buffer
+from ..errors import DecodeError
 
-__all__ = ["PACK_LIMIT", "pack", "unpack"]
+__all__ = ["PACK_LIMIT", "pack", "unpack", "decoded"]
 
 #: Items up to this many encoded bytes travel as one packed blob.
 PACK_LIMIT = 64 << 10
@@ -49,6 +50,19 @@ def pack(codec: Codec, item: Any) -> tuple[tuple, int]:
     return (2, header, wrapped), nbytes
 
 
+#: The layout of a payload decoded ahead of ``get`` (:func:`decoded`); never on the wire.
+DECODED = 3
+
+
+def decoded(codec: Codec, payload: tuple) -> tuple:
+    """``payload`` decoded now, as a payload :func:`unpack` returns at once; one that
+    cannot be decoded is returned as it is (its ``get`` raises the error)."""
+    try:
+        return (DECODED, unpack(codec, payload))
+    except (DecodeError, ValueError):
+        return payload
+
+
 def unpack(codec: Codec, payload: tuple) -> Any:
     """Decode a payload made by :func:`pack` (arrays in it are views, writable).
 
@@ -75,4 +89,6 @@ def unpack(codec: Codec, payload: tuple) -> Any:
     if kind == 2:
         header, buffers = payload[1], payload[2]
         return codec.decode(header, [b if is_device_buffer(b) else memoryview(b) for b in buffers])
+    if kind == DECODED:
+        return payload[1]
     raise ValueError(f"unknown channel payload layout {kind!r}")

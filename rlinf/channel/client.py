@@ -51,6 +51,10 @@ class Channel(HandleBase):
             consumer, are put back if it dies or detaches, and make ``get`` local.
         free_memory: ``() -> int | None`` reporting free device memory with each get
             (default: ``torch.cuda.mem_get_info`` when torch has initialised CUDA).
+        decode_ahead: decode prefetched items as they arrive instead of in ``get``: the
+            GPU tensors of an item (queued by the channel in host memory) are then copied
+            to this process's current CUDA device ahead of time, off ``get``'s path.
+            Needs ``prefetch`` > 0; an item that cannot be decoded fails its ``get``.
     """
 
     def __repr__(self) -> str:
@@ -456,7 +460,7 @@ def _close_handles(comm) -> None:
 
 # -- creating and finding channels -------------------------------------------------------------
 async def open_channel(comm, name: str, *, timeout: float | None = 30.0, prefetch: int = 0,
-                       free_memory: Callable[[], int | None] | None = None) -> Channel:
+                       free_memory: Callable[[], int | None] | None = None, decode_ahead: bool = False) -> Channel:
     """A handle to the channel ``name``, waiting up to ``timeout`` for it to appear.
 
     Raises:
@@ -464,12 +468,13 @@ async def open_channel(comm, name: str, *, timeout: float | None = 30.0, prefetc
         ValueError / TypeError: a bad name or option.
     """
     _check_timeout(timeout)
-    return await Channel(comm, name, prefetch=prefetch, free_memory=free_memory)._open(timeout)
+    return await Channel(comm, name, prefetch=prefetch, free_memory=free_memory,
+                         decode_ahead=decode_ahead)._open(timeout)
 
 
 async def create_channel(comm, name: str, *, maxsize: int = 0, policy: Any = "fifo", in_process: bool = False,
                          work_stealing: bool = False, timeout: float | None = 60.0, prefetch: int = 0,
-                         free_memory: Callable[[], int | None] | None = None) -> Channel:
+                         free_memory: Callable[[], int | None] | None = None, decode_ahead: bool = False) -> Channel:
     """Start channel ``name`` (in a new process on this node, or in this loop with
     ``in_process=True``) and return a handle to it. It lives until it is closed and
     drained, or until ``comm`` closes (which stops it).
@@ -512,7 +517,8 @@ async def create_channel(comm, name: str, *, maxsize: int = 0, policy: Any = "fi
         process = ServerProcess(name, manager=comm.manager_address, token=comm._token, config=config)
         comm.add_closer(process.stop)
         await process.wait_ready(timeout)
-    return await open_channel(comm, name, timeout=timeout, prefetch=prefetch, free_memory=free_memory)
+    return await open_channel(comm, name, timeout=timeout, prefetch=prefetch, free_memory=free_memory,
+                              decode_ahead=decode_ahead)
 
 
 _watchers: set[asyncio.Task] = set()

@@ -63,3 +63,15 @@ async def test_peer_killed_during_gpu_transfer(cluster, driver):
         os.kill(group.pids[0], 9)
         with pytest.raises(rlinf.PeerLostError):
             await pending
+
+
+async def test_gpu_items_through_a_channel_arrive_on_the_consumers_device(cluster, driver):
+    async with asyncio.timeout(180):
+        ch = await driver.create_channel("gpu-items")
+        group = await cluster.spawn(workers_gpu.channel_consumer, "q", 1, args=("driver:0", "gpu-items", 4))
+        items = [torch.full((1 << 18,), float(i), device="cuda") for i in range(4)]
+        for t in items:
+            await ch.put(t)
+        report = await driver.recv("q:0")
+        assert report == [("cuda:0", float(t.sum())) for t in items]
+        await group.join()

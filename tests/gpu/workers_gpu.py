@@ -88,3 +88,11 @@ async def send_then_wait(comm, peer: str):
     await comm.send(torch.full((1 << 20,), 3.0, device="cuda"), peer)
     await comm.recv(peer, timeout=600)
     return 0
+
+
+async def channel_consumer(comm, peer: str, name: str, n: int):
+    """Get ``n`` items from channel ``name`` (prefetched and decoded ahead), report them."""
+    ch = await comm.channel(name, prefetch=2, decode_ahead=True, timeout=60)
+    items = [await ch.get(timeout=60) for _ in range(n)]
+    await comm.send([(str(t.device), float(t.sum())) for t in items], peer)
+    return 0

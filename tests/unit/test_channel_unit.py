@@ -484,3 +484,37 @@ def test_wire_rejects_malformed_messages(message):
 
     with pytest.raises(ProtocolError):
         decode_ops(message)
+
+
+class _CommBeforeOpen:
+    """What a channel handle reads from its communicator before it opens."""
+
+    _codec = Codec()
+
+
+async def test_decode_ahead_decodes_prefetched_items_on_arrival():
+    import asyncio
+
+    from rlinf.channel import Channel
+    from rlinf.channel._payload import DECODED
+
+    ch = Channel(_CommBeforeOpen(), "c", prefetch=2, decode_ahead=True)
+    ch._loop = asyncio.get_running_loop()
+    good = pack(ch._codec, {"x": np.arange(100_000)})[0]        # a large item: buffers apart
+    bad = (2, b"\xc1", [])                                        # not a codec header
+    ch._on_ops([("items", 0, None, [(1, 1.0, good), (2, 1.0, bad)])])
+    first, second = ch._buffers[None]
+    assert first[2][0] == DECODED and (first[2][1]["x"] == np.arange(100_000)).all()
+    assert second[2] is bad                                       # kept: its get raises
+    plain = Channel(_CommBeforeOpen(), "c", prefetch=2)
+    plain._on_ops([("items", 0, None, [(1, 1.0, good)])])
+    assert plain._buffers[None][0][2] is good
+
+
+def test_decode_ahead_needs_prefetch():
+    from rlinf.channel import Channel
+
+    with pytest.raises(ValueError, match="prefetch"):
+        Channel(_CommBeforeOpen(), "c", decode_ahead=True)
+    with pytest.raises(TypeError):
+        Channel(_CommBeforeOpen(), "c", prefetch=1, decode_ahead=1)
