@@ -155,10 +155,13 @@ class CudaIpcSender:
 
     Args:
         cap: bytes of slots per receiver (default :func:`default_cap`).
+        torch: the torch module (the tests pass a fake one to check the bookkeeping
+            without a GPU).
     """
 
-    def __init__(self, cap: int | None = None) -> None:
-        import torch
+    def __init__(self, cap: int | None = None, *, torch: Any = None) -> None:
+        if torch is None:
+            import torch
 
         self._torch = torch
         self.cap = default_cap() if cap is None else cap
@@ -483,9 +486,13 @@ class CudaIpcSession:
         event = self._rooms.setdefault(reader, asyncio.Event())
         event.clear()
         try:
-            await asyncio.wait_for(event.wait(), OPEN_STALL if self.sender.opening(reader) else STALL)
+            await asyncio.wait_for(event.wait(), self.stall(reader))
         except asyncio.TimeoutError:
             pass
+
+    def stall(self, reader: str) -> float:
+        """How long :meth:`room` waits for ``reader``."""
+        return OPEN_STALL if self.sender.opening(reader) else STALL
 
     def on_notice(self, src: str, items: Any) -> None:
         """A SYSTEM ``"cuda"`` notice from ``src``: slots it gave back."""

@@ -105,3 +105,57 @@ def test_cap_from_environment(monkeypatch):
     monkeypatch.setenv("RLINF_CUDA_IPC_CAP", "lots")
     with pytest.raises(ValueError, match="RLINF_CUDA_IPC_CAP"):
         cuda_ipc.default_cap()
+
+
+# -- GPU entries through a real outbox (the CUDA IPC item survives coalescing) ----------
+class _RecordingLink:
+    def __init__(self) -> None:
+        self.sent: list[list[bytes]] = []
+
+    def try_send(self, frames: list, *, track: bool = False) -> None:
+        self.sent.append([bytes(f) for f in frames])
+
+    async def released(self, tracker) -> None:
+        pass
+
+    def close(self, exc: BaseException | None = None) -> None:
+        pass
+
+
+async def test_small_gpu_messages_coalesce_with_others_and_keep_their_gpu_item():
+    import asyncio
+
+    from rlinf.outbox import OutMessage, Outbox
+    from rlinf.stats import Counters
+
+    loop = asyncio.get_running_loop()
+    link = _RecordingLink()
+    now = [0.0]
+    box = Outbox("peer:0", ("me:0", "inc0"), Counters("me:0"), clock=lambda: now[0])
+    box.attach(link, None)
+    gpu = _gpu([[0, 0, 8]])
+    box.put(OutMessage([wire.USER, 1, b"h1", None], [b"ab"], 2, None, False), loop)          # alone, at once
+    box.put(OutMessage([wire.USER, 2, b"h2", None, None, None, gpu], [b"cd"], 2, None, False,
+                       transport="cuda_ipc"), loop)                                           # queued behind it
+    box.put(OutMessage([wire.USER, 3, b"h3", None], [b"ef"], 2, None, False), loop)
+    await asyncio.sleep(0)         # one loop turn: the flush scheduled for the burst ran
+    assert len(link.sent) == 2
+    frame_set = link.sent[1]
+    src, _inc, entries, packed = wire.unpack_header(frame_set[0], frame_set[1:])
+    assert packed and [e.tag for e in entries] == [2, 3]
+    assert entries[0].gpu is not None and entries[0].gpu.places == ((0, 0, 8),)
+    assert entries[0].frame_counts == [2] and entries[1].gpu is None
+
+    opened = []
+
+    def open_gpu(src, ref):
+        opened.append(ref.slot)
+        return [(i, np.zeros(n, np.uint8)) for i, _off, n in ref.places]
+
+    rebuilt = list(_reader(open_gpu).entries(src, entries, [memoryview(f) for f in frame_set[1:]], True))
+    assert [bytes(b) for b in rebuilt[0][1]] == [bytes(8), b"cd"] and [bytes(b) for b in rebuilt[1][1]] == [b"ef"]
+    assert opened == [3]
+    now[0] += 1.0                  # idle: a lone GPU message goes at once, its item intact
+    box.put(OutMessage([wire.USER, 4, b"h4", None, None, None, gpu], [], 0, None, False, transport="cuda_ipc"), loop)
+    _src, _inc, entries, _packed = wire.unpack_header(link.sent[2][0], link.sent[2][1:])
+    assert entries[0].tag == 4 and entries[0].gpu is not None and entries[0].frame_counts == []

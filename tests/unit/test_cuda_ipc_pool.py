@@ -1,0 +1,258 @@
+"""The CUDA IPC sender's pool and the session's notices, on the CPU: torch's CUDA calls
+are replaced by a recording fake, so the bookkeeping (slots per receiver, reuse,
+generations, window and cap, announcements, releases, a receiver's death) is checked
+without a GPU. The device side itself is tested in tests/gpu/."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from rlinf.transports import cuda_ipc
+
+
+class _Event:
+    def __init__(self, interprocess: bool = False) -> None:
+        self.records = 0
+        self.done = True
+
+    def record(self, stream=None) -> None:
+        self.records += 1
+
+    def ipc_handle(self) -> bytes:
+        return b"e" * 64
+
+    def query(self) -> bool:
+        return self.done
+
+    @classmethod
+    def from_ipc_handle(cls, device, handle) -> _Event:
+        return cls()
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.waits: list = []
+
+    def wait_event(self, event) -> None:
+        self.waits.append(event)
+
+    def query(self) -> bool:
+        return True
+
+
+class _Storage:
+    shares = 0
+
+    def _share_cuda_(self):
+        _Storage.shares += 1
+        return (0, b"h" * 64, 1, 0, b"/torch_x", _Storage.shares, b"e" * 64, True)
+
+
+class _Tensor:
+    """A device allocation: records the copies into it."""
+
+    def __init__(self, size: int) -> None:
+        self.data = np.zeros(size, np.uint8)
+        self.storage = _Storage()
+
+    def __getitem__(self, s: slice) -> _View:
+        return _View(self.data[s])
+
+    def untyped_storage(self) -> _Storage:
+        return self.storage
+
+
+class _View:
+    def __init__(self, data: np.ndarray) -> None:
+        self.data = data
+
+    def copy_(self, src, non_blocking: bool = False) -> None:
+        self.data[:] = src.data
+
+
+class _Buf:
+    """A device buffer as the codec gives it (flat uint8, on device 0)."""
+
+    class device:
+        index = 0
+
+    def __init__(self, data: bytes) -> None:
+        self.data = np.frombuffer(data, np.uint8)
+        self.nbytes = len(data)
+
+    __module__ = "torch"
+
+
+class _Cuda:
+    Event = _Event
+
+    def __init__(self) -> None:
+        self.stream = _Stream()
+        self.collected = 0
+
+    def current_stream(self, device=None) -> _Stream:
+        return self.stream
+
+    def device(self, index):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def ipc_collect(self) -> None:
+        self.collected += 1
+
+
+class _UntypedStorage:
+    released: list = []
+
+    @classmethod
+    def _release_ipc_counter(cls, handle, offset, device=None) -> None:
+        cls.released.append((handle, offset))
+
+
+class _Torch:
+    uint8 = "uint8"
+    UntypedStorage = _UntypedStorage
+
+    def __init__(self) -> None:
+        self.cuda = _Cuda()
+
+    def empty(self, size, dtype=None, device=None) -> _Tensor:
+        return _Tensor(size)
+
+
+def _sender(cap: int = 64 << 20) -> cuda_ipc.CudaIpcSender:
+    return cuda_ipc.CudaIpcSender(cap, torch=_Torch())
+
+
+def test_a_message_is_copied_into_one_slot_announced_once():
+    s = _sender()
+    buffers = [memoryview(b"host"), _Buf(b"abc"), _Buf(b"defg")]
+    gpu = s.export(buffers, [1, 2], "r:0")
+    slot_id, generation, device, share, handle, places = gpu
+    assert (generation, device) == (1, 0) and share is not None and handle == b"e" * 64
+    assert places == [[1, 0, 3], [2, cuda_ipc.ALIGN, 4]]
+    slot = s._slots[slot_id]
+    assert bytes(slot.tensor.data[:3]) == b"abc" and bytes(slot.tensor.data[256:260]) == b"defg"
+    assert slot.ready.records == 1 and s.busy_bytes("r:0") == cuda_ipc.MIN_SLOT
+    assert s.release("r:0", slot_id, generation, None, False)
+    again = s.export([_Buf(b"xyz")], [0], "r:0")
+    assert again[0] == slot_id and again[1] == 2 and again[3] is None and again[4] is None   # reused, not re-announced
+
+
+def test_releases_that_do_not_match_are_refused():
+    s = _sender()
+    slot_id, generation = s.export([_Buf(b"a")], [0], "r:0")[:2]
+    assert not s.release("other:0", slot_id, generation, None, False)      # not its slot
+    assert not s.release("r:0", slot_id, generation + 1, None, False)      # an old or future use
+    assert not s.release("r:0", 999, 1, None, False)                       # no such slot
+    assert s.release("r:0", slot_id, generation, None, False)
+    assert not s.release("r:0", slot_id, generation, None, False)          # twice
+
+
+def test_a_free_event_is_waited_on_only_when_the_receiver_recorded_one():
+    s = _sender()
+    slot_id, gen = s.export([_Buf(b"a")], [0], "r:0")[:2]
+    s.release("r:0", slot_id, gen, b"f" * 64, True)
+    slot = s._slots[slot_id]
+    slot.free_event.done = False
+    s.export([_Buf(b"b")], [0], "r:0")
+    assert s._torch.cuda.stream.waits == [slot.free_event]
+    s.release("r:0", slot_id, gen + 1, None, False)                        # its stream was idle
+    s.export([_Buf(b"c")], [0], "r:0")
+    assert s._torch.cuda.stream.waits == [slot.free_event]                 # no second wait
+
+
+def test_window_and_cap_per_receiver():
+    s = _sender(cap=4 * cuda_ipc.MIN_SLOT)
+    held = [s.export([_Buf(b"a")], [0], "r:0") for _ in range(2)]
+    assert not s.behind("r:0")
+    held.append(s.export([_Buf(b"a")], [0], "r:0"))
+    assert s.behind("r:0") and not s.behind("q:0")                          # over half the cap
+    held.append(s.export([_Buf(b"a")], [0], "r:0"))
+    assert s.export([_Buf(b"a")], [0], "r:0") is None                       # at the cap: staged
+    assert s.export([_Buf(b"a")], [0], "q:0") is not None                   # another receiver: its own
+    assert s.export([_Buf(bytes(5 * cuda_ipc.MIN_SLOT))], [0], "z:0") is None   # larger than the cap
+    assert s.opening("r:0")
+    s.release("r:0", held[0][0], held[0][1], None, False)
+    assert s.export([_Buf(b"a")], [0], "r:0")[0] == held[0][0]             # the freed slot, no growth
+
+
+def test_a_discarded_announcement_is_announced_again():
+    s = _sender()
+    gpu = s.export([_Buf(b"a")], [0], "r:0")
+    s.discard(gpu)
+    again = s.export([_Buf(b"b")], [0], "r:0")
+    assert again[0] == gpu[0] and again[3] is not None
+    s.discard([again[0], again[1] + 5, 0, None, None, []])                 # not its generation: ignored
+    assert s.busy_bytes("r:0") == cuda_ipc.MIN_SLOT
+
+
+def test_a_dead_receivers_references_are_released_and_its_slots_dropped():
+    _UntypedStorage.released.clear()
+    s = _sender()
+    gpu = s.export([_Buf(b"a")], [0], "r:0")
+    s.export([_Buf(b"b")], [0], "q:0")
+    s.reader_gone("r:0", process_gone=True)
+    assert [h for h, _o in _UntypedStorage.released] == [b"/torch_x"]
+    assert gpu[0] not in s._slots and s.busy_bytes("r:0") == 0 and s._torch.cuda.collected == 1
+    assert len(s._slots) == 1                                              # q:0's slot stays
+    s.reader_gone("q:0", process_gone=False)                               # alive: it drops its own
+    assert len(_UntypedStorage.released) == 1 and not s._slots
+
+
+class _Session(cuda_ipc.CudaIpcSession):
+    def __init__(self, loop, sent) -> None:
+        self.sender = _sender()
+        self._loop = loop
+        self._send_notice = lambda dst, items: sent.append((dst, items))
+        self._owed, self._flush_scheduled, self._rooms = {}, False, {}
+        self.reader = _NoReader()
+
+
+class _NoReader:
+    def peer_gone(self, address: str) -> None:
+        pass
+
+
+async def test_releases_ride_on_the_next_message_else_go_in_one_notice():
+    sent: list = []
+    session = _Session(asyncio.get_running_loop(), sent)
+    session._owe("a:0", [1, 1, None, False])
+    session._owe("a:0", [2, 1, None, False])
+    session._owe("b:0", [3, 1, None, False])
+    assert session.owed == 2 and session.take("a:0") == [[1, 1, None, False], [2, 1, None, False]]
+    await asyncio.sleep(0)                  # the loop turn ends: what is left goes in one notice
+    assert sent == [("b:0", [[3, 1, None, False]])] and session.owed == 0
+
+
+async def test_notices_release_slots_and_wake_a_waiting_send(caplog):
+    session = _Session(asyncio.get_running_loop(), [])
+    slot_id, gen = session.sender.export([_Buf(b"a")], [0], "r:0")[:2]
+    waiting = asyncio.ensure_future(session.room("r:0"))
+    await asyncio.sleep(0)
+    session.on_notice("r:0", [[slot_id, gen, None, False], ["bad"], [slot_id, gen, None, False]])
+    async with asyncio.timeout(5):
+        await waiting
+    assert session.sender.busy_bytes("r:0") == 0
+    assert "malformed CUDA IPC release" in caplog.text and "does not hold" in caplog.text
+    session.on_notice("r:0", "not a list")
+    assert "malformed CUDA IPC notice" in caplog.text
+
+
+async def test_room_waits_long_only_while_new_slots_may_be_opening():
+    session = _Session(asyncio.get_running_loop(), [])
+    slot_id, gen = session.sender.export([_Buf(b"a")], [0], "r:0")[:2]
+    assert session.stall("r:0") == cuda_ipc.OPEN_STALL                   # sent, never given back
+    session.sender.release("r:0", slot_id, gen, None, False)
+    session.sender.export([_Buf(b"a")], [0], "r:0")
+    assert session.stall("r:0") == cuda_ipc.STALL                        # the same slot: opened already
+    session.sender.export([_Buf(bytes(cuda_ipc.MIN_SLOT + 1))], [0], "r:0")     # a new one
+    assert session.stall("r:0") == cuda_ipc.OPEN_STALL
+    waiting = asyncio.ensure_future(session.room("r:0"))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    session.peer_gone("r:0", process_gone=False)      # the receiver left: the wait ends at once
+    async with asyncio.timeout(5):
+        await waiting
