@@ -225,7 +225,7 @@ class Communicator:
             if routing.BULK not in self._routing.disabled and "tcp" in endpoints:
                 transports += await self._start_bulk(bind, advertise, endpoints)
             if routing.SHM not in self._routing.disabled and shm.available():
-                self._shm = shm.ShmSession(self._loop, self._send_shm_notice, views=self._shm_views,
+                self._shm = shm.ShmSession(self._loop, self._send_notice, views=self._shm_views,
                                            recycler=self._recycler)
                 self.on_system("shm", self._shm.on_notice)
                 transports += (routing.SHM,)
@@ -499,7 +499,8 @@ class Communicator:
 
     def _cuda_session(self) -> cuda_ipc.CudaIpcSession:
         if self._cuda is None:
-            self._cuda = cuda_ipc.CudaIpcSession(self._loop, self._send_cuda_notice, views=self._shm_views)
+            self._cuda = cuda_ipc.CudaIpcSession(self._loop, functools.partial(self._send_notice, tag="cuda"),
+                                                 views=self._shm_views)
         return self._cuda
 
     def _open_gpu(self, src: str, gpu: wire.GpuRef) -> list:
@@ -510,16 +511,6 @@ class Communicator:
     def _on_cuda_notice(self, src: str, items: Any) -> None:
         if self._cuda is not None:
             self._cuda.on_notice(src, items)
-
-    def _send_cuda_notice(self, dst: str, items: list) -> None:
-        outbox = self._outboxes.get(dst)
-        if outbox is None:
-            self._check_open()
-            outbox = self._outbox(dst)
-        if outbox.error is not None:
-            raise outbox.error
-        self._queue_notice(outbox, items, hold=False, tag="cuda")
-        outbox.flush()
 
     def _stage_device_buffers(self, buffers: list, dst: str, why: str) -> list:
         """The staged path for GPU buffers: copy them to host memory and send them as CPU
@@ -938,17 +929,18 @@ class Communicator:
         info = self._roster.get(address)
         return info.pid if info is not None else None
 
-    def _send_shm_notice(self, dst: str, obj: Any) -> None:
-        """Send a SYSTEM "shm" notice (releases, mappings) now — also while closing, so
-        what we owe a sender goes out ahead of our goodbye."""
+    def _send_notice(self, dst: str, obj: Any, tag: str = "shm") -> None:
+        """Send a SYSTEM notice (``"shm"``: releases, mappings; ``"cuda"``: CUDA IPC
+        releases) now — also while closing, so what we owe a sender goes out ahead of
+        our goodbye."""
         outbox = self._outboxes.get(dst)
         if outbox is None:
             self._check_open()
             outbox = self._outbox(dst)
         if outbox.error is not None:
             raise outbox.error
-        self._queue_notice(outbox, obj, hold=False)
-        outbox.flush()       # notices are already batched (ShmSession): send now
+        self._queue_notice(outbox, obj, hold=False, tag=tag)
+        outbox.flush()       # notices are already batched by the sessions: send now
 
     def _queue_notice(self, outbox: Outbox, obj: Any, *, hold: bool, tag: str = "shm") -> None:
         """Queue a notice (a small SYSTEM message without buffers) to ``outbox``; with
