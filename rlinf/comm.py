@@ -236,6 +236,7 @@ class Communicator:
                 transports += await self._start_stream(endpoints)
             gpus = devices.discover_devices()
             if gpus and routing.CUDA_IPC not in self._routing.disabled and cuda_ipc.available():
+                cuda_ipc.default_cap()          # a bad RLINF_CUDA_IPC_CAP fails here, not on a receive
                 transports += (routing.CUDA_IPC,)
                 self.on_system("cuda", self._on_cuda_notice)
             self.info = WorkerInfo(
@@ -490,23 +491,42 @@ class Communicator:
         if route != routing.CUDA_IPC:
             return self._stage_device_buffers(buffers, dst, route), None
         places = [i for i, b in enumerate(buffers) if type(b) is not memoryview and is_device_buffer(b)]
-        gpu = self._cuda_session().sender.export(buffers, places, dst)
+        peer_device = self._peer_device(dst, cuda_ipc.device_of(buffers[places[0]]))
+        if peer_device is None:
+            return self._stage_device_buffers(buffers, dst, "it does not see the GPU they are on"), None
+        gpu = self._cuda_session().export(buffers, places, dst, peer_device)
         if gpu is None:
             why = "its buffers span several devices, or it holds the CUDA IPC cap of our slots"
             return self._stage_device_buffers(buffers, dst, why), None
         taken = set(places)
         return [b for i, b in enumerate(buffers) if i not in taken], gpu
 
+    def _peer_device(self, dst: str, index: int) -> int | None:
+        """Our GPU ``index`` in ``dst``'s numbering (processes may see different sets of
+        GPUs, in different orders), found by uuid; None when ``dst`` does not see it."""
+        info = self._roster.get(dst)
+        ours = next((d for d in self.info.devices if d.index == index), None)
+        if info is None or ours is None:
+            return None
+        if ours.uuid:
+            return next((d.index for d in info.devices if d.uuid == ours.uuid), None)
+        same = [d.uuid for d in self.info.devices] == [d.uuid for d in info.devices]
+        return index if same else None     # no uuids: only the same visible set can be trusted
+
     def _cuda_session(self) -> cuda_ipc.CudaIpcSession:
         if self._cuda is None:
             self._cuda = cuda_ipc.CudaIpcSession(self._loop, functools.partial(self._send_notice, tag="cuda"),
-                                                 views=self._shm_views)
+                                                 self.incarnation, views=self._shm_views)
         return self._cuda
 
-    def _open_gpu(self, src: str, gpu: wire.GpuRef) -> list:
+    def _open_gpu(self, src: str, incarnation: str, gpu: wire.GpuRef) -> tuple[list, Callable[[], None]]:
         if routing.CUDA_IPC not in self.info.transports:
             raise ProtocolError("CUDA IPC is not enabled in this process")
-        return self._cuda_session().reader.open(src, gpu)
+        try:
+            session = self._cuda_session()
+        except Exception as exc:      # CUDA cannot start here after all
+            raise ProtocolError(f"CUDA IPC cannot start in this process: {exc!r}") from exc
+        return session.reader.open(src, incarnation, gpu)
 
     def _on_cuda_notice(self, src: str, items: Any) -> None:
         if self._cuda is not None:
@@ -875,6 +895,8 @@ class Communicator:
     def _decode(self, msg: Message) -> Any:
         if msg.error is not None:
             raise msg.error
+        if msg.ready is not None:       # GPU buffers: the caller's stream follows their copy
+            msg.ready()
         return self._codec.decode(msg.codec_header, msg.buffers)
 
     async def _decode_owned(self, msg: Message) -> Any:
@@ -906,11 +928,12 @@ class Communicator:
         if (src, incarnation) in self._dead:
             self._counters.dropped()
             return
-        for entry, buffers, nbytes, in_shm, error in self._inbound.entries(src, entries, frames, packed):
+        for entry, buffers, nbytes, in_shm, error, ready in self._inbound.entries(src, entries, frames, packed,
+                                                                                   incarnation):
             if entry.kind == wire.USER:
                 self._counters.received(src, nbytes + len(entry.codec_header))
                 self._mailbox.deliver(Message(src, incarnation, entry.tag, entry.codec_header, buffers, 0, nbytes,
-                                              in_shm, error))
+                                              in_shm, error, ready))
             elif error is not None:
                 log.warning("rlinf %s: dropped system message %r: %s", self.address, entry.tag, error)
             elif entry.tag == "bye":
@@ -921,6 +944,8 @@ class Communicator:
                     log.warning("rlinf %s: no handler for system message %r", self.address, entry.tag)
                     continue
                 try:
+                    if ready is not None:
+                        ready()
                     handler(src, self._codec.decode(entry.codec_header, buffers))
                 except Exception:   # a subsystem bug must not kill the reader
                     log.exception("rlinf %s: system handler %r failed", self.address, entry.tag)
@@ -959,6 +984,10 @@ class Communicator:
             self._roster[event.address] = event.info
             self._dead.discard((event.address, event.incarnation))
             self._mailbox.peer_joined(event.address, event.incarnation)
+            if old is not None and old.incarnation != event.incarnation:    # restarted: its slots are new
+                self._gpu_routes.pop(event.address, None)
+                if self._cuda is not None:
+                    self._cuda.peer_gone(event.address, old.incarnation, process_gone=control.process_gone_here(old))
             outbox = self._outboxes.get(event.address)
             if outbox is not None and (outbox.error is not None or (old and old.incarnation != event.incarnation)):
                 del self._outboxes[event.address]   # next send dials the new incarnation
@@ -995,8 +1024,8 @@ class Communicator:
         gone_here = info is not None and info.incarnation == incarnation and control.process_gone_here(info)
         if self._shm is not None:
             self._shm.peer_gone(address, alive=not gone_here)
-        if self._cuda is not None:
-            self._cuda.peer_gone(address, process_gone=gone_here)
+        if self._cuda is not None and (kind == "left" or gone_here):   # else it may come back, slots and all
+            self._cuda.peer_gone(address, incarnation, process_gone=gone_here)
         self._gpu_routes.pop(address, None)
         for hook in self._gone_hooks:
             hook(address, incarnation)

@@ -30,9 +30,10 @@ log = logging.getLogger("rlinf.comm")
 
 _NO_BYTES = memoryview(b"")
 
-#: One entry: ``(entry, buffers, nbytes, in_shared_memory, error)``; ``error`` (a
-#: DecodeError) when its shared memory could not be opened, its buffers then missing.
-Rebuilt = tuple[wire.Entry, list, int, bool, "DecodeError | None"]
+#: One entry: ``(entry, buffers, nbytes, in_shared_memory, error, ready)``; ``error`` (a
+#: DecodeError) when its shared memory could not be opened, its buffers then missing;
+#: ``ready`` (GPU buffers from CUDA IPC) orders the decoding thread's stream after them.
+Rebuilt = tuple[wire.Entry, list, int, bool, "DecodeError | None", "Callable[[], None] | None"]
 
 
 class FrameReader:
@@ -43,25 +44,28 @@ class FrameReader:
         recycler: private memory for chunked buffers.
         pid_of: ``pid_of(address)``: the sender's pid when known (its slots must be its own).
         on_bad_slot: called once per entry whose shared memory could not be opened.
-        open_gpu: ``open_gpu(src, gpu)`` returns an entry's device buffers as
-            ``(index, buffer)`` pairs (see :class:`~rlinf.transports.cuda_ipc.CudaIpcReader`).
+        open_gpu: ``open_gpu(src, incarnation, gpu)`` returns an entry's device buffers as
+            ``(index, buffer)`` pairs and their ``ready()`` (see
+            :meth:`~rlinf.transports.cuda_ipc.CudaIpcReader.open`).
     """
 
     def __init__(self, session: shm.ShmSession | None, recycler: shm.Recycler,
                  pid_of: Callable[[str], int | None], on_bad_slot: Callable[[], None],
-                 open_gpu: Callable[[str, wire.GpuRef], list] | None = None) -> None:
+                 open_gpu: Callable[[str, str, wire.GpuRef], tuple] | None = None) -> None:
         self._shm = session
         self._recycler = recycler
         self._pid_of = pid_of
         self._on_bad_slot = on_bad_slot
         self._open_gpu = open_gpu
 
-    def entries(self, src: str, entries: list[wire.Entry], frames: list, packed: bool) -> Iterator[Rebuilt]:
-        """Each entry of a validated frame set (:func:`rlinf.wire.unpack_header`), in order."""
+    def entries(self, src: str, entries: list[wire.Entry], frames: list, packed: bool,
+                incarnation: str = "") -> Iterator[Rebuilt]:
+        """Each entry of a validated frame set (:func:`rlinf.wire.unpack_header`) from
+        ``src`` (``incarnation``), in order."""
         i = 0
         blob = (frames[0] if frames else _NO_BYTES) if packed else None
         for entry in entries:
-            buffers, nbytes, error = [], 0, None
+            buffers, nbytes, error, ready = [], 0, None, None
             in_slot = relayed = None
             if entry.slot is not None or entry.relays is not None:
                 try:
@@ -95,24 +99,27 @@ class FrameReader:
                 nbytes += buf.nbytes
             if entry.gpu is not None and error is None:
                 try:
-                    nbytes += self._insert_gpu(src, entry.gpu, buffers)
+                    ready, n = self._insert_gpu(src, incarnation, entry.gpu, buffers)
+                    nbytes += n
                 except (ProtocolError, ClosedError) as exc:
                     self._on_bad_slot()
                     log.warning("rlinf: bad CUDA IPC slot from %s: %r", src, exc)
                     error = DecodeError(f"message from {src} cannot be read from its GPU slot: {exc}")
-            yield entry, buffers, nbytes, in_slot is not None or relayed is not None, error
+            yield entry, buffers, nbytes, in_slot is not None or relayed is not None, error, ready
 
-    def _insert_gpu(self, src: str, gpu: wire.GpuRef, buffers: list) -> int:
-        """Put an entry's device buffers in their places among its host ``buffers``."""
+    def _insert_gpu(self, src: str, incarnation: str, gpu: wire.GpuRef, buffers: list) -> tuple[Callable, int]:
+        """Put an entry's device buffers in their places among its host ``buffers``;
+        their ``ready()`` and bytes."""
         if self._open_gpu is None:
             raise ProtocolError("CUDA IPC is not enabled in this process")
+        pairs, ready = self._open_gpu(src, incarnation, gpu)
         nbytes = 0
-        for index, buf in sorted(self._open_gpu(src, gpu), key=lambda p: p[0]):
+        for index, buf in sorted(pairs, key=lambda p: p[0]):
             if index > len(buffers):
                 raise ProtocolError("GPU buffer index beyond the message's buffers")
             buffers.insert(index, buf)
             nbytes += buf.nbytes
-        return nbytes
+        return ready, nbytes
 
     def _open(self, src: str, entry: wire.Entry) -> tuple[Iterator | None, Iterator | None]:
         session = self._shm

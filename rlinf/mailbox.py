@@ -21,7 +21,7 @@ import asyncio
 import collections
 import itertools
 from dataclasses import dataclass
-from typing import Any, Coroutine
+from typing import Any, Callable, Coroutine
 
 from .bounded import Recent
 from .busypoll import BusyPoll
@@ -36,7 +36,8 @@ class Message:
 
     ``shm``: some buffers are views of a sender's shared-memory slot (held until they
     are garbage-collected). ``error``: the message arrived but cannot be rebuilt (e.g. a
-    bad shared-memory descriptor); receiving it raises this error.
+    bad shared-memory descriptor); receiving it raises this error. ``ready``: for GPU
+    buffers from CUDA IPC, orders the decoding thread's current stream after their copy.
     """
 
     src: str
@@ -48,6 +49,7 @@ class Message:
     nbytes: int = 0
     shm: bool = False
     error: BaseException | None = None
+    ready: Callable[[], None] | None = None
 
 
 class _Waiter:

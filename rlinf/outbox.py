@@ -106,7 +106,9 @@ def bulk_frames(buffers: list[Any]) -> tuple[list[memoryview], list[int], int]:
 def _wire_bytes(msg: OutMessage) -> int:
     """What a small message adds to a coalesced frame set: its codec header and, unless
     its buffers travel in shared memory (only their descriptor does), its payload."""
-    return len(msg.entry[2]) + (msg.nbytes if msg.transport == "zmq" else 0)
+    if msg.transport == "zmq":
+        return len(msg.entry[2]) + msg.nbytes
+    return len(msg.entry[2]) + sum(len(f) for f in msg.frames)   # e.g. a GPU message's host part
 
 
 class OutMessage:

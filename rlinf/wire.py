@@ -176,6 +176,14 @@ class GpuRef:
 
 
 _SHARE_TYPES = (int, bytes, int, int, bytes, int, bytes, bool)
+#: torch's CUDA IPC reference-counter files: ``/torch_<pid>_<random>_<n>``, with
+#: CUDA_IPC_REF_COUNTER_FILE_SIZE (10000) counters each.
+_REF_COUNTER_NAME = re.compile(r"/torch_[0-9]{1,10}_[0-9]{1,20}_[0-9]{1,20}")
+_REF_COUNTERS = 10000
+#: Bounds of handles: a CUDA IPC event handle is 64 bytes; torch prefixes a memory
+#: handle with a version and a type byte, and an expandable segment's is longer.
+_MAX_EVENT_HANDLE = 256
+_MAX_MEMORY_HANDLE = 1 << 16
 
 
 def _unpack_gpu(raw: Any, host_buffers: int) -> GpuRef:
@@ -188,8 +196,16 @@ def _unpack_gpu(raw: Any, host_buffers: int) -> GpuRef:
     if share is not None:
         if not (isinstance(share, list) and len(share) == len(_SHARE_TYPES)
                 and all(type(v) is t for v, t in zip(share, _SHARE_TYPES))
-                and type(event) is bytes and 0 < len(event) <= 256):
+                and type(event) is bytes and 0 < len(event) <= _MAX_EVENT_HANDLE):
             raise ProtocolError("malformed CUDA IPC share")
+        s_device, handle, size, offset, counters, counter, s_event, _sync = share
+        # torch uses these unchecked: the counter offset is written to, the size and
+        # offset bound the views, and the device is where the handle is opened
+        if not (s_device == device and 0 < len(handle) <= _MAX_MEMORY_HANDLE and len(s_event) <= _MAX_EVENT_HANDLE
+                and 0 < size <= MAX_SLOT and 0 <= offset <= MAX_SLOT
+                and _REF_COUNTER_NAME.fullmatch(counters.decode("ascii", "replace"))
+                and 0 <= counter < _REF_COUNTERS):
+            raise ProtocolError("CUDA IPC share out of bounds")
         share = tuple(share)
     elif event is not None:
         raise ProtocolError("malformed CUDA IPC share")
@@ -204,6 +220,8 @@ def _unpack_gpu(raw: Any, host_buffers: int) -> GpuRef:
         seen.add(i)
         span = max(span, offset + nbytes)
         out.append((i, offset, nbytes))
+    if share is not None and span > share[2]:
+        raise ProtocolError("GPU buffers beyond their CUDA IPC slot")
     return GpuRef(slot, generation, device, share, event, tuple(out), span)
 
 

@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 
 from ..codec import Codec, buffer_nbytes, is_device_buffer
-from ..errors import DecodeError
 
 __all__ = ["PACK_LIMIT", "pack", "unpack", "decoded"]
 
@@ -56,10 +55,11 @@ DECODED = 3
 
 def decoded(codec: Codec, payload: tuple) -> tuple:
     """``payload`` decoded now, as a payload :func:`unpack` returns at once; one that
-    cannot be decoded is returned as it is (its ``get`` raises the error)."""
+    cannot be decoded now (malformed, or no device memory for its GPU tensors yet) is
+    returned as it is: its ``get`` decodes it again and raises what fails then."""
     try:
         return (DECODED, unpack(codec, payload))
-    except (DecodeError, ValueError):
+    except Exception:
         return payload
 
 

@@ -12,11 +12,13 @@ event costs 1-3 µs. So nothing is opened per message:
 * The receiver opens each slot and its event once, makes its current stream wait on
   the event (a device-side wait, not a synchronisation; skipped when the copy is
   already done) and gets views of the slot.
-* When the last view is garbage-collected the slot goes back: unless its current
-  stream is idle, the receiver records its own interprocess *free* event on it, and
-  the sender's stream waits on that event before it writes the slot again. (Waits
-  between two processes' streams are skipped when they are not needed: on one GPU they
-  make it switch between the two processes' contexts.)
+* When the last view is garbage-collected the slot goes back: unless the current
+  stream of the thread that dropped it is idle, the receiver records its own
+  interprocess *free* event there, and the sender's stream waits on that event before
+  it writes the slot again. (Waits between two processes' streams are skipped when they
+  are not needed: on one GPU they make it switch between the two processes' contexts.)
+* Device numbers differ between processes (``CUDA_VISIBLE_DEVICES``): the sender names
+  the slot's device in the receiver's numbering, found by the device's uuid.
 
 A slot is never shared with a second receiver and never rewritten while a view of it
 lives. A pool grows up to a cap per receiver (``RLINF_CUDA_IPC_CAP``, default 2 GiB);
@@ -28,14 +30,18 @@ Buffer lifetime:
   may then write its tensors from that stream (or any work ordered after it); writes
   from another stream must wait for it, as for any CUDA work.
 * receiver: the tensors are views of the sender's slot, valid for as long as they (or
-  views of them) are referenced. They live on the sender's device; a receiver whose
-  current device differs gets a copy on its own device instead, and so does one that
-  asked for owned copies (``shm_views=False``).
+  views of them) are referenced. Decoding them (``recv`` returning) orders the caller's
+  current stream after the sender's copy. They live on the sender's device; a receiver
+  whose current device differs gets a copy on its own device instead, and so does one
+  that asked for owned copies (``shm_views=False``). A view must be dropped from the
+  stream that last used it, or after that stream's work (the slot is rewritten once the
+  dropping thread's current stream has done what it had queued).
 
 The shared allocation itself is kept alive by torch's CUDA IPC reference counting
 (``torch.multiprocessing``'s mechanism): a slot the sender drops stays allocated until
 its receiver has dropped its mapping, or until the sender learns that the receiver's
-process is gone.
+process is gone. Both sides forget each other's slots only when the peer left or its
+process is gone (a peer taken for lost for a while keeps them, and goes on with them).
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ log = logging.getLogger("rlinf.transports.cuda_ipc")
 
 __all__ = ["available", "default_cap", "CudaIpcSession"]
 
+#: torch's size of an IPC memory or event handle.
+HANDLE_SIZE = 64
 #: Smallest slot; slots are powers of two from here (reuse across nearby sizes). Up to
 #: 1 MiB, torch's allocator carves them out of 2 MiB segments: one IPC open per segment.
 MIN_SLOT = 256 << 10
@@ -130,13 +138,14 @@ def device_of(buf: Any) -> int:
 class _Slot:
     """A device allocation of the sender's, shared with one receiver."""
 
-    __slots__ = ("id", "reader", "device", "size", "tensor", "ready", "share", "announced",
+    __slots__ = ("id", "reader", "device", "peer_device", "size", "tensor", "ready", "share", "announced",
                  "generation", "busy", "free_event", "must_wait", "returned")
 
-    def __init__(self, slot_id: int, reader: str, device: int, size: int, torch: Any) -> None:
+    def __init__(self, slot_id: int, reader: str, device: int, peer_device: int, size: int, torch: Any) -> None:
         self.id = slot_id
         self.reader = reader
-        self.device = device
+        self.device = device                  # ours
+        self.peer_device = peer_device        # the same GPU in the receiver's numbering
         self.size = size
         self.tensor = torch.empty(size, dtype=torch.uint8, device=f"cuda:{device}")
         with torch.cuda.device(device):
@@ -151,7 +160,7 @@ class _Slot:
 
 
 class CudaIpcSender:
-    """Slots per receiver: copy, announce, take back (loop thread only).
+    """Slots per receiver: copy, announce, take back, retire (loop thread only).
 
     Args:
         cap: bytes of slots per receiver (default :func:`default_cap`).
@@ -170,6 +179,7 @@ class CudaIpcSender:
         self._held: dict[str, int] = {}       # reader -> bytes of its slots
         self._busy: dict[str, int] = {}       # reader -> bytes of its busy slots
         self._busy_count: dict[str, int] = {}  # reader -> its busy slots
+        self.retired: dict[str, list[int]] = {}   # reader -> slots it should forget (see _evict)
         self._next = 1
 
     def __repr__(self) -> str:
@@ -187,10 +197,12 @@ class CudaIpcSender:
         """Whether ``reader`` holds a slot it never gave back (it may still be opening it)."""
         return any(s.busy and not s.returned for s in self._slots.values() if s.reader == reader)
 
-    def export(self, buffers: Sequence[Any], places: Sequence[int], reader: str) -> list | None:
+    def export(self, buffers: Sequence[Any], places: Sequence[int], reader: str, peer_device: int) -> list | None:
         """Copy the device buffers ``buffers[i]`` for ``i`` in ``places`` into one slot
         for ``reader`` and return the entry's GPU descriptor (see :mod:`rlinf.wire`), or
         None when they can't go by CUDA IPC (several devices, or ``reader`` at its cap).
+
+        ``peer_device``: the buffers' device in ``reader``'s numbering.
         """
         torch = self._torch
         device = device_of(buffers[places[0]])
@@ -198,10 +210,12 @@ class CudaIpcSender:
             return None
         sizes = [buffers[i].nbytes for i in places]
         offsets, total = layout(sizes)
-        slot = self._acquire(reader, device, max(total, 1))
+        slot = self._acquire(reader, device, peer_device, max(total, 1))
         if slot is None:
             return None
         stream = torch.cuda.current_stream(device)
+        if not slot.ready.query():                 # a discarded message's copy may still be queued
+            stream.wait_event(slot.ready)
         if slot.must_wait and not slot.free_event.query():
             stream.wait_event(slot.free_event)     # the receiver's last reads come first
         target = slot.tensor
@@ -213,12 +227,12 @@ class CudaIpcSender:
         if not slot.announced:
             if slot.share is None:
                 slot.share = slot.tensor.untyped_storage()._share_cuda_()
-            share, handle = list(slot.share), bytes(slot.ready.ipc_handle())
+            share, handle = [peer_device, *slot.share[1:]], bytes(slot.ready.ipc_handle())
             slot.announced = True
-        return [slot.id, slot.generation, device, share, handle,
+        return [slot.id, slot.generation, peer_device, share, handle,
                 [[i, off, n] for i, off, n in zip(places, offsets, sizes)]]
 
-    def _acquire(self, reader: str, device: int, nbytes: int) -> _Slot | None:
+    def _acquire(self, reader: str, device: int, peer_device: int, nbytes: int) -> _Slot | None:
         size = _slot_size(nbytes)
         if size > self.cap:
             return None
@@ -226,9 +240,9 @@ class CudaIpcSender:
         if free:
             slot = free.pop()
         else:
-            if self._held.get(reader, 0) + size > self.cap:
+            if self._held.get(reader, 0) + size > self.cap and not self._evict(reader, size):
                 return None
-            slot = _Slot(self._next, reader, device, size, self._torch)
+            slot = _Slot(self._next, reader, device, peer_device, size, self._torch)
             self._next += 1
             self._slots[slot.id] = slot
             self._held[reader] = self._held.get(reader, 0) + size
@@ -237,6 +251,24 @@ class CudaIpcSender:
         self._busy[reader] = self._busy.get(reader, 0) + size
         self._busy_count[reader] = self._busy_count.get(reader, 0) + 1
         return slot
+
+    def _evict(self, reader: str, size: int) -> bool:
+        """Drop free slots of ``reader`` (of other sizes: none of ``size`` is free) until
+        a slot of ``size`` fits in its cap; the receiver is told to forget them
+        (:attr:`retired`), and torch frees each once it has. False if they can't make room."""
+        free = sorted((s for key, slots in self._free.items() if key[0] == reader for s in slots),
+                      key=lambda s: -s.size)
+        if self._held.get(reader, 0) - sum(s.size for s in free) + size > self.cap:
+            return False
+        for slot in free:
+            if self._held[reader] + size <= self.cap:
+                break
+            self._free[(reader, slot.device, slot.size)].remove(slot)
+            del self._slots[slot.id]
+            self._held[reader] -= slot.size
+            if slot.announced:
+                self.retired.setdefault(reader, []).append(slot.id)
+        return True
 
     def _give_back(self, slot: _Slot) -> None:
         slot.busy = False
@@ -261,16 +293,16 @@ class CudaIpcSender:
         if slot is None or slot.reader != reader or not slot.busy or slot.generation != generation:
             return False
         if free_handle is not None and slot.free_event is None:
-            self.open_event(slot, free_handle)
+            self._open_event(slot, free_handle)
         slot.must_wait = wait and slot.free_event is not None
         slot.returned = True
         self._give_back(slot)
         return True
 
-    def open_event(self, slot: _Slot, handle: bytes) -> None:
+    def _open_event(self, slot: _Slot, handle: bytes) -> None:
         try:
             slot.free_event = self._torch.cuda.Event.from_ipc_handle(slot.device, handle)
-        except (RuntimeError, TypeError, ValueError) as exc:
+        except Exception as exc:       # torch raises several types for a bad handle
             log.warning("rlinf: bad CUDA IPC event from %s: %r", slot.reader, exc)
 
     def reader_gone(self, reader: str, *, process_gone: bool) -> None:
@@ -283,26 +315,22 @@ class CudaIpcSender:
                 _release_counter(self._torch, slot)
         for key in [k for k in self._free if k[0] == reader]:
             del self._free[key]
-        self._held.pop(reader, None)
-        self._busy.pop(reader, None)
-        self._busy_count.pop(reader, None)
+        for table in (self._held, self._busy, self._busy_count, self.retired):
+            table.pop(reader, None)
         if mine:
             mine.clear()
             self._torch.cuda.ipc_collect()
 
     def close(self) -> None:
-        self._slots.clear()
-        self._free.clear()
-        self._held.clear()
-        self._busy.clear()
-        self._busy_count.clear()
+        for table in (self._slots, self._free, self._held, self._busy, self._busy_count, self.retired):
+            table.clear()
 
 
 def _release_counter(torch: Any, slot: _Slot) -> None:
     share = slot.share
     try:
         torch.UntypedStorage._release_ipc_counter(share[4], share[5], device=slot.device)
-    except (RuntimeError, OSError) as exc:   # already gone: nothing is held for it
+    except Exception as exc:   # its file already gone: nothing is held for it
         log.debug("rlinf: CUDA IPC counter of slot %d: %r", slot.id, exc)
 
 
@@ -343,113 +371,135 @@ class CudaIpcReader:
     """Slots of other processes, opened once; hands out views and gives slots back.
 
     Args:
-        loop: the communicator's loop (releases are handled there).
+        loop: the communicator's loop (releases are sent from it).
         on_release: ``on_release(src, item)`` with ``item = [slot_id, generation,
-            free_handle_or_None, wait]``, on the loop thread.
+            free_handle_or_None, wait, src_incarnation]``, on the loop thread.
         views: receivers keep views (else they get owned copies and the slot goes back at once).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, on_release: Callable[[str, list], None],
-                 *, views: bool = True) -> None:
-        import torch
+                 *, views: bool = True, torch: Any = None) -> None:
+        if torch is None:
+            import torch
 
-        torch.cuda.init()        # what torch.multiprocessing does before opening a handle
+            torch.cuda.init()        # what torch.multiprocessing does before opening a handle
         self._torch = torch
         self._loop = loop
         self._thread = threading.get_ident()
         self._on_release = on_release
         self._views = views
-        self._mapped: dict[tuple[str, int], _Mapped] = {}
+        self._mapped: dict[tuple[str, str, int], _Mapped] = {}
 
     def __repr__(self) -> str:
         return f"<CudaIpcReader mapped={len(self._mapped)}>"
 
-    def open(self, src: str, gpu: wire.GpuRef) -> list[tuple[int, Any]]:
-        """The device buffers ``(index, tensor)`` of one received entry.
+    def open(self, src: str, incarnation: str, gpu: wire.GpuRef) -> tuple[list[tuple[int, Any]], Callable]:
+        """The device buffers ``(index, tensor)`` of one received entry, and ``ready()``,
+        which orders the caller's current stream after their copy (call it before use).
 
         Raises:
-            ProtocolError: the slot was never announced, or cannot be opened here.
+            ProtocolError: the slot was never announced or cannot be opened here, or the
+                views (or copies) cannot be made; the slot then goes back to the sender.
         """
-        torch = self._torch
-        key = (src, gpu.slot)
+        key = (src, incarnation, gpu.slot)
         mapped = self._mapped.get(key)
         if gpu.share is not None:
-            try:
-                storage = torch.UntypedStorage._new_shared_cuda(*gpu.share)
-                with torch.cuda.device(gpu.device):
-                    ready = torch.cuda.Event.from_ipc_handle(gpu.device, gpu.event)
-            except (RuntimeError, TypeError, ValueError) as exc:
-                raise ProtocolError(f"cannot open a CUDA IPC slot of {src}: {exc}") from exc
-            whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-            if whole.numel() < gpu.span:
-                raise ProtocolError(f"CUDA IPC slot of {src} is smaller than its buffers")
-            mapped = self._mapped[key] = _Mapped(whole, gpu.device, ready)
+            mapped = self._mapped[key] = self._map(src, gpu)
         elif mapped is None:
             raise ProtocolError(f"CUDA IPC slot {gpu.slot} of {src} was never announced")
-        elif mapped.whole.numel() < gpu.span:
+        if mapped.whole.numel() < gpu.span:
             raise ProtocolError(f"CUDA IPC slot of {src} is smaller than its buffers")
-        if not mapped.ready.query():      # the copy is still queued: order our stream after it
-            torch.cuda.current_stream(mapped.device).wait_event(mapped.ready)
+        try:
+            return self._views_of(key, mapped, gpu)
+        except Exception as exc:     # out of memory for a copy, a device in a bad state, ...
+            self._release(key, mapped, gpu.generation)
+            raise ProtocolError(f"cannot read the CUDA IPC slot of {src}: {exc!r}") from exc
+
+    def _map(self, src: str, gpu: wire.GpuRef) -> _Mapped:
+        torch = self._torch
+        try:
+            storage = torch.UntypedStorage._new_shared_cuda(*gpu.share)
+            ready = torch.cuda.Event.from_ipc_handle(gpu.device, gpu.event)
+            whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+        except Exception as exc:     # torch raises several types for what it cannot open
+            raise ProtocolError(f"cannot open a CUDA IPC slot of {src}: {exc!r}") from exc
+        return _Mapped(whole, gpu.device, ready)
+
+    def _views_of(self, key: tuple, mapped: _Mapped, gpu: wire.GpuRef) -> tuple[list, Callable]:
+        torch = self._torch
         here = torch.cuda.current_device()
         generation = gpu.generation
         if not self._views or here != mapped.device:
+            _wait(torch, mapped.ready, mapped.device)
             out = [(i, self._copy(mapped.whole[off:off + n], here)) for i, off, n in gpu.places]
-            self._give_back(src, gpu.slot, generation)
-            return out
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(here))
+            self._release(key, mapped, generation)
+            return out, lambda: _wait(torch, copied, here)
         start = min(off for _i, off, _n in gpu.places)
         end = max(off + n for _i, off, n in gpu.places)
-        lease = _Lease(mapped.whole, start, end - start,
-                       lambda: self._released_threadsafe(src, gpu.slot, generation))
+        lease = _Lease(mapped.whole, start, end - start, lambda: self._release(key, mapped, generation))
         region = torch.as_tensor(lease, device=f"cuda:{mapped.device}")
         del lease      # the region's storage holds it now
-        return [(i, region[off - start:off - start + n]) for i, off, n in gpu.places]
+        views = [(i, region[off - start:off - start + n]) for i, off, n in gpu.places]
+        return views, lambda: _wait(torch, mapped.ready, mapped.device)
 
     def _copy(self, view: Any, device: int) -> Any:
         out = self._torch.empty(view.numel(), dtype=view.dtype, device=f"cuda:{device}")
         out.copy_(view)
         return out
 
-    def _released_threadsafe(self, src: str, slot: int, generation: int) -> None:
-        if threading.get_ident() == self._thread:
-            self._give_back(src, slot, generation)
-            return
-        try:
-            self._loop.call_soon_threadsafe(self._give_back, src, slot, generation)
-        except RuntimeError:       # the loop is closed: the process is ending
-            pass
-
-    def _give_back(self, src: str, slot: int, generation: int) -> None:
-        mapped = self._mapped.get((src, slot))
-        if mapped is None:            # the sender left meanwhile
+    def _release(self, key: tuple, mapped: _Mapped, generation: int) -> None:
+        """The views of one message are gone (any thread): mark the slot free after the
+        work this thread's current stream has queued, then tell its sender (loop thread)."""
+        if self._mapped.get(key) is not mapped:    # forgotten (the sender left), or another incarnation's
             return
         torch = self._torch
         stream = torch.cuda.current_stream(mapped.device)
-        if stream.query():                # nothing of ours queued: no read of the slot can be pending
-            self._on_release(src, [slot, generation, None, False])
+        handle, wait = None, False
+        if not stream.query():       # work queued here may still read the slot: the sender waits for it
+            if mapped.free_event is None:
+                with torch.cuda.device(mapped.device):
+                    mapped.free_event = torch.cuda.Event(interprocess=True)
+            mapped.free_event.record(stream)
+            wait = True
+            if not mapped.free_sent:
+                handle = bytes(mapped.free_event.ipc_handle())
+                mapped.free_sent = True
+        item = [key[2], generation, handle, wait, key[1]]
+        if threading.get_ident() == self._thread:
+            self._on_release(key[0], item)
             return
-        handle = None
-        if mapped.free_event is None:
-            with torch.cuda.device(mapped.device):
-                mapped.free_event = torch.cuda.Event(interprocess=True)
-        mapped.free_event.record(stream)
-        if not mapped.free_sent:
-            handle = bytes(mapped.free_event.ipc_handle())
-            mapped.free_sent = True
-        self._on_release(src, [slot, generation, handle, True])
+        try:
+            self._loop.call_soon_threadsafe(self._on_release, key[0], item)
+        except RuntimeError:       # the loop is closed: the process is ending
+            pass
 
-    def peer_gone(self, src: str) -> None:
-        """Forget ``src``'s slots (views still alive keep their mapping until they die)."""
-        for key in [k for k in self._mapped if k[0] == src]:
+    def retire(self, src: str, incarnation: str, slot: int) -> None:
+        """``src`` dropped ``slot``: forget it (views still alive keep their mapping)."""
+        self._mapped.pop((src, incarnation, slot), None)
+
+    def peer_gone(self, src: str, incarnation: str | None = None) -> None:
+        """Forget ``src``'s slots (of ``incarnation``, or all); views still alive keep
+        their mapping until they die."""
+        for key in [k for k in self._mapped if k[0] == src and (incarnation is None or k[1] == incarnation)]:
             del self._mapped[key]
 
     def close(self) -> None:
         self._mapped.clear()
 
 
+def _wait(torch: Any, event: Any, device: int) -> None:
+    """Order ``device``'s current stream after ``event`` (nothing when it has happened)."""
+    if not event.query():
+        torch.cuda.current_stream(device).wait_event(event)
+
+
 class CudaIpcSession:
-    """A communicator's CUDA IPC state: its slots, the slots it opened, and the releases
-    it owes each sender: they go out with our next message to that sender if one is
-    sent in the same loop turn (:meth:`take`), else together in one notice per sender.
+    """A communicator's CUDA IPC state: its slots, the slots it opened, and what it owes
+    each peer (releases of its slots, news of our retired slots): that goes out with our
+    next message to the peer if one is sent in the same loop turn (:meth:`take`), else
+    together in one notice per peer.
 
     Created on the first GPU message sent or received, so a process that never touches
     a GPU never initialises CUDA.
@@ -458,14 +508,16 @@ class CudaIpcSession:
         loop: the communicator's loop.
         send_notice: ``send_notice(dst, items)`` sends a SYSTEM ``"cuda"`` message; it may
             raise an :class:`~rlinf.errors.RlinfError` when ``dst`` is gone.
+        incarnation: ours (releases name the incarnation whose slot they return).
         views: receivers keep zero-copy views (else owned copies).
         cap: bytes of slots per receiver.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, send_notice: Callable[[str, Any], None], *,
-                 views: bool = True, cap: int | None = None) -> None:
-        self.sender = CudaIpcSender(cap)
-        self.reader = CudaIpcReader(loop, self._owe, views=views)
+    def __init__(self, loop: asyncio.AbstractEventLoop, send_notice: Callable[[str, Any], None],
+                 incarnation: str, *, views: bool = True, cap: int | None = None, torch: Any = None) -> None:
+        self.sender = CudaIpcSender(cap, torch=torch)
+        self.reader = CudaIpcReader(loop, self._owe, views=views, torch=torch)
+        self.incarnation = incarnation
         self._loop = loop
         self._send_notice = send_notice
         self._owed: dict[str, list] = {}
@@ -476,6 +528,20 @@ class CudaIpcSession:
         return f"<CudaIpcSession {self.sender!r} {self.reader!r}>"
 
     # -- sending side
+    def export(self, buffers: Sequence[Any], places: Sequence[int], reader: str, peer_device: int) -> list | None:
+        """:meth:`CudaIpcSender.export`; the slots it retired to make room are news owed
+        to ``reader``."""
+        gpu = self.sender.export(buffers, places, reader, peer_device)
+        retired = self.sender.retired.pop(reader, None)
+        if retired:
+            for slot in retired:
+                self._owe(reader, ["retire", slot, self.incarnation])
+            self._torch_collect()
+        return gpu
+
+    def _torch_collect(self) -> None:
+        self.sender._torch.cuda.ipc_collect()      # slots retired earlier, now unmapped there
+
     def behind(self, reader: str) -> bool:
         """``reader`` holds many of our slots: the next send waits a little for one back."""
         return self.sender.behind(reader)
@@ -495,51 +561,56 @@ class CudaIpcSession:
         return OPEN_STALL if self.sender.opening(reader) else STALL
 
     def on_notice(self, src: str, items: Any) -> None:
-        """A SYSTEM ``"cuda"`` notice from ``src``: slots it gave back."""
+        """A SYSTEM ``"cuda"`` notice from ``src``: slots of ours it gave back, slots of
+        its own it retired."""
         if not isinstance(items, list):
             log.warning("rlinf: malformed CUDA IPC notice from %s", src)
             return
         for item in items:
-            if not (isinstance(item, list) and len(item) == 4 and type(item[0]) is int
-                    and type(item[1]) is int and (item[2] is None or isinstance(item[2], bytes))
-                    and type(item[3]) is bool):
-                log.warning("rlinf: malformed CUDA IPC release from %s", src)
-                continue
-            if not self.sender.release(src, *item):
-                log.warning("rlinf: CUDA IPC release of a slot %s does not hold: %r", src, item[:2])
+            if _is_release(item):
+                if item[4] != self.incarnation:
+                    continue            # a slot of our previous incarnation's: nothing to do
+                if not self.sender.release(src, *item[:4]):
+                    log.warning("rlinf: CUDA IPC release of a slot %s does not hold: %r", src, item[:2])
+            elif _is_retire(item):
+                self.reader.retire(src, item[2], item[1])
+            else:
+                log.warning("rlinf: malformed CUDA IPC notice item from %s", src)
         event = self._rooms.get(src)
         if event is not None:
             event.set()
 
-    # -- receiving side
+    # -- what we owe peers
     @property
     def owed(self) -> int:
-        """How many senders we owe releases."""
+        """How many peers we owe notices."""
         return len(self._owed)
 
-    def take(self, src: str) -> list | None:
-        """The releases owed to ``src``, to send ahead of our next message to it."""
-        return self._owed.pop(src, None)
+    def take(self, dst: str) -> list | None:
+        """The notices owed to ``dst``, to send ahead of our next message to it."""
+        return self._owed.pop(dst, None)
 
-    def _owe(self, src: str, item: list) -> None:
-        self._owed.setdefault(src, []).append(item)
+    def _owe(self, dst: str, item: list) -> None:
+        self._owed.setdefault(dst, []).append(item)
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self.flush)
 
     def flush(self) -> None:
-        """Send the releases owed to each sender, one notice per sender."""
+        """Send what is owed to each peer, one notice per peer."""
         self._flush_scheduled = False
         owed, self._owed = self._owed, {}
-        for src, items in owed.items():
+        for dst, items in owed.items():
             try:
-                self._send_notice(src, items)
-            except Exception as exc:     # the sender is gone: nothing to give back
-                log.debug("rlinf: CUDA IPC releases to %s dropped: %r", src, exc)
+                self._send_notice(dst, items)
+            except Exception as exc:     # the peer is gone: nothing to give back
+                log.debug("rlinf: CUDA IPC notices to %s dropped: %r", dst, exc)
 
-    def peer_gone(self, address: str, *, process_gone: bool) -> None:
+    def peer_gone(self, address: str, incarnation: str | None, *, process_gone: bool) -> None:
+        """``address`` (``incarnation``) left or its process is gone: forget our slots
+        for it and its slots here."""
         self.sender.reader_gone(address, process_gone=process_gone)
-        self.reader.peer_gone(address)
+        self.reader.peer_gone(address, incarnation)
         self._owed.pop(address, None)
         event = self._rooms.pop(address, None)
         if event is not None:
@@ -549,3 +620,13 @@ class CudaIpcSession:
         self.flush()
         self.sender.close()
         self.reader.close()
+
+
+def _is_release(item: Any) -> bool:
+    return (isinstance(item, list) and len(item) == 5 and type(item[0]) is int and type(item[1]) is int
+            and (item[2] is None or type(item[2]) is bytes) and type(item[3]) is bool and type(item[4]) is str)
+
+
+def _is_retire(item: Any) -> bool:
+    return (isinstance(item, list) and len(item) == 3 and item[0] == "retire" and type(item[1]) is int
+            and type(item[2]) is str)

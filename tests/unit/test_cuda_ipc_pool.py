@@ -47,7 +47,7 @@ class _Storage:
 
     def _share_cuda_(self):
         _Storage.shares += 1
-        return (0, b"h" * 64, 1, 0, b"/torch_x", _Storage.shares, b"e" * 64, True)
+        return (0, b"\x02c" + b"h" * 64, 1, 0, b"/torch_1_2_3", _Storage.shares, b"e" * 64, True)
 
 
 class _Tensor:
@@ -129,7 +129,7 @@ def _sender(cap: int = 64 << 20) -> cuda_ipc.CudaIpcSender:
 def test_a_message_is_copied_into_one_slot_announced_once():
     s = _sender()
     buffers = [memoryview(b"host"), _Buf(b"abc"), _Buf(b"defg")]
-    gpu = s.export(buffers, [1, 2], "r:0")
+    gpu = s.export(buffers, [1, 2], "r:0", 0)
     slot_id, generation, device, share, handle, places = gpu
     assert (generation, device) == (1, 0) and share is not None and handle == b"e" * 64
     assert places == [[1, 0, 3], [2, cuda_ipc.ALIGN, 4]]
@@ -137,13 +137,13 @@ def test_a_message_is_copied_into_one_slot_announced_once():
     assert bytes(slot.tensor.data[:3]) == b"abc" and bytes(slot.tensor.data[256:260]) == b"defg"
     assert slot.ready.records == 1 and s.busy_bytes("r:0") == cuda_ipc.MIN_SLOT
     assert s.release("r:0", slot_id, generation, None, False)
-    again = s.export([_Buf(b"xyz")], [0], "r:0")
+    again = s.export([_Buf(b"xyz")], [0], "r:0", 0)
     assert again[0] == slot_id and again[1] == 2 and again[3] is None and again[4] is None   # reused, not re-announced
 
 
 def test_releases_that_do_not_match_are_refused():
     s = _sender()
-    slot_id, generation = s.export([_Buf(b"a")], [0], "r:0")[:2]
+    slot_id, generation = s.export([_Buf(b"a")], [0], "r:0", 0)[:2]
     assert not s.release("other:0", slot_id, generation, None, False)      # not its slot
     assert not s.release("r:0", slot_id, generation + 1, None, False)      # an old or future use
     assert not s.release("r:0", 999, 1, None, False)                       # no such slot
@@ -153,37 +153,37 @@ def test_releases_that_do_not_match_are_refused():
 
 def test_a_free_event_is_waited_on_only_when_the_receiver_recorded_one():
     s = _sender()
-    slot_id, gen = s.export([_Buf(b"a")], [0], "r:0")[:2]
+    slot_id, gen = s.export([_Buf(b"a")], [0], "r:0", 0)[:2]
     s.release("r:0", slot_id, gen, b"f" * 64, True)
     slot = s._slots[slot_id]
     slot.free_event.done = False
-    s.export([_Buf(b"b")], [0], "r:0")
+    s.export([_Buf(b"b")], [0], "r:0", 0)
     assert s._torch.cuda.stream.waits == [slot.free_event]
     s.release("r:0", slot_id, gen + 1, None, False)                        # its stream was idle
-    s.export([_Buf(b"c")], [0], "r:0")
+    s.export([_Buf(b"c")], [0], "r:0", 0)
     assert s._torch.cuda.stream.waits == [slot.free_event]                 # no second wait
 
 
 def test_window_and_cap_per_receiver():
     s = _sender(cap=4 * cuda_ipc.MIN_SLOT)
-    held = [s.export([_Buf(b"a")], [0], "r:0") for _ in range(2)]
+    held = [s.export([_Buf(b"a")], [0], "r:0", 0) for _ in range(2)]
     assert not s.behind("r:0")
-    held.append(s.export([_Buf(b"a")], [0], "r:0"))
+    held.append(s.export([_Buf(b"a")], [0], "r:0", 0))
     assert s.behind("r:0") and not s.behind("q:0")                          # over half the cap
-    held.append(s.export([_Buf(b"a")], [0], "r:0"))
-    assert s.export([_Buf(b"a")], [0], "r:0") is None                       # at the cap: staged
-    assert s.export([_Buf(b"a")], [0], "q:0") is not None                   # another receiver: its own
-    assert s.export([_Buf(bytes(5 * cuda_ipc.MIN_SLOT))], [0], "z:0") is None   # larger than the cap
+    held.append(s.export([_Buf(b"a")], [0], "r:0", 0))
+    assert s.export([_Buf(b"a")], [0], "r:0", 0) is None                       # at the cap: staged
+    assert s.export([_Buf(b"a")], [0], "q:0", 0) is not None                   # another receiver: its own
+    assert s.export([_Buf(bytes(5 * cuda_ipc.MIN_SLOT))], [0], "z:0", 0) is None   # larger than the cap
     assert s.opening("r:0")
     s.release("r:0", held[0][0], held[0][1], None, False)
-    assert s.export([_Buf(b"a")], [0], "r:0")[0] == held[0][0]             # the freed slot, no growth
+    assert s.export([_Buf(b"a")], [0], "r:0", 0)[0] == held[0][0]             # the freed slot, no growth
 
 
 def test_a_discarded_announcement_is_announced_again():
     s = _sender()
-    gpu = s.export([_Buf(b"a")], [0], "r:0")
+    gpu = s.export([_Buf(b"a")], [0], "r:0", 0)
     s.discard(gpu)
-    again = s.export([_Buf(b"b")], [0], "r:0")
+    again = s.export([_Buf(b"b")], [0], "r:0", 0)
     assert again[0] == gpu[0] and again[3] is not None
     s.discard([again[0], again[1] + 5, 0, None, None, []])                 # not its generation: ignored
     assert s.busy_bytes("r:0") == cuda_ipc.MIN_SLOT
@@ -192,10 +192,10 @@ def test_a_discarded_announcement_is_announced_again():
 def test_a_dead_receivers_references_are_released_and_its_slots_dropped():
     _UntypedStorage.released.clear()
     s = _sender()
-    gpu = s.export([_Buf(b"a")], [0], "r:0")
-    s.export([_Buf(b"b")], [0], "q:0")
+    gpu = s.export([_Buf(b"a")], [0], "r:0", 0)
+    s.export([_Buf(b"b")], [0], "q:0", 0)
     s.reader_gone("r:0", process_gone=True)
-    assert [h for h, _o in _UntypedStorage.released] == [b"/torch_x"]
+    assert [h for h, _o in _UntypedStorage.released] == [b"/torch_1_2_3"]
     assert gpu[0] not in s._slots and s.busy_bytes("r:0") == 0 and s._torch.cuda.collected == 1
     assert len(s._slots) == 1                                              # q:0's slot stays
     s.reader_gone("q:0", process_gone=False)                               # alive: it drops its own
@@ -205,6 +205,7 @@ def test_a_dead_receivers_references_are_released_and_its_slots_dropped():
 class _Session(cuda_ipc.CudaIpcSession):
     def __init__(self, loop, sent) -> None:
         self.sender = _sender()
+        self.incarnation = "me"
         self._loop = loop
         self._send_notice = lambda dst, items: sent.append((dst, items))
         self._owed, self._flush_scheduled, self._rooms = {}, False, {}
@@ -212,8 +213,14 @@ class _Session(cuda_ipc.CudaIpcSession):
 
 
 class _NoReader:
-    def peer_gone(self, address: str) -> None:
+    def __init__(self) -> None:
+        self.retired: list = []
+
+    def peer_gone(self, address: str, incarnation: str | None = None) -> None:
         pass
+
+    def retire(self, src: str, incarnation: str, slot: int) -> None:
+        self.retired.append((src, incarnation, slot))
 
 
 async def test_releases_ride_on_the_next_message_else_go_in_one_notice():
@@ -229,30 +236,55 @@ async def test_releases_ride_on_the_next_message_else_go_in_one_notice():
 
 async def test_notices_release_slots_and_wake_a_waiting_send(caplog):
     session = _Session(asyncio.get_running_loop(), [])
-    slot_id, gen = session.sender.export([_Buf(b"a")], [0], "r:0")[:2]
+    slot_id, gen = session.sender.export([_Buf(b"a")], [0], "r:0", 0)[:2]
     waiting = asyncio.ensure_future(session.room("r:0"))
     await asyncio.sleep(0)
-    session.on_notice("r:0", [[slot_id, gen, None, False], ["bad"], [slot_id, gen, None, False]])
+    session.on_notice("r:0", [[slot_id, gen, None, False, "me"], ["bad"], [slot_id, gen, None, False, "me"],
+                              [slot_id, gen, None, False, "an earlier me"], ["retire", 5, "its"]])
     async with asyncio.timeout(5):
         await waiting
-    assert session.sender.busy_bytes("r:0") == 0
-    assert "malformed CUDA IPC release" in caplog.text and "does not hold" in caplog.text
+    assert session.sender.busy_bytes("r:0") == 0 and session.reader.retired == [("r:0", "its", 5)]
+    assert "malformed CUDA IPC notice item" in caplog.text and "does not hold" in caplog.text
+    assert caplog.text.count("does not hold") == 1     # the other incarnation's release: not ours
     session.on_notice("r:0", "not a list")
     assert "malformed CUDA IPC notice" in caplog.text
 
 
 async def test_room_waits_long_only_while_new_slots_may_be_opening():
     session = _Session(asyncio.get_running_loop(), [])
-    slot_id, gen = session.sender.export([_Buf(b"a")], [0], "r:0")[:2]
+    slot_id, gen = session.sender.export([_Buf(b"a")], [0], "r:0", 0)[:2]
     assert session.stall("r:0") == cuda_ipc.OPEN_STALL                   # sent, never given back
     session.sender.release("r:0", slot_id, gen, None, False)
-    session.sender.export([_Buf(b"a")], [0], "r:0")
+    session.sender.export([_Buf(b"a")], [0], "r:0", 0)
     assert session.stall("r:0") == cuda_ipc.STALL                        # the same slot: opened already
-    session.sender.export([_Buf(bytes(cuda_ipc.MIN_SLOT + 1))], [0], "r:0")     # a new one
+    session.sender.export([_Buf(bytes(cuda_ipc.MIN_SLOT + 1))], [0], "r:0", 0)     # a new one
     assert session.stall("r:0") == cuda_ipc.OPEN_STALL
     waiting = asyncio.ensure_future(session.room("r:0"))
     await asyncio.sleep(0)
     assert not waiting.done()
-    session.peer_gone("r:0", process_gone=False)      # the receiver left: the wait ends at once
+    session.peer_gone("r:0", None, process_gone=False)      # the receiver left: the wait ends at once
     async with asyncio.timeout(5):
         await waiting
+
+
+async def test_free_slots_of_other_sizes_are_retired_to_make_room():
+    session = _Session(asyncio.get_running_loop(), [])
+    session.sender.cap = 4 * cuda_ipc.MIN_SLOT
+    small = [session.export([_Buf(b"a")], [0], "r:0", 0) for _ in range(4)]
+    for gpu in small:
+        session.sender.release("r:0", gpu[0], gpu[1], None, False)
+    big = session.export([_Buf(bytes(cuda_ipc.MIN_SLOT + 1))], [0], "r:0", 0)     # twice the size
+    assert big is not None and big[3] is not None
+    retired = [item for item in session.take("r:0") if item[0] == "retire"]
+    assert len(retired) == 2 and all(item[2] == "me" for item in retired)
+    assert {item[1] for item in retired} <= {gpu[0] for gpu in small}
+    assert len(session.sender._slots) == 3 and session.sender._torch.cuda.collected == 1
+    held = session.export([_Buf(bytes(2 * cuda_ipc.MIN_SLOT + 1))], [0], "r:0", 0)  # 4x: room only if busy ones went
+    assert held is None                       # the 2x slot is busy: nothing to retire makes room
+
+
+def test_the_share_names_the_receivers_device():
+    s = _sender()
+    gpu = s.export([_Buf(b"a")], [0], "r:0", 3)
+    assert gpu[2] == 3 and gpu[3][0] == 3
+    assert s._slots[gpu[0]].device == 0       # ours

@@ -13,7 +13,7 @@ from rlinf.inbound import FrameReader
 from rlinf.transports import cuda_ipc
 from rlinf.transports.shm import Recycler
 
-SHARE = [0, b"h" * 64, 1 << 20, 0, b"/torch_1_2", 0, b"e" * 64, True]
+SHARE = [0, b"\x02c" + b"h" * 64, 1 << 20, 0, b"/torch_41_2851_0", 7, b"e" * 64, True]
 
 
 def _gpu(places, share=None, event=None):
@@ -41,6 +41,12 @@ def test_entry_with_gpu_buffers_round_trips():
     _gpu([[0, 0, 8]], SHARE[:-1], b"e"),             # short share
     _gpu([[0, 0, 8]], None, b"e"),                   # an event without its share
     _gpu([[0, 0, 8]], SHARE, None),                  # a share without its event
+    _gpu([[0, 0, 8]], [1, *SHARE[1:]], b"e"),        # the share names another device
+    _gpu([[0, 0, 8]], [*SHARE[:4], b"/etc/passwd", *SHARE[5:]], b"e"),   # not torch's counter file
+    _gpu([[0, 0, 8]], [*SHARE[:5], 10_000, *SHARE[6:]], b"e"),           # a counter outside the file
+    _gpu([[0, 0, 8]], [*SHARE[:3], -1, *SHARE[4:]], b"e"),                # before the allocation
+    _gpu([[0, 1 << 20, 8]], SHARE, b"e"),            # beyond the slot
+    _gpu([[0, 0, 8]], [SHARE[0], b"", *SHARE[2:]], b"e"),                 # no memory handle
     [3, 1, 0, None, None],                           # short descriptor
     [3, 1, -1, None, None, [[0, 0, 8]]],             # bad device
 ])
@@ -56,16 +62,15 @@ def _reader(open_gpu):
 def test_frame_reader_puts_device_buffers_in_their_places():
     opened = []
 
-    def open_gpu(src, gpu):
-        opened.append((src, gpu.slot))
-        return [(i, np.full(n, i, np.uint8)) for i, _off, n in gpu.places]
+    def open_gpu(src, incarnation, gpu):
+        opened.append((src, incarnation, gpu.slot))
+        return [(i, np.full(n, i, np.uint8)) for i, _off, n in gpu.places], lambda: None
 
     entry = _unpack([wire.USER, 0, b"h", [1, 1], None, None, _gpu([[3, 0, 4], [0, 256, 2]])],
                     [b"aa", b"bbb"])
-    [(_entry, buffers, nbytes, in_shm, error)] = list(_reader(open_gpu).entries("a:0", [entry],
-                                                                                [memoryview(b"aa"), memoryview(b"bbb")],
-                                                                                False))
-    assert error is None and not in_shm and opened == [("a:0", 3)]
+    [(_entry, buffers, nbytes, in_shm, error, ready)] = list(_reader(open_gpu).entries(
+        "a:0", [entry], [memoryview(b"aa"), memoryview(b"bbb")], False, "inc"))
+    assert error is None and not in_shm and opened == [("a:0", "inc", 3)] and ready is not None
     assert [bytes(b) for b in buffers] == [b"\x00\x00", b"aa", b"bbb", b"\x03\x03\x03\x03"]
     assert nbytes == 2 + 3 + 4 + 2
 
@@ -74,7 +79,7 @@ def test_frame_reader_without_cuda_ipc_reports_the_entry_unreadable():
     dropped = []
     reader = FrameReader(None, Recycler(), lambda src: None, lambda: dropped.append(1))
     entry = _unpack([wire.USER, 0, b"h", [], None, None, _gpu([[0, 0, 4]])])
-    [(_entry, _buffers, _n, _shm, error)] = list(reader.entries("a:0", [entry], [], False))
+    [(_entry, _buffers, _n, _shm, error, _ready)] = list(reader.entries("a:0", [entry], [], False))
     assert isinstance(error, DecodeError) and dropped == [1]
 
 
@@ -148,9 +153,9 @@ async def test_small_gpu_messages_coalesce_with_others_and_keep_their_gpu_item()
 
     opened = []
 
-    def open_gpu(src, ref):
+    def open_gpu(src, incarnation, ref):
         opened.append(ref.slot)
-        return [(i, np.zeros(n, np.uint8)) for i, _off, n in ref.places]
+        return [(i, np.zeros(n, np.uint8)) for i, _off, n in ref.places], lambda: None
 
     rebuilt = list(_reader(open_gpu).entries(src, entries, [memoryview(f) for f in frame_set[1:]], True))
     assert [bytes(b) for b in rebuilt[0][1]] == [bytes(8), b"cd"] and [bytes(b) for b in rebuilt[1][1]] == [b"ef"]
