@@ -29,8 +29,8 @@ from .arrival import ArrivalOrder
 from .bounded import Recent
 from .busypoll import BusyPoll
 from .codec import Codec, is_device_buffer
-from .errors import (AuthenticationError, ClosedError, CommTimeoutError, PeerLostError, ProtocolError, RlinfError,
-                     TransportUnavailableError)
+from .errors import (AuthenticationError, ClosedError, CommTimeoutError, DecodeError, PeerLostError, ProtocolError,
+                     RlinfError, TransportUnavailableError)
 from .inbound import FrameReader
 from .info import MembershipEvent, WorkerInfo, check_plain, check_timeout, parse_address
 from .mailbox import Mailbox, Message
@@ -175,6 +175,7 @@ class Communicator:
         self._recycler = shm.Recycler()   # receive-side private memory (chunk reassembly, copy-outs)
         self._shm_routes: dict[str, bool] = {}     # peer -> large CPU payloads go by shm
         self._gpu_routes: dict[str, str] = {}      # peer -> how GPU buffers go to it
+        self._gpu_peers: dict[str, WorkerInfo] = {}   # peer -> the incarnation our CUDA IPC state is for
         self._cuda: cuda_ipc.CudaIpcSession | None = None   # made on the first GPU message
 
     def __repr__(self) -> str:
@@ -230,7 +231,7 @@ class Communicator:
                 self.on_system("shm", self._shm.on_notice)
                 transports += (routing.SHM,)
             self._inbound = FrameReader(self._shm, self._recycler, self._pid_of, self._counters.dropped,
-                                        self._open_gpu)
+                                        self._open_gpu, self._refuse_gpu)
             self._listener.set_handler(self._arrival.zmq)
             if routing.STREAM not in self._routing.disabled and StreamTransport.available():
                 transports += await self._start_stream(endpoints)
@@ -490,6 +491,9 @@ class Communicator:
                 else chosen.reason
         if route != routing.CUDA_IPC:
             return self._stage_device_buffers(buffers, dst, route), None
+        info = self._roster.get(dst)
+        if info is not None and info is not self._gpu_peers.get(dst):
+            self._gpu_peer(dst, info)
         places = [i for i, b in enumerate(buffers) if type(b) is not memoryview and is_device_buffer(b)]
         peer_device = self._peer_device(dst, cuda_ipc.device_of(buffers[places[0]]))
         if peer_device is None:
@@ -500,6 +504,15 @@ class Communicator:
             return self._stage_device_buffers(buffers, dst, why), None
         taken = set(places)
         return [b for i, b in enumerate(buffers) if i not in taken], gpu
+
+    def _gpu_peer(self, address: str, info: WorkerInfo) -> None:
+        """``address`` is ``info`` now: when that is another incarnation than the one our
+        CUDA IPC state is for, forget that state (it restarted; the old one may not have
+        been declared gone here, e.g. while it still ran)."""
+        old = self._gpu_peers.get(address)
+        if old is not None and old.incarnation != info.incarnation and self._cuda is not None:
+            self._cuda.peer_gone(address, old.incarnation, process_gone=control.process_gone_here(old))
+        self._gpu_peers[address] = info
 
     def _peer_device(self, dst: str, index: int) -> int | None:
         """Our GPU ``index`` in ``dst``'s numbering (processes may see different sets of
@@ -527,6 +540,13 @@ class Communicator:
         except Exception as exc:      # CUDA cannot start here after all
             raise ProtocolError(f"CUDA IPC cannot start in this process: {exc!r}") from exc
         return session.reader.open(src, incarnation, gpu)
+
+    def _refuse_gpu(self, src: str, incarnation: str, gpu: wire.GpuRef) -> None:
+        if self._cuda is not None or gpu.share is not None:
+            try:
+                self._cuda_session().reader.refuse(src, incarnation, gpu)
+            except Exception as exc:     # nothing to give back where CUDA cannot start
+                log.warning("rlinf %s: CUDA IPC slot of %s not given back: %r", self.address, src, exc)
 
     def _on_cuda_notice(self, src: str, items: Any) -> None:
         if self._cuda is not None:
@@ -896,7 +916,10 @@ class Communicator:
         if msg.error is not None:
             raise msg.error
         if msg.ready is not None:       # GPU buffers: the caller's stream follows their copy
-            msg.ready()
+            try:
+                msg.ready()
+            except Exception as exc:   # a device in a bad state
+                raise DecodeError(f"message from {msg.src}: its GPU buffers cannot be waited for: {exc!r}") from exc
         return self._codec.decode(msg.codec_header, msg.buffers)
 
     async def _decode_owned(self, msg: Message) -> Any:
@@ -979,15 +1002,16 @@ class Communicator:
         if event.address == self.address:
             return
         self._shm_routes.pop(event.address, None)
+        self._gpu_routes.pop(event.address, None)
         if event.kind == "joined" and event.info is not None:
             old = self._roster.get(event.address)
             self._roster[event.address] = event.info
             self._dead.discard((event.address, event.incarnation))
             self._mailbox.peer_joined(event.address, event.incarnation)
-            if old is not None and old.incarnation != event.incarnation:    # restarted: its slots are new
-                self._gpu_routes.pop(event.address, None)
-                if self._cuda is not None:
-                    self._cuda.peer_gone(event.address, old.incarnation, process_gone=control.process_gone_here(old))
+            if self._cuda is not None:     # restarted, maybe: the state of its earlier incarnations goes
+                self._cuda.reader.forget_others(event.address, event.incarnation)
+                if event.address in self._gpu_peers:
+                    self._gpu_peer(event.address, event.info)
             outbox = self._outboxes.get(event.address)
             if outbox is not None and (outbox.error is not None or (old and old.incarnation != event.incarnation)):
                 del self._outboxes[event.address]   # next send dials the new incarnation
@@ -1026,6 +1050,7 @@ class Communicator:
             self._shm.peer_gone(address, alive=not gone_here)
         if self._cuda is not None and (kind == "left" or gone_here):   # else it may come back, slots and all
             self._cuda.peer_gone(address, incarnation, process_gone=gone_here)
+            self._gpu_peers.pop(address, None)
         self._gpu_routes.pop(address, None)
         for hook in self._gone_hooks:
             hook(address, incarnation)

@@ -47,16 +47,20 @@ class FrameReader:
         open_gpu: ``open_gpu(src, incarnation, gpu)`` returns an entry's device buffers as
             ``(index, buffer)`` pairs and their ``ready()`` (see
             :meth:`~rlinf.transports.cuda_ipc.CudaIpcReader.open`).
+        refuse_gpu: ``refuse_gpu(src, incarnation, gpu)`` gives back the GPU slot of an
+            entry whose other buffers could not be read.
     """
 
     def __init__(self, session: shm.ShmSession | None, recycler: shm.Recycler,
                  pid_of: Callable[[str], int | None], on_bad_slot: Callable[[], None],
-                 open_gpu: Callable[[str, str, wire.GpuRef], tuple] | None = None) -> None:
+                 open_gpu: Callable[[str, str, wire.GpuRef], tuple] | None = None,
+                 refuse_gpu: Callable[[str, str, wire.GpuRef], None] | None = None) -> None:
         self._shm = session
         self._recycler = recycler
         self._pid_of = pid_of
         self._on_bad_slot = on_bad_slot
         self._open_gpu = open_gpu
+        self._refuse_gpu = refuse_gpu
 
     def entries(self, src: str, entries: list[wire.Entry], frames: list, packed: bool,
                 incarnation: str = "") -> Iterator[Rebuilt]:
@@ -97,7 +101,9 @@ class FrameReader:
                 i += count
                 buffers.append(buf)
                 nbytes += buf.nbytes
-            if entry.gpu is not None and error is None:
+            if entry.gpu is not None and error is not None and self._refuse_gpu is not None:
+                self._refuse_gpu(src, incarnation, entry.gpu)
+            elif entry.gpu is not None and error is None:
                 try:
                     ready, n = self._insert_gpu(src, incarnation, entry.gpu, buffers)
                     nbytes += n

@@ -204,7 +204,6 @@ class CudaIpcSender:
 
         ``peer_device``: the buffers' device in ``reader``'s numbering.
         """
-        torch = self._torch
         device = device_of(buffers[places[0]])
         if any(device_of(buffers[i]) != device for i in places[1:]):
             return None
@@ -213,7 +212,21 @@ class CudaIpcSender:
         slot = self._acquire(reader, device, peer_device, max(total, 1))
         if slot is None:
             return None
-        stream = torch.cuda.current_stream(device)
+        try:
+            share, handle = self._fill(slot, buffers, places, offsets, sizes)
+        except Exception as exc:     # a device in a bad state, out of memory for the share: staged
+            log.warning("rlinf: CUDA IPC copy for %s failed: %r", reader, exc)
+            self._give_back(slot)
+            return None
+        return [slot.id, slot.generation, peer_device, share, handle,
+                [[i, off, n] for i, off, n in zip(places, offsets, sizes)]]
+
+    def _fill(self, slot: _Slot, buffers: Sequence[Any], places: Sequence[int], offsets: list[int],
+              sizes: list[int]) -> tuple[list | None, bytes | None]:
+        """Queue the copies into ``slot`` on the current stream, after what may still read
+        or write it; record its ready event. The share and event handle when it is new."""
+        torch = self._torch
+        stream = torch.cuda.current_stream(slot.device)
         if not slot.ready.query():                 # a discarded message's copy may still be queued
             stream.wait_event(slot.ready)
         if slot.must_wait and not slot.free_event.query():
@@ -223,14 +236,13 @@ class CudaIpcSender:
             if n:
                 target[off:off + n].copy_(_as_torch(buffers[i], torch), non_blocking=True)
         slot.ready.record(stream)
-        share = handle = None
-        if not slot.announced:
-            if slot.share is None:
-                slot.share = slot.tensor.untyped_storage()._share_cuda_()
-            share, handle = [peer_device, *slot.share[1:]], bytes(slot.ready.ipc_handle())
-            slot.announced = True
-        return [slot.id, slot.generation, peer_device, share, handle,
-                [[i, off, n] for i, off, n in zip(places, offsets, sizes)]]
+        if slot.announced:
+            return None, None
+        if slot.share is None:
+            slot.share = slot.tensor.untyped_storage()._share_cuda_()
+        share, handle = [slot.peer_device, *slot.share[1:]], bytes(slot.ready.ipc_handle())
+        slot.announced = True
+        return share, handle
 
     def _acquire(self, reader: str, device: int, peer_device: int, nbytes: int) -> _Slot | None:
         size = _slot_size(nbytes)
@@ -297,6 +309,20 @@ class CudaIpcSender:
         slot.must_wait = wait and slot.free_event is not None
         slot.returned = True
         self._give_back(slot)
+        return True
+
+    def reject(self, reader: str, slot_id: int, generation: int) -> bool:
+        """``reader`` could not use ``slot_id`` (never announced to it, or it could not map
+        it): drop the slot; a new one, announced afresh, takes its place."""
+        slot = self._slots.get(slot_id)
+        if slot is None or slot.reader != reader or not slot.busy or slot.generation != generation:
+            return False
+        self._give_back(slot)
+        self._free[(reader, slot.device, slot.size)].remove(slot)
+        del self._slots[slot.id]
+        self._held[reader] -= slot.size
+        if slot.share is not None:        # whatever it mapped is gone with the failure
+            _release_counter(self._torch, slot)
         return True
 
     def _open_event(self, slot: _Slot, handle: bytes) -> None:
@@ -404,16 +430,36 @@ class CudaIpcReader:
         key = (src, incarnation, gpu.slot)
         mapped = self._mapped.get(key)
         if gpu.share is not None:
-            mapped = self._mapped[key] = self._map(src, gpu)
+            try:
+                mapped = self._mapped[key] = self._map(src, gpu)
+            except ProtocolError:
+                self._reject(key, gpu.generation)
+                raise
         elif mapped is None:
-            raise ProtocolError(f"CUDA IPC slot {gpu.slot} of {src} was never announced")
-        if mapped.whole.numel() < gpu.span:
-            raise ProtocolError(f"CUDA IPC slot of {src} is smaller than its buffers")
+            self._reject(key, gpu.generation)
+            raise ProtocolError(f"CUDA IPC slot {gpu.slot} of {src} was never announced here")
         try:
+            if mapped.whole.numel() < gpu.span:
+                raise ProtocolError(f"CUDA IPC slot of {src} is smaller than its buffers")
             return self._views_of(key, mapped, gpu)
         except Exception as exc:     # out of memory for a copy, a device in a bad state, ...
             self._release(key, mapped, gpu.generation)
+            if isinstance(exc, ProtocolError):
+                raise
             raise ProtocolError(f"cannot read the CUDA IPC slot of {src}: {exc!r}") from exc
+
+    def refuse(self, src: str, incarnation: str, gpu: wire.GpuRef) -> None:
+        """An entry whose other buffers could not be read: give its slot back unread."""
+        key = (src, incarnation, gpu.slot)
+        mapped = self._mapped.get(key)
+        if mapped is not None and gpu.share is None:
+            self._release(key, mapped, gpu.generation)
+        else:
+            self._reject(key, gpu.generation)
+
+    def _reject(self, key: tuple, generation: int) -> None:
+        self._mapped.pop(key, None)
+        self._on_release(key[0], ["reject", key[2], generation, key[1]])
 
     def _map(self, src: str, gpu: wire.GpuRef) -> _Mapped:
         torch = self._torch
@@ -454,18 +500,11 @@ class CudaIpcReader:
         work this thread's current stream has queued, then tell its sender (loop thread)."""
         if self._mapped.get(key) is not mapped:    # forgotten (the sender left), or another incarnation's
             return
-        torch = self._torch
-        stream = torch.cuda.current_stream(mapped.device)
-        handle, wait = None, False
-        if not stream.query():       # work queued here may still read the slot: the sender waits for it
-            if mapped.free_event is None:
-                with torch.cuda.device(mapped.device):
-                    mapped.free_event = torch.cuda.Event(interprocess=True)
-            mapped.free_event.record(stream)
-            wait = True
-            if not mapped.free_sent:
-                handle = bytes(mapped.free_event.ipc_handle())
-                mapped.free_sent = True
+        try:
+            handle, wait = self._mark_free(mapped)
+        except Exception as exc:     # no safe way to say when the slot is free: it stays ours
+            log.warning("rlinf: a CUDA IPC slot of %s is kept: %r", key[0], exc)
+            return
         item = [key[2], generation, handle, wait, key[1]]
         if threading.get_ident() == self._thread:
             self._on_release(key[0], item)
@@ -475,9 +514,35 @@ class CudaIpcReader:
         except RuntimeError:       # the loop is closed: the process is ending
             pass
 
+    def _mark_free(self, mapped: _Mapped) -> tuple[bytes | None, bool]:
+        """``(free event handle if new, wait)``: unless this thread's current stream is
+        idle, record the slot's free event on it (the sender's stream will wait on it)."""
+        torch = self._torch
+        stream = torch.cuda.current_stream(mapped.device)
+        if stream.query():
+            return None, False
+        if mapped.free_event is None:
+            with torch.cuda.device(mapped.device):
+                mapped.free_event = torch.cuda.Event(interprocess=True)
+        mapped.free_event.record(stream)
+        handle = None
+        if not mapped.free_sent:
+            handle = bytes(mapped.free_event.ipc_handle())
+            mapped.free_sent = True
+        return handle, True
+
     def retire(self, src: str, incarnation: str, slot: int) -> None:
-        """``src`` dropped ``slot``: forget it (views still alive keep their mapping)."""
-        self._mapped.pop((src, incarnation, slot), None)
+        """``src`` dropped ``slot``: forget it (views still alive keep their mapping).
+        Dropping the mapping lets the sender reuse the memory: torch synchronises our
+        current stream first, so it is made to wait for the last reads recorded."""
+        mapped = self._mapped.pop((src, incarnation, slot), None)
+        if mapped is not None and mapped.free_event is not None and not mapped.free_event.query():
+            self._torch.cuda.current_stream(mapped.device).wait_event(mapped.free_event)
+
+    def forget_others(self, src: str, incarnation: str) -> None:
+        """``src`` restarted as ``incarnation``: forget the slots of its earlier ones."""
+        for key in [k for k in self._mapped if k[0] == src and k[1] != incarnation]:
+            del self._mapped[key]
 
     def peer_gone(self, src: str, incarnation: str | None = None) -> None:
         """Forget ``src``'s slots (of ``incarnation``, or all); views still alive keep
@@ -574,6 +639,9 @@ class CudaIpcSession:
                     log.warning("rlinf: CUDA IPC release of a slot %s does not hold: %r", src, item[:2])
             elif _is_retire(item):
                 self.reader.retire(src, item[2], item[1])
+            elif _is_reject(item):
+                if item[3] == self.incarnation:
+                    self.sender.reject(src, item[1], item[2])
             else:
                 log.warning("rlinf: malformed CUDA IPC notice item from %s", src)
         event = self._rooms.get(src)
@@ -625,6 +693,11 @@ class CudaIpcSession:
 def _is_release(item: Any) -> bool:
     return (isinstance(item, list) and len(item) == 5 and type(item[0]) is int and type(item[1]) is int
             and (item[2] is None or type(item[2]) is bytes) and type(item[3]) is bool and type(item[4]) is str)
+
+
+def _is_reject(item: Any) -> bool:
+    return (isinstance(item, list) and len(item) == 4 and item[0] == "reject" and type(item[1]) is int
+            and type(item[2]) is int and type(item[3]) is str)
 
 
 def _is_retire(item: Any) -> bool:

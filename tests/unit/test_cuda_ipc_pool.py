@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 from rlinf.transports import cuda_ipc
 
@@ -34,12 +35,13 @@ class _Event:
 class _Stream:
     def __init__(self) -> None:
         self.waits: list = []
+        self.idle = True
 
     def wait_event(self, event) -> None:
         self.waits.append(event)
 
     def query(self) -> bool:
-        return True
+        return self.idle
 
 
 class _Storage:
@@ -120,6 +122,69 @@ class _Torch:
 
     def empty(self, size, dtype=None, device=None) -> _Tensor:
         return _Tensor(size)
+
+
+# -- the receiving side's torch: opened slots, views that keep their lease -------------
+class _Opened:
+    """A slot opened from its share (``_new_shared_cuda``) and made a uint8 tensor."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def set_(self, storage) -> _Opened:
+        self.size = storage.size
+        return self
+
+    def numel(self) -> int:
+        return self.size
+
+    def data_ptr(self) -> int:
+        return 1 << 20
+
+    def __getitem__(self, s: slice) -> _Region:
+        return _Region(None, s.stop - s.start)
+
+
+class _Region:
+    """A tensor over a ``__cuda_array_interface__`` object: it keeps the object (the
+    lease) alive, and so do its slices."""
+
+    dtype = "uint8"
+
+    def __init__(self, lease, n: int) -> None:
+        self.lease = lease
+        self.nbytes = n
+
+    def numel(self) -> int:
+        return self.nbytes
+
+    def __getitem__(self, s: slice) -> _Region:
+        return _Region(self.lease, s.stop - s.start)
+
+    def copy_(self, src) -> None:
+        assert src.nbytes == self.nbytes
+
+
+class _ReaderTorch(_Torch):
+    class UntypedStorage:
+        opened: list = []
+
+        @classmethod
+        def _new_shared_cuda(cls, *share):
+            cls.opened.append(share)
+            storage = type("S", (), {})()
+            storage.size, storage.device = share[2], f"cuda:{share[0]}"
+            return storage
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cuda.current_device = lambda: 0
+
+    def empty(self, size, dtype=None, device=None):
+        return _Opened(size) if size == 0 else _Region(None, size)
+
+    def as_tensor(self, lease, device=None) -> _Region:
+        return _Region(lease, lease.__cuda_array_interface__["shape"][0])
 
 
 def _sender(cap: int = 64 << 20) -> cuda_ipc.CudaIpcSender:
@@ -288,3 +353,104 @@ def test_the_share_names_the_receivers_device():
     gpu = s.export([_Buf(b"a")], [0], "r:0", 3)
     assert gpu[2] == 3 and gpu[3][0] == 3
     assert s._slots[gpu[0]].device == 0       # ours
+
+
+SHARE = (0, b"\x02c" + b"h" * 64, cuda_ipc.MIN_SLOT, 0, b"/torch_1_2_3", 4, b"e" * 64, True)
+
+
+def _ref(slot=1, generation=1, share=SHARE, places=((0, 0, 8),)):
+    from rlinf import wire
+    return wire.GpuRef(slot, generation, 0, share, b"e" * 64 if share else None, places,
+                       max(o + n for _i, o, n in places))
+
+
+def _reader(views=True):
+    released: list = []
+    torch = _ReaderTorch()
+    reader = cuda_ipc.CudaIpcReader(asyncio.get_running_loop(),
+                                    lambda src, item: released.append((src, item)), views=views, torch=torch)
+    return reader, released, torch
+
+
+async def test_views_give_their_slot_back_when_the_last_one_dies():
+    reader, released, torch = _reader()
+    pairs, ready = reader.open("s:0", "inc1", _ref(places=((0, 0, 8), (2, 256, 4))))
+    assert [i for i, _v in pairs] == [0, 2] and len(torch.UntypedStorage.opened) == 1
+    first, second = pairs[0][1], pairs[1][1]
+    del pairs
+    ready()
+    assert not released
+    del first
+    assert not released                      # one view still lives
+    del second
+    assert released == [("s:0", [1, 1, None, False, "inc1"])]     # its stream idle: no wait
+
+
+async def test_a_busy_stream_records_the_free_event_once_announced():
+    reader, released, torch = _reader()
+    pairs, _ready = reader.open("s:0", "inc1", _ref())
+    torch.cuda.stream.idle = False           # a kernel over the view is still queued
+    del pairs
+    [(_src, item)] = released
+    assert item[2] == b"e" * 64 and item[3] is True
+    again, _ready = reader.open("s:0", "inc1", _ref(generation=2, share=None))
+    del again
+    assert released[1][1][2] is None and released[1][1][3] is True   # the handle went once
+
+
+async def test_a_slot_never_announced_is_rejected_and_the_message_fails():
+    from rlinf.errors import ProtocolError
+
+    reader, released, _torch = _reader()
+    with pytest.raises(ProtocolError, match="never announced"):
+        reader.open("s:0", "inc1", _ref(share=None))
+    assert released == [("s:0", ["reject", 1, 1, "inc1"])]
+
+
+async def test_a_view_of_a_restarted_senders_old_slot_frees_nothing_new():
+    reader, released, _torch = _reader()
+    old, _ready = reader.open("s:0", "inc1", _ref())
+    reader.forget_others("s:0", "inc2")      # it restarted as inc2
+    new, _ready = reader.open("s:0", "inc2", _ref())     # its slot 1, generation 1 again
+    del old
+    assert released == []                    # the old view's end says nothing to inc2
+    del new
+    assert released == [("s:0", [1, 1, None, False, "inc2"])]
+
+
+async def test_an_entry_that_could_not_be_read_gives_its_slot_back():
+    reader, released, _torch = _reader()
+    pairs, _ready = reader.open("s:0", "inc1", _ref())
+    del pairs
+    released.clear()
+    reader.refuse("s:0", "inc1", _ref(generation=2, share=None))        # mapped: a plain release
+    reader.refuse("s:0", "inc1", _ref(slot=7, generation=1))            # its announcement: rejected
+    assert released == [("s:0", [1, 2, None, False, "inc1"]), ("s:0", ["reject", 7, 1, "inc1"])]
+
+
+async def test_owned_copies_give_the_slot_back_at_once():
+    reader, released, torch = _reader(views=False)
+    pairs, ready = reader.open("s:0", "inc1", _ref())
+    assert len(released) == 1 and pairs[0][1].nbytes == 8
+    ready()
+
+
+async def test_retire_waits_for_the_last_recorded_reads():
+    reader, _released, torch = _reader()
+    pairs, _ready = reader.open("s:0", "inc1", _ref())
+    torch.cuda.stream.idle = False
+    del pairs
+    free = reader._mapped[("s:0", "inc1", 1)].free_event
+    free.done = False
+    reader.retire("s:0", "inc1", 1)
+    assert torch.cuda.stream.waits == [free] and not reader._mapped
+
+
+def test_a_rejected_slot_is_dropped_and_its_reference_released():
+    _UntypedStorage.released.clear()
+    s = _sender()
+    gpu = s.export([_Buf(b"a")], [0], "r:0", 0)
+    assert s.reject("r:0", gpu[0], gpu[1])
+    assert gpu[0] not in s._slots and s.busy_bytes("r:0") == 0 and len(_UntypedStorage.released) == 1
+    again = s.export([_Buf(b"a")], [0], "r:0", 0)
+    assert again[0] != gpu[0] and again[3] is not None          # a new slot, announced afresh
