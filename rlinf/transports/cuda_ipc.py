@@ -671,8 +671,11 @@ class CudaIpcSession:
         for dst, items in owed.items():
             try:
                 self._send_notice(dst, items)
-            except Exception as exc:     # the peer is gone: nothing to give back
-                log.debug("rlinf: CUDA IPC notices to %s dropped: %r", dst, exc)
+            except Exception as exc:
+                # Taken for lost (or closing): kept for its return, sent with the next
+                # message to it; dropped when it is forgotten (peer_gone).
+                log.debug("rlinf: CUDA IPC notices to %s held back: %r", dst, exc)
+                self._owed.setdefault(dst, [])[:0] = items
 
     def peer_gone(self, address: str, incarnation: str | None, *, process_gone: bool) -> None:
         """``address`` (``incarnation``) left or its process is gone: forget our slots

@@ -454,3 +454,28 @@ def test_a_rejected_slot_is_dropped_and_its_reference_released():
     assert gpu[0] not in s._slots and s.busy_bytes("r:0") == 0 and len(_UntypedStorage.released) == 1
     again = s.export([_Buf(b"a")], [0], "r:0", 0)
     assert again[0] != gpu[0] and again[3] is not None          # a new slot, announced afresh
+
+
+async def test_notices_to_a_peer_that_cannot_be_reached_wait_for_its_return():
+    sent: list = []
+    reachable = [False]
+
+    def send(dst, items):
+        if not reachable[0]:
+            raise ConnectionError("taken for lost")
+        sent.append((dst, items))
+
+    session = _Session(asyncio.get_running_loop(), sent)
+    session._send_notice = send
+    session._owe("a:0", [1, 1, None, False, "x"])
+    await asyncio.sleep(0)                   # the flush fails: kept
+    assert session.take("a:0") == [[1, 1, None, False, "x"]]
+    session._owe("a:0", [2, 1, None, False, "x"])
+    await asyncio.sleep(0)
+    reachable[0] = True
+    session._owe("a:0", [3, 1, None, False, "x"])
+    await asyncio.sleep(0)
+    assert sent == [("a:0", [[2, 1, None, False, "x"], [3, 1, None, False, "x"]])]
+    session._owe("b:0", [4, 1, None, False, "x"])
+    session.peer_gone("b:0", None, process_gone=True)       # forgotten: nothing owed any more
+    assert session.owed == 0
