@@ -4,6 +4,10 @@
 # uvloop, pytest, hypothesis) plus the wheels carried in .gpu/wheels (pyzmq,
 # pytest-asyncio). Usage (from the repo root): bash scripts/gpu_check.sh
 # Prints a short table last; logs go to $OUT (or /tmp/rlinf-gpu-out).
+# The wheels (.gpu/ is git-ignored: carry it), fetched here beforehand:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     -d .gpu/wheels pyzmq pytest-asyncio
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
