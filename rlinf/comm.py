@@ -31,6 +31,7 @@ from .busypoll import BusyPoll
 from .codec import Codec, is_device_buffer
 from .errors import (AuthenticationError, ClosedError, CommTimeoutError, DecodeError, PeerLostError, ProtocolError,
                      RlinfError, TransportUnavailableError)
+from .gpu_paths import GpuPaths
 from .inbound import FrameReader
 from .info import MembershipEvent, WorkerInfo, check_plain, check_timeout, parse_address
 from .mailbox import Mailbox, Message
@@ -160,7 +161,6 @@ class Communicator:
         self._context: zmq.Context | None = None
         self._closed: ClosedError | None = None
         self._started = False
-        self._warned: set[str] = set()
         self._routing = routing.RoutingConfig.from_env()
         if disable:
             self._routing = self._routing.without(disable)
@@ -174,9 +174,7 @@ class Communicator:
         self._stream: StreamTransport | None = None        # frame sets from/to this node's processes
         self._recycler = shm.Recycler()   # receive-side private memory (chunk reassembly, copy-outs)
         self._shm_routes: dict[str, bool] = {}     # peer -> large CPU payloads go by shm
-        self._gpu_routes: dict[str, str] = {}      # peer -> how GPU buffers go to it
-        self._gpu_peers: dict[str, WorkerInfo] = {}   # peer -> the incarnation our CUDA IPC state is for
-        self._cuda: cuda_ipc.CudaIpcSession | None = None   # made on the first GPU message
+        self._gpu = GpuPaths(address, self._roster, self._routing, self._new_cuda_session)
 
     def __repr__(self) -> str:
         pending = sum(len(o.queue) for o in self._outboxes.values())
@@ -231,7 +229,7 @@ class Communicator:
                 self.on_system("shm", self._shm.on_notice)
                 transports += (routing.SHM,)
             self._inbound = FrameReader(self._shm, self._recycler, self._pid_of, self._counters.dropped,
-                                        self._open_gpu, self._refuse_gpu)
+                                        self._gpu.open, self._gpu.refuse)
             self._listener.set_handler(self._arrival.zmq)
             if routing.STREAM not in self._routing.disabled and StreamTransport.available():
                 transports += await self._start_stream(endpoints)
@@ -239,13 +237,14 @@ class Communicator:
             if gpus and routing.CUDA_IPC not in self._routing.disabled and cuda_ipc.available():
                 cuda_ipc.default_cap()          # a bad RLINF_CUDA_IPC_CAP fails here, not on a receive
                 transports += (routing.CUDA_IPC,)
-                self.on_system("cuda", self._on_cuda_notice)
+                self.on_system("cuda", self._gpu.on_notice)
             self.info = WorkerInfo(
                 address=self.address, incarnation=self.incarnation, node_id=devices.node_id(),
                 host=socket.gethostname(), pid=os.getpid(), endpoints=endpoints,
                 devices=gpus, transports=transports,
                 meta={"machine": control.machine_id(), **self._meta},
             )
+            self._gpu.me = self.info
             self._control = control.ControlClient(self._context, self._keys, self.manager_address, self.info,
                                                   self._on_event, stats=self._heartbeat_stats,
                                                   exclusive=self._exclusive, on_superseded=self._superseded,
@@ -322,8 +321,8 @@ class Communicator:
             except asyncio.CancelledError as exc:   # finish closing, then re-raise
                 cancelled = exc
             self._shm.close()      # releases owed to peers go out ahead of the bye
-        if self._cuda is not None:
-            self._cuda.flush()
+        if self._gpu.session is not None:
+            self._gpu.session.flush()
         self._closed = error
         bye_to = self._say_bye() if deregister else []
         for closer in reversed(self._closers):
@@ -361,8 +360,8 @@ class Communicator:
                 zap.close()
             if self._shm is not None:
                 self._shm.close()
-            if self._cuda is not None:
-                self._cuda.close()
+            if self._gpu.session is not None:
+                self._gpu.session.close()
             if self._context is not None:
                 context, self._context = self._context, None
                 # term() waits for lingering frames; keep the loop free meanwhile.
@@ -409,8 +408,9 @@ class Communicator:
             await self._wait(future, timeout, f"send to {dst}")
         if self._shm is not None and self._shm.behind(dst):
             await self._room(dst)
-        if self._cuda is not None and self._cuda.behind(dst):
-            await self._cuda.room(dst)
+        cuda = self._gpu.session
+        if cuda is not None and cuda.behind(dst):
+            await cuda.room(dst)
 
     async def _room(self, dst: str) -> None:
         """Backpressure: wait while ``dst`` holds a window of our slots. Raises the
@@ -460,15 +460,16 @@ class Communicator:
         elif outbox.error is not None:
             raise outbox.error
         if gpu:
-            buffers, gpu = self._device_buffers(buffers, dst)
+            buffers, gpu = self._gpu.prepare(buffers, dst)
         held = False      # the slots we owe dst go back with this message, ahead of it
         if self._shm is not None and self._shm.owed:
             notice = self._shm.take(dst)
             if notice is not None:
                 self._queue_notice(outbox, notice, hold=True)
                 held = True
-        if self._cuda is not None and self._cuda.owed:
-            notice = self._cuda.take(dst)
+        cuda = self._gpu.session
+        if cuda is not None and cuda.owed:
+            notice = cuda.take(dst)
             if notice is not None:
                 self._queue_notice(outbox, notice, hold=True, tag="cuda")
                 held = True
@@ -477,102 +478,9 @@ class Communicator:
             outbox.flush()
         return future
 
-    def _device_buffers(self, buffers: list, dst: str) -> tuple[list, list | None]:
-        """Route a message's GPU buffers to ``dst``: ``(host buffers, GPU descriptor)``
-        when they go by CUDA IPC (the device buffers are copied into a slot and left out
-        of the list), else ``(buffers with the GPU ones staged, None)``."""
-        route = self._gpu_routes.get(dst)
-        if route is None:
-            info = self._roster.get(dst)
-            if info is None:     # not known yet: nothing says CUDA IPC reaches it
-                return self._stage_device_buffers(buffers, dst, "its GPUs are not known yet"), None
-            chosen = routing.select_transport(self.info, info, devices.BufferInfo("cuda:0", 1), config=self._routing)
-            route = self._gpu_routes[dst] = chosen.transport if chosen.transport == routing.CUDA_IPC \
-                else chosen.reason
-        if route != routing.CUDA_IPC:
-            return self._stage_device_buffers(buffers, dst, route), None
-        info = self._roster.get(dst)
-        if info is not None and info is not self._gpu_peers.get(dst):
-            self._gpu_peer(dst, info)
-        places = [i for i, b in enumerate(buffers) if type(b) is not memoryview and is_device_buffer(b)]
-        peer_device = self._peer_device(dst, cuda_ipc.device_of(buffers[places[0]]))
-        if peer_device is None:
-            return self._stage_device_buffers(buffers, dst, "it does not see the GPU they are on"), None
-        gpu = self._cuda_session().export(buffers, places, dst, peer_device)
-        if gpu is None:
-            why = "its buffers span several devices, or it holds the CUDA IPC cap of our slots"
-            return self._stage_device_buffers(buffers, dst, why), None
-        taken = set(places)
-        return [b for i, b in enumerate(buffers) if i not in taken], gpu
-
-    def _gpu_peer(self, address: str, info: WorkerInfo) -> None:
-        """``address`` is ``info`` now: when that is another incarnation than the one our
-        CUDA IPC state is for, forget that state (it restarted; the old one may not have
-        been declared gone here, e.g. while it still ran)."""
-        old = self._gpu_peers.get(address)
-        if old is not None and old.incarnation != info.incarnation and self._cuda is not None:
-            self._cuda.peer_gone(address, old.incarnation, process_gone=control.process_gone_here(old))
-        self._gpu_peers[address] = info
-
-    def _peer_device(self, dst: str, index: int) -> int | None:
-        """Our GPU ``index`` in ``dst``'s numbering (processes may see different sets of
-        GPUs, in different orders), found by uuid; None when ``dst`` does not see it."""
-        info = self._roster.get(dst)
-        ours = next((d for d in self.info.devices if d.index == index), None)
-        if info is None or ours is None:
-            return None
-        if ours.uuid:
-            return next((d.index for d in info.devices if d.uuid == ours.uuid), None)
-        same = [d.uuid for d in self.info.devices] == [d.uuid for d in info.devices]
-        return index if same else None     # no uuids: only the same visible set can be trusted
-
-    def _cuda_session(self) -> cuda_ipc.CudaIpcSession:
-        if self._cuda is None:
-            self._cuda = cuda_ipc.CudaIpcSession(self._loop, functools.partial(self._send_notice, tag="cuda"),
-                                                 self.incarnation, views=self._shm_views)
-        return self._cuda
-
-    def _open_gpu(self, src: str, incarnation: str, gpu: wire.GpuRef) -> tuple[list, Callable[[], None]]:
-        if routing.CUDA_IPC not in self.info.transports:
-            raise ProtocolError("CUDA IPC is not enabled in this process")
-        try:
-            session = self._cuda_session()
-        except Exception as exc:      # CUDA cannot start here after all
-            raise ProtocolError(f"CUDA IPC cannot start in this process: {exc!r}") from exc
-        return session.reader.open(src, incarnation, gpu)
-
-    def _refuse_gpu(self, src: str, incarnation: str, gpu: wire.GpuRef) -> None:
-        if self._cuda is not None or gpu.share is not None:
-            try:
-                self._cuda_session().reader.refuse(src, incarnation, gpu)
-            except Exception as exc:     # nothing to give back where CUDA cannot start
-                log.warning("rlinf %s: CUDA IPC slot of %s not given back: %r", self.address, src, exc)
-
-    def _on_cuda_notice(self, src: str, items: Any) -> None:
-        if self._cuda is not None:
-            self._cuda.on_notice(src, items)
-
-    def _stage_device_buffers(self, buffers: list, dst: str, why: str) -> list:
-        """The staged path for GPU buffers: copy them to host memory and send them as CPU
-        buffers; the receiver's codec moves them to its current CUDA device.
-
-        This is the fallback of the routing table's GPU rows. It waits for work already
-        queued on the current stream (``Tensor.cpu()`` synchronises it). Warns once per
-        peer.
-        """
-        if dst not in self._warned:
-            self._warned.add(dst)
-            log.warning("rlinf %s: GPU buffers to %s are staged through host memory (%s)",
-                        self.address, dst, why)
-        staged = []
-        for b in buffers:
-            if type(b) is memoryview or not is_device_buffer(b):
-                staged.append(b)
-            elif hasattr(b, "cpu"):          # torch
-                staged.append(memoryview(b.cpu().numpy()).cast("B"))
-            else:                            # cupy
-                staged.append(memoryview(b.get()).cast("B"))
-        return staged
+    def _new_cuda_session(self) -> cuda_ipc.CudaIpcSession:
+        return cuda_ipc.CudaIpcSession(self._loop, functools.partial(self._send_notice, tag="cuda"),
+                                       self.incarnation, views=self._shm_views)
 
     def _queue(self, outbox: Outbox, kind: int, tag: Any, codec_header: bytes, buffers: list,
                need_future: bool, gpu: list | None = None) -> asyncio.Future | None:
@@ -625,7 +533,7 @@ class Communicator:
         """Queue a message whose GPU buffers are in a CUDA IPC slot (``gpu``) and whose
         host buffers (``nbytes`` in all) go in its frames: coalesced with other small
         messages when they are small, as a large message otherwise."""
-        session = self._cuda
+        paths = self._gpu
         large = nbytes >= SMALL_MESSAGE
         if large:
             frames, counts, nbytes = split_frames(buffers)
@@ -639,7 +547,7 @@ class Communicator:
             if not large and outbox.ready:
                 future.set_result(None)
         outbox.put(OutMessage(entry, frames, nbytes, future, large, transport=routing.CUDA_IPC,
-                              discard=lambda: session.sender.discard(gpu)), self._loop)
+                              discard=lambda: paths.discard(gpu)), self._loop)
         return future
 
     def _shm_route(self, info: WorkerInfo) -> bool:
@@ -693,11 +601,11 @@ class Communicator:
         return future
 
     def _with_gpu_discard(self, discard: Callable[[], None], gpu: list) -> Callable[[], None]:
-        sender = self._cuda.sender
+        paths = self._gpu
 
         def both() -> None:
             discard()
-            sender.discard(gpu)
+            paths.discard(gpu)
         return both
 
     def _send_to_self(self, tag, kind, codec_header, buffers, need_future) -> asyncio.Future | None:
@@ -1002,16 +910,13 @@ class Communicator:
         if event.address == self.address:
             return
         self._shm_routes.pop(event.address, None)
-        self._gpu_routes.pop(event.address, None)
+        self._gpu.changed(event.address)
         if event.kind == "joined" and event.info is not None:
             old = self._roster.get(event.address)
             self._roster[event.address] = event.info
             self._dead.discard((event.address, event.incarnation))
             self._mailbox.peer_joined(event.address, event.incarnation)
-            if self._cuda is not None:     # restarted, maybe: the state of its earlier incarnations goes
-                self._cuda.reader.forget_others(event.address, event.incarnation)
-                if event.address in self._gpu_peers:
-                    self._gpu_peer(event.address, event.info)
+            self._gpu.joined(event.address, event.info)    # restarted, maybe: its old slots go
             outbox = self._outboxes.get(event.address)
             if outbox is not None and (outbox.error is not None or (old and old.incarnation != event.incarnation)):
                 del self._outboxes[event.address]   # next send dials the new incarnation
@@ -1048,10 +953,7 @@ class Communicator:
         gone_here = info is not None and info.incarnation == incarnation and control.process_gone_here(info)
         if self._shm is not None:
             self._shm.peer_gone(address, alive=not gone_here)
-        if self._cuda is not None and (kind == "left" or gone_here):   # else it may come back, slots and all
-            self._cuda.peer_gone(address, incarnation, process_gone=gone_here)
-            self._gpu_peers.pop(address, None)
-        self._gpu_routes.pop(address, None)
+        self._gpu.gone(address, incarnation, left=kind == "left", process_gone=gone_here)
         for hook in self._gone_hooks:
             hook(address, incarnation)
         if outbox is not None and (outbox.info is None or outbox.info.incarnation == incarnation):

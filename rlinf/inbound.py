@@ -3,8 +3,9 @@
 The data plane carries a message's buffers in one of five ways (see :mod:`rlinf.wire`):
 inside one packed blob shared by coalesced small messages, as payload frames (a large
 buffer as several chunks), in the sender's shared-memory slot, in another process's
-slot relayed by the sender, or (GPU buffers) in the sender's CUDA IPC slot. :class:`FrameReader` turns each entry back into a list of
-buffers, so that the communicator only delivers messages.
+slot relayed by the sender, or (GPU buffers) in the sender's CUDA IPC slot.
+:class:`FrameReader` turns each entry back into a list of buffers, so that the
+communicator only delivers messages.
 
 Buffer lifetime: buffers are views of the received frames, of the packed blob, or of
 shared memory (valid, and the slot kept busy, for as long as they or anything decoded

@@ -75,7 +75,7 @@ async def test_no_slot_rewritten_while_a_view_lives(cluster, driver):
             await driver.send(t, "h:0")
         report = await _recv(driver, "h:0", group)
         assert report == {"kept": 0.0, "now": 0.0, "all_equal": True}
-        assert driver._cuda.sender.busy_bytes("h:0") > 0     # the kept view holds its slot
+        assert driver._gpu.session.sender.busy_bytes("h:0") > 0     # the kept view holds its slot
         await driver.send(None, "h:0", tag=9)
         await group.join()
 
@@ -110,7 +110,7 @@ async def test_no_device_memory_growth_over_10000_messages(cluster, driver):
             acked = await _recv(driver, "m:0", group, tag=1)
         report = await _recv(driver, "m:0", group, tag=2)
         assert marks[1] == marks[0], marks                 # the sender's slots did not grow
-        assert driver._cuda is not None and len(driver._cuda.sender._slots) <= 2 * cuda_ipc.WINDOW_SLOTS
+        assert driver._gpu.session is not None and len(driver._gpu.session.sender._slots) <= 2 * cuda_ipc.WINDOW_SLOTS
         assert report["allocated"] == 0                     # the receiver allocates nothing
         await driver.send(None, "m:0", tag=3)
         await group.join()
@@ -141,12 +141,12 @@ async def test_sender_killed_fails_the_receive_and_forgets_its_slots(cluster, dr
         group = await cluster.spawn(workers_gpu.send_then_wait, "s", 1, args=("driver:0",))
         t = await _recv(driver, "s:0", group)
         assert bool((t == 3.0).all())
-        assert any(key[0] == "s:0" for key in driver._cuda.reader._mapped)
+        assert any(key[0] == "s:0" for key in driver._gpu.session.reader._mapped)
         pending = driver.async_recv("s:0")
         os.kill(group.pids[0], 9)
         with pytest.raises(rlinf.PeerLostError):
             await pending
-        assert not any(key[0] == "s:0" for key in driver._cuda.reader._mapped)
+        assert not any(key[0] == "s:0" for key in driver._gpu.session.reader._mapped)
         del t
 
 
@@ -173,6 +173,6 @@ async def test_owned_copies_with_shm_views_off(cluster, driver):
             await driver.send(t, "v:0")
         report = await _recv(driver, "v:0", group)
         assert report["all_equal"] and report["kept"] == 0.0
-        assert driver._cuda.sender.busy_bytes("v:0") == 0    # copies out: no slot is held
+        assert driver._gpu.session.sender.busy_bytes("v:0") == 0    # copies out: no slot is held
         await driver.send(None, "v:0", tag=9)
         await group.join()

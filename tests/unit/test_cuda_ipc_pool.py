@@ -503,7 +503,8 @@ def _comm_with(peer_devices, peer_transports=("zmq", "cuda_ipc")):
                            transports=("zmq", "cuda_ipc"))
     comm._roster["peer:0"] = WorkerInfo("peer:0", "inc-1", "node", pid=1, devices=peer_devices,
                                         transports=peer_transports)
-    comm._cuda = _Session(asyncio.get_running_loop(), [])
+    comm._gpu.me = comm.info
+    comm._gpu.session = _Session(asyncio.get_running_loop(), [])
     return comm
 
 
@@ -511,7 +512,7 @@ async def test_gpu_buffers_to_a_peer_go_by_cuda_ipc_named_in_its_device_numberin
     from rlinf.info import DeviceInfo
 
     comm = _comm_with((DeviceInfo("cuda", 0, "GPU-b"), DeviceInfo("cuda", 1, "GPU-a")))
-    host, gpu = comm._device_buffers([memoryview(b"hd"), _DeviceBuf(b"abc")], "peer:0")
+    host, gpu = comm._gpu.prepare([memoryview(b"hd"), _DeviceBuf(b"abc")], "peer:0")
     assert [bytes(b) for b in host] == [b"hd"]
     assert gpu[2] == 1 and gpu[3][0] == 1 and gpu[5] == [[1, 0, 3]]       # its cuda:1 is our cuda:0
 
@@ -520,11 +521,11 @@ async def test_gpu_buffers_are_staged_to_a_peer_that_cannot_map_them(caplog):
     from rlinf.info import DeviceInfo
 
     comm = _comm_with((DeviceInfo("cuda", 0, "GPU-b"),))                   # it does not see GPU-a
-    host, gpu = comm._device_buffers([_DeviceBuf(b"abc")], "peer:0")
+    host, gpu = comm._gpu.prepare([_DeviceBuf(b"abc")], "peer:0")
     assert gpu is None and [bytes(b) for b in host] == [b"abc"]
     assert "does not see the GPU" in caplog.text
     comm = _comm_with((DeviceInfo("cuda", 0, "GPU-a"),), peer_transports=("zmq",))
-    host, gpu = comm._device_buffers([_DeviceBuf(b"abc")], "peer:0")
+    host, gpu = comm._gpu.prepare([_DeviceBuf(b"abc")], "peer:0")
     assert gpu is None and "cuda_ipc unavailable on peer:0" in caplog.text
 
 
@@ -534,8 +535,8 @@ async def test_a_restarted_peer_starts_from_fresh_slots():
     from rlinf.info import DeviceInfo
 
     comm = _comm_with((DeviceInfo("cuda", 0, "GPU-a"),))
-    _host, first = comm._device_buffers([_DeviceBuf(b"abc")], "peer:0")
-    comm._cuda.sender.release("peer:0", first[0], first[1], None, False)
+    _host, first = comm._gpu.prepare([_DeviceBuf(b"abc")], "peer:0")
+    comm._gpu.session.sender.release("peer:0", first[0], first[1], None, False)
     comm._roster["peer:0"] = dataclasses.replace(comm._roster["peer:0"], incarnation="inc-2")
-    _host, again = comm._device_buffers([_DeviceBuf(b"abc")], "peer:0")
+    _host, again = comm._gpu.prepare([_DeviceBuf(b"abc")], "peer:0")
     assert again[0] != first[0] and again[3] is not None       # the old incarnation's slot was dropped
