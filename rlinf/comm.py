@@ -112,6 +112,11 @@ class Communicator:
             for a manager that may never come back).
         disable: transports this communicator never uses, added to
             ``$RLINF_DISABLE_TRANSPORTS`` (names of :data:`rlinf.routing.TRANSPORTS`).
+        forwards_unchanged: this process never writes into arrays it received and then
+            forwards (a relay such as the channel process). Forwarded views of another
+            process's shared memory then go by reference as they are, without first
+            making this process's mapping copy-on-write (which guards their receiver
+            from later writes here, at the cost of a remap per forwarded slot).
             GPU buffers received through CUDA IPC are views of the sender's slot, as
             ``shm_views`` says for shared memory (with ``shm_views=False``, owned copies).
     """
@@ -119,7 +124,8 @@ class Communicator:
     def __init__(self, address: str | None = None, *, manager: str | None = None, token: str | None = None,
                  codec: Codec | None = None, connect_timeout: float = 30.0, meta: dict | None = None,
                  shm_views: bool | None = None, exclusive: bool = False,
-                 manager_host: str | None = None, disable: Iterable[str] = ()) -> None:
+                 manager_host: str | None = None, disable: Iterable[str] = (),
+                 forwards_unchanged: bool = False) -> None:
         address = address or os.environ.get("RLINF_ADDRESS")
         if not address:
             raise ValueError("no worker address: pass address='group:rank' or set RLINF_ADDRESS")
@@ -169,6 +175,7 @@ class Communicator:
         elif not isinstance(shm_views, bool):
             raise TypeError(f"shm_views must be a bool, got {shm_views!r}")
         self._shm_views = shm_views
+        self._guard_relays = not forwards_unchanged
         self._shm: shm.ShmSession | None = None
         self._bulk: tcp_bulk.BulkTransport | None = None   # large payloads from/to other nodes
         self._stream: StreamTransport | None = None        # frame sets from/to this node's processes
@@ -225,7 +232,7 @@ class Communicator:
                 transports += await self._start_bulk(bind, advertise, endpoints)
             if routing.SHM not in self._routing.disabled and shm.available():
                 self._shm = shm.ShmSession(self._loop, self._send_notice, views=self._shm_views,
-                                           recycler=self._recycler)
+                                           recycler=self._recycler, guard_relays=self._guard_relays)
                 self.on_system("shm", self._shm.on_notice)
                 transports += (routing.SHM,)
             self._inbound = FrameReader(self._shm, self._recycler, self._pid_of, self._counters.dropped,

@@ -98,9 +98,10 @@ class ChannelServer:
         meta = {"kind": "channel", "channel": name, "policy": self.core.policy.name, "maxsize": maxsize}
         # exclusive: of two creators racing for one name, the second fails to join
         # The server holds items and never computes on them: GPU items reach it staged
-        # through host memory (no CUDA context here, no producer's slots pinned by a queue).
+        # through host memory (no CUDA context here, no producer's slots pinned by a queue),
+        # and the items it forwards are never written here (their views go as they are).
         self.comm = Communicator(self.address, manager=manager, token=token, meta=meta, exclusive=True,
-                                 disable=(CUDA_IPC,))
+                                 disable=(CUDA_IPC,), forwards_unchanged=True)
         self._out: dict[tuple[str, int], list] = {}
         self._flush_scheduled = False
         self._task: asyncio.Task | None = None
