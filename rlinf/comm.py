@@ -53,6 +53,10 @@ _GRACEFUL_LINGER_MS = 2000
 _OWED_BURST = 16
 #: How long a "left" peer that sent us data may take to deliver its in-order "bye".
 _BYE_GRACE = 2.0
+#: When that grace ends after a stall, the bye (and the data before it) may still wait
+#: unread in the socket: uvloop runs due timers before it polls I/O. The peer is declared
+#: gone only this much later, after one more poll.
+_AFTER_ONE_POLL = 0.01
 #: Incarnations of peers known gone (their late frames are dropped) that are remembered,
 #: the oldest forgotten first: a peer restarted under one name adds one each time.
 DEAD_KEPT = 4096
@@ -937,7 +941,8 @@ class Communicator:
             if event.kind == "left" and bye_sent:
                 # Its last messages may still be in flight on the data socket; its "bye"
                 # follows them. Fall back to the event if the bye never comes.
-                self._loop.call_later(_BYE_GRACE, self._peer_gone, event.address, event.incarnation, "left")
+                self._loop.call_later(_BYE_GRACE, self._loop.call_later, _AFTER_ONE_POLL,
+                                      self._peer_gone, event.address, event.incarnation, "left")
             else:
                 self._peer_gone(event.address, event.incarnation, event.kind)
         for queue in self._subscribers:
