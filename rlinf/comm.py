@@ -104,7 +104,8 @@ class Communicator:
             sender's slot (True, the default; the slot returns to the sender when they are
             garbage-collected), or owned copies made at receive time (False: one more
             copy, but nothing of the sender's is held). Default ``$RLINF_SHM_VIEWS``
-            (``0`` for copies), else True.
+            (``0`` for copies), else True. The same holds for GPU tensors received
+            through CUDA IPC (views of the sender's device slot, or owned copies).
         exclusive: join only if no live worker holds ``address`` (else ``start``
             raises :class:`~rlinf.AddressInUseError`). By default a second worker under
             a live address replaces the first, as a restarted worker does.
@@ -121,8 +122,6 @@ class Communicator:
             process's shared memory then go by reference as they are, without first
             making this process's mapping copy-on-write (which guards their receiver
             from later writes here, at the cost of a remap per forwarded slot).
-            GPU buffers received through CUDA IPC are views of the sender's slot, as
-            ``shm_views`` says for shared memory (with ``shm_views=False``, owned copies).
     """
 
     def __init__(self, address: str | None = None, *, manager: str | None = None, token: str | None = None,
