@@ -511,12 +511,10 @@ class Communicator:
                                         gpu)
             if relayed is not None:
                 self._shm.relay.cancel(outbox.address, relayed[1])
-        if gpu is not None:
-            return self._queue_gpu(outbox, kind, tag, codec_header, buffers, nbytes, need_future, gpu)
         if nbytes < SMALL_MESSAGE:
             # copy now (the caller may reuse its buffers); coalesced into one frame later
             frames, counts, large = [bytes(b) for b in buffers], None, False
-        elif outbox.bulk is not None and nbytes >= self._routing.bulk_threshold:
+        elif outbox.bulk is not None and nbytes >= self._routing.bulk_threshold and gpu is None:
             # another node, by the bulk stream: one frame per buffer, read into place there
             frames, counts, nbytes = bulk_frames(buffers)
             entry = [kind, tag, codec_header, counts]
@@ -529,35 +527,20 @@ class Communicator:
             large = True
         entry = [kind, tag, codec_header, counts]
         nbytes += len(codec_header)
+        transport, discard = "zmq", None
+        if gpu is not None:      # its GPU buffers wait in a CUDA IPC slot: the entry says where
+            entry += [None, None, gpu]
+            nbytes += sum(place[2] for place in gpu[5])
+            transport, discard = routing.CUDA_IPC, functools.partial(self._gpu.discard, gpu)
         if not large and not need_future and outbox.ready:
-            outbox.put(OutMessage(entry, frames, nbytes, None, False), self._loop)
+            outbox.put(OutMessage(entry, frames, nbytes, None, False, transport=transport, discard=discard),
+                       self._loop)
             return None
         future = self._loop.create_future()
         if not large and outbox.ready:
             future.set_result(None)
-        outbox.put(OutMessage(entry, frames, nbytes, future, large), self._loop)
-        return future
-
-    def _queue_gpu(self, outbox: Outbox, kind: int, tag: Any, codec_header: bytes, buffers: list, nbytes: int,
-                   need_future: bool, gpu: list) -> asyncio.Future | None:
-        """Queue a message whose GPU buffers are in a CUDA IPC slot (``gpu``) and whose
-        host buffers (``nbytes`` in all) go in its frames: coalesced with other small
-        messages when they are small, as a large message otherwise."""
-        paths = self._gpu
-        large = nbytes >= SMALL_MESSAGE
-        if large:
-            frames, counts, nbytes = split_frames(buffers)
-        else:      # copied now (the caller may reuse its buffers); the layout is made at the flush
-            frames, counts = [bytes(b) for b in buffers], None
-        entry = [kind, tag, codec_header, counts, None, None, gpu]
-        nbytes += len(codec_header) + sum(place[2] for place in gpu[5])   # counted with its transport
-        future = None
-        if large or need_future or not outbox.ready:
-            future = self._loop.create_future()
-            if not large and outbox.ready:
-                future.set_result(None)
-        outbox.put(OutMessage(entry, frames, nbytes, future, large, transport=routing.CUDA_IPC,
-                              discard=lambda: paths.discard(gpu)), self._loop)
+        outbox.put(OutMessage(entry, frames, nbytes, future, large, transport=transport, discard=discard),
+                   self._loop)
         return future
 
     def _shm_route(self, info: WorkerInfo) -> bool:

@@ -242,16 +242,17 @@ def _segment_pid(name: str) -> int | None:
     return None if match is None else int(match.group(1))
 
 
-def slot_layout(sizes: list[int]) -> tuple[list[int], int]:
+def slot_layout(sizes: list[int], align: int = SLOT_ALIGN) -> tuple[list[int], int]:
     """Offsets of buffers of ``sizes`` bytes inside a slot, and the bytes they span.
 
     The one definition of the in-slot placement, used by the sender (to copy) and the
-    receiver (to slice): in order, each buffer at the next :data:`SLOT_ALIGN` boundary.
+    receiver (to slice): in order, each buffer at the next ``align`` boundary (a power
+    of two: :data:`SLOT_ALIGN` in shared memory; CUDA IPC slots use their own).
     """
     offsets, end = [], 0
     for n in sizes:
         offsets.append(end)
-        end = (end + n + SLOT_ALIGN - 1) & ~(SLOT_ALIGN - 1)
+        end = (end + n + align - 1) & ~(align - 1)
     return offsets, end
 
 

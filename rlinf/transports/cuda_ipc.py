@@ -109,16 +109,6 @@ def _slot_size(nbytes: int) -> int:
     return max(MIN_SLOT, 1 << (nbytes - 1).bit_length())
 
 
-def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
-    """Offsets of buffers of ``sizes`` bytes in a slot, each :data:`ALIGN`-aligned, and
-    the bytes they span."""
-    offsets, end = [], 0
-    for n in sizes:
-        offsets.append(end)
-        end += -(-n // ALIGN) * ALIGN
-    return offsets, end
-
-
 def _as_torch(buf: Any, torch: Any) -> Any:
     """A flat uint8 device buffer (torch or cupy) as a torch tensor (no copy)."""
     if type(buf).__module__.startswith("torch"):
@@ -208,7 +198,7 @@ class CudaIpcSender:
         if any(device_of(buffers[i]) != device for i in places[1:]):
             return None
         sizes = [buffers[i].nbytes for i in places]
-        offsets, total = layout(sizes)
+        offsets, total = wire.slot_layout(sizes, ALIGN)
         slot = self._acquire(reader, device, peer_device, max(total, 1))
         if slot is None:
             return None
@@ -345,7 +335,11 @@ class CudaIpcSender:
             table.pop(reader, None)
         if mine:
             mine.clear()
-            self._torch.cuda.ipc_collect()
+            self.collect()
+
+    def collect(self) -> None:
+        """Let torch free the slots we dropped whose receivers have unmapped them."""
+        self._torch.cuda.ipc_collect()
 
     def close(self) -> None:
         for table in (self._slots, self._free, self._held, self._busy, self._busy_count, self.retired):
@@ -601,11 +595,8 @@ class CudaIpcSession:
         if retired:
             for slot in retired:
                 self._owe(reader, ["retire", slot, self.incarnation])
-            self._torch_collect()
+            self.sender.collect()       # slots retired earlier, unmapped there by now
         return gpu
-
-    def _torch_collect(self) -> None:
-        self.sender._torch.cuda.ipc_collect()      # slots retired earlier, now unmapped there
 
     def behind(self, reader: str) -> bool:
         """``reader`` holds many of our slots: the next send waits a little for one back."""

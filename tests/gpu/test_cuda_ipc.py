@@ -122,17 +122,16 @@ async def test_receiver_killed_mid_stream(cluster, driver):
         t = torch.randn(16 << 20, device="cuda")        # 64 MiB per message
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
+        gone = asyncio.Event()
+        driver.on_peer_gone(lambda address, _inc: address == "k:0" and gone.set())   # after its slots went
         await driver.send(t, "k:0")
         os.kill(group.pids[0], 9)
         with pytest.raises(rlinf.PeerLostError):
             for _ in range(10_000):
                 await driver.send(t, "k:0", timeout=60)
-        for _ in range(100):          # the slots it held are given up once it is known gone
-            torch.cuda.synchronize()
-            torch.cuda.ipc_collect()
-            if torch.cuda.memory_allocated() <= base:
-                break
-            await asyncio.sleep(0.05)  # polling torch's collection of the freed slots
+        await gone.wait()
+        torch.cuda.synchronize()
+        torch.cuda.ipc_collect()      # its references were released: torch frees the slots now
         assert torch.cuda.memory_allocated() <= base
 
 

@@ -21,6 +21,7 @@ from rlinf import wire
 from rlinf.outbox import IN_FLIGHT, OutMessage, Outbox, bulk_frames
 from rlinf.stats import Counters
 
+from ..recording_link import RecordingLink
 from .same import assert_same
 from . import workers
 
@@ -368,23 +369,6 @@ async def test_return_value_with_tensor_reaches_driver(cluster):
 
 
 # -- sending policy of one peer's queue (an injected recording link, no sockets) ------------
-class _RecordingLink:
-    """Accepts every frame set at once and keeps a copy of it."""
-
-    def __init__(self) -> None:
-        self.sent: list[list[bytes]] = []
-
-    def try_send(self, frames: list, *, track: bool = False) -> None:
-        self.sent.append([bytes(f) for f in frames])
-
-    async def released(self, tracker) -> None:
-        pass
-
-    def close(self, exc: BaseException | None = None) -> None:
-        pass
-
-    def close_gracefully(self, linger_ms: int, exc: BaseException | None = None) -> None:
-        pass
 
 
 def _small(i: int) -> OutMessage:
@@ -413,7 +397,7 @@ class _Clock:
 
 async def test_lone_message_is_sent_at_once_and_a_burst_is_coalesced():
     loop = asyncio.get_running_loop()
-    link = _RecordingLink()
+    link = RecordingLink()
     clock = _Clock()
     box = Outbox("peer:0", ("me:0", "inc0"), Counters("me:0"), clock=clock)
     box.attach(link, None)
@@ -438,7 +422,7 @@ async def test_lone_message_is_sent_at_once_and_a_burst_is_coalesced():
 async def test_message_behind_a_pushed_back_link_waits_in_order():
     loop = asyncio.get_running_loop()
 
-    class _FullLink(_RecordingLink):
+    class _FullLink(RecordingLink):
         full = True
         writable: asyncio.Future
 
@@ -480,7 +464,7 @@ async def test_a_bulk_stream_that_cannot_open_hands_the_message_to_zeromq():
     """The bulk connector fails: the message (and the rest) go through ZeroMQ, chunked,
     in order, and the outbox stops trying the bulk stream."""
     loop = asyncio.get_running_loop()
-    link = _RecordingLink()
+    link = RecordingLink()
     box = Outbox("peer:0", ("me:0", "inc0"), Counters("me:0"), clock=_Clock())
     tried = []
 

@@ -47,9 +47,12 @@ class _Stream:
 class _Storage:
     shares = 0
 
+    def __init__(self, size: int) -> None:
+        self.size = size
+
     def _share_cuda_(self):
         _Storage.shares += 1
-        return (0, b"\x02c" + b"h" * 64, 1, 0, b"/torch_1_2_3", _Storage.shares, b"e" * 64, True)
+        return (0, b"\x02c" + b"h" * 64, self.size, 0, b"/torch_1_2_3", _Storage.shares, b"e" * 64, True)
 
 
 class _Tensor:
@@ -57,7 +60,7 @@ class _Tensor:
 
     def __init__(self, size: int) -> None:
         self.data = np.zeros(size, np.uint8)
-        self.storage = _Storage()
+        self.storage = _Storage(size)
 
     def __getitem__(self, s: slice) -> _View:
         return _View(self.data[s])
@@ -540,3 +543,30 @@ async def test_a_restarted_peer_starts_from_fresh_slots():
     comm._roster["peer:0"] = dataclasses.replace(comm._roster["peer:0"], incarnation="inc-2")
     _host, again = comm._gpu.prepare([_DeviceBuf(b"abc")], "peer:0")
     assert again[0] != first[0] and again[3] is not None       # the old incarnation's slot was dropped
+
+
+async def test_a_gpu_message_is_queued_with_its_item_and_discards_its_slot_unsent():
+    from rlinf import wire
+    from rlinf.info import DeviceInfo
+    from rlinf.outbox import Outbox
+
+    from ..recording_link import RecordingLink
+
+    comm = _comm_with((DeviceInfo("cuda", 0, "GPU-a"),))
+    comm._loop = asyncio.get_running_loop()
+    host, gpu = comm._gpu.prepare([memoryview(b"hd"), _DeviceBuf(b"abc")], "peer:0")
+    link = RecordingLink()
+    box = Outbox("peer:0", ("me:0", "inc-me"), comm._counters, clock=lambda: 1.0)
+    box.attach(link, None)
+    assert comm._queue(box, wire.USER, 5, b"h", host, False, gpu) is None     # small, link idle: sent
+    [frame_set] = link.sent
+    _src, _inc, [entry], _packed = wire.unpack_header(frame_set[0], frame_set[1:])
+    assert entry.tag == 5 and entry.gpu.places == ((1, 0, 3),) and entry.frame_counts == [2]
+    assert comm.stats().transports["cuda_ipc"].msgs == 1
+    held = comm._gpu.prepare([_DeviceBuf(b"x")], "peer:0")[1]
+    box.queue.clear()
+    future = comm._queue(box, wire.USER, 6, b"h", [], True, held)       # queued behind the in-flight send
+    [msg] = box.queue
+    assert future is not None and msg.transport == "cuda_ipc"
+    msg.discard()                                                         # dropped unsent: its slot is free
+    assert comm._gpu.session.sender.busy_bytes("peer:0") == cuda_ipc.MIN_SLOT      # only the first one's

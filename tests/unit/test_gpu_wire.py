@@ -13,6 +13,8 @@ from rlinf.inbound import FrameReader
 from rlinf.transports import cuda_ipc
 from rlinf.transports.shm import Recycler
 
+from ..recording_link import RecordingLink
+
 SHARE = [0, b"\x02c" + b"h" * 64, 1 << 20, 0, b"/torch_41_2851_0", 7, b"e" * 64, True]
 
 
@@ -99,7 +101,7 @@ def test_communicator_refuses_unknown_disabled_transports():
 
 
 def test_slot_layout_and_sizes():
-    assert cuda_ipc.layout([1, 256, 257, 0]) == ([0, 256, 512, 1024], 1024)
+    assert wire.slot_layout([1, 256, 257, 0], cuda_ipc.ALIGN) == ([0, 256, 512, 1024], 1024)
     assert cuda_ipc._slot_size(1) == cuda_ipc.MIN_SLOT
     assert cuda_ipc._slot_size(cuda_ipc.MIN_SLOT + 1) == 2 * cuda_ipc.MIN_SLOT
 
@@ -113,20 +115,6 @@ def test_cap_from_environment(monkeypatch):
 
 
 # -- GPU entries through a real outbox (the CUDA IPC item survives coalescing) ----------
-class _RecordingLink:
-    def __init__(self) -> None:
-        self.sent: list[list[bytes]] = []
-
-    def try_send(self, frames: list, *, track: bool = False) -> None:
-        self.sent.append([bytes(f) for f in frames])
-
-    async def released(self, tracker) -> None:
-        pass
-
-    def close(self, exc: BaseException | None = None) -> None:
-        pass
-
-
 async def test_small_gpu_messages_coalesce_with_others_and_keep_their_gpu_item():
     import asyncio
 
@@ -134,7 +122,7 @@ async def test_small_gpu_messages_coalesce_with_others_and_keep_their_gpu_item()
     from rlinf.stats import Counters
 
     loop = asyncio.get_running_loop()
-    link = _RecordingLink()
+    link = RecordingLink()
     now = [0.0]
     box = Outbox("peer:0", ("me:0", "inc0"), Counters("me:0"), clock=lambda: now[0])
     box.attach(link, None)
