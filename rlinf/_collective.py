@@ -245,6 +245,17 @@ class Call:
         self.comm._mailbox.retire(self.tag)
 
 
+def _queued_abort(call: Call) -> Exception | None:
+    """The abort a member already sent, if one waits in the mailbox: when a member fails
+    because of a third one and then leaves, its leaving may fail our sends to it before
+    we heard of the third one's loss, but its abort, sent before it left, names that one."""
+    try:
+        call.check_aborted()
+    except Exception as exc:
+        return exc if call.remote else None     # an abort, not a malformed or mismatched message
+    return None
+
+
 def _describe(kind: str, root: Any, extra: Any = None) -> str:
     args = [f"root={root}"] if root is not None else []
     if kind == "all_reduce" and extra:
@@ -281,6 +292,10 @@ async def execute(call: Call, body: Callable[..., Awaitable[Any]], *args: Any, t
                     raise call.error from None
             raise
     except BaseException as exc:
+        if isinstance(exc, PeerLostError) and not call.remote:
+            cause = _queued_abort(call)
+            if cause is not None:   # a member told us first why it failed: the root cause
+                raise cause from exc
         if not call.remote and not isinstance(exc, ClosedError):
             call.abort_others(exc)
         raise
