@@ -39,6 +39,7 @@ from .outbox import SMALL_MESSAGE, OutMessage, Outbox, bulk_frames, split_frames
 from .security import ClusterKeys, ZapHandler, tcp_encryption_enabled
 from .stats import CommStats, Counters
 from .transports import cuda_ipc, shm, tcp_bulk
+from .transports._pull import PullSession, pull_threshold
 from .transports.base import Received
 from .transports.stream import StreamTransport
 from .transports.zeromq import ZmqTransport
@@ -180,6 +181,7 @@ class Communicator:
         self._shm_views = shm_views
         self._guard_relays = not forwards_unchanged
         self._shm: shm.ShmSession | None = None
+        self._pull: PullSession | None = None      # single-copy pulls by copy-out receivers
         self._bulk: tcp_bulk.BulkTransport | None = None   # large payloads from/to other nodes
         self._stream: StreamTransport | None = None        # frame sets from/to this node's processes
         self._recycler = shm.Recycler()   # receive-side private memory (chunk reassembly, copy-outs)
@@ -238,8 +240,13 @@ class Communicator:
                                            recycler=self._recycler, guard_relays=self._guard_relays)
                 self.on_system("shm", self._shm.on_notice)
                 transports += (routing.SHM,)
+                self._pull = PullSession(self._loop, self.incarnation,
+                                         functools.partial(self._send_notice, tag="pull"), self._recycler,
+                                         self._shm.copier, offload=self._shm.offload, threshold=pull_threshold(),
+                                         pid_of=self._pid_of)
+                self.on_system("pull", self._pull.on_notice)
             self._inbound = FrameReader(self._shm, self._recycler, self._pid_of, self._counters.dropped,
-                                        self._gpu.open, self._gpu.refuse)
+                                        self._gpu.open, self._gpu.refuse, self._pull)
             self._listener.set_handler(self._arrival.zmq)
             if routing.STREAM not in self._routing.disabled and StreamTransport.available():
                 transports += await self._start_stream(endpoints)
@@ -333,6 +340,8 @@ class Communicator:
             self._shm.close()      # releases owed to peers go out ahead of the bye
         if self._gpu.session is not None:
             self._gpu.session.flush()
+        if self._pull is not None:
+            self._pull.close(error)
         self._closed = error
         bye_to = self._say_bye() if deregister else []
         for closer in reversed(self._closers):
@@ -503,6 +512,9 @@ class Communicator:
                 and outbox.info is not None and self._shm_route(outbox.info):
             sizes = [memoryview(b).nbytes for b in buffers]
             relayed = self._shm.relay.plan(buffers, sizes, outbox.address)
+            if relayed is None and gpu is None and kind == wire.USER and self._pull is not None \
+                    and nbytes >= self._pull.threshold and self._pull.agreed(outbox.address, outbox.info.incarnation):
+                return self._queue_pull(outbox, tag, codec_header, buffers, sizes, nbytes)
             if relayed is not None:   # views of another process's slot: forwarded by reference
                 sizes = [0 if i in relayed[0] else n for i, n in enumerate(sizes)]
             export = self._shm.export(buffers, sizes, {outbox.address: 1}) if any(sizes) else (None, sizes, None)
@@ -541,6 +553,18 @@ class Communicator:
             future.set_result(None)
         outbox.put(OutMessage(entry, frames, nbytes, future, large, transport=transport, discard=discard),
                    self._loop)
+        return future
+
+    def _queue_pull(self, outbox: Outbox, tag: Any, codec_header: bytes, buffers: list, sizes: list[int],
+                    nbytes: int) -> asyncio.Future:
+        """Queue a message whose receiver pulls its buffers from our memory (it agreed to;
+        see ``rlinf/transports/_pull.py``); the future completes once it has read them."""
+        pull = self._pull
+        layout, item, future = pull.offer(outbox.address, buffers, sizes)
+        entry = [wire.USER, tag, codec_header, layout, None, None, None, item]
+        discard = lambda: pull.drop(item[0], outbox.error)   # noqa: E731
+        outbox.put(OutMessage(entry, [], nbytes + len(codec_header), None, False, transport=routing.SHM,
+                              discard=discard), self._loop)
         return future
 
     def _shm_route(self, info: WorkerInfo) -> bool:
@@ -826,7 +850,18 @@ class Communicator:
     async def _decode_owned(self, msg: Message) -> Any:
         """Copy-out (``shm_views=False``): decode over owned copies; the slot goes back
         as soon as the copies are made. Large copies run in the executor; a receive
-        cancelled meanwhile puts the message back (nothing is lost)."""
+        cancelled meanwhile puts the message back (nothing is lost). A pulled message
+        was read into owned memory on arrival: wait for that read to end."""
+        if msg.pulling is not None:
+            try:
+                await asyncio.shield(msg.pulling)
+            except asyncio.CancelledError:
+                self._mailbox.put_back(msg)
+                raise
+            msg.pulling, msg.shm = None, False
+            return self._decode(msg)
+        if self._pull is not None:    # it came through a slot: ask its sender to be pulled from
+            self._pull.want(msg.src, msg.incarnation)
         if msg.error is None:
             if msg.nbytes >= self._shm.offload:
                 try:
@@ -852,12 +887,14 @@ class Communicator:
         if (src, incarnation) in self._dead:
             self._counters.dropped()
             return
-        for entry, buffers, nbytes, in_shm, error, ready in self._inbound.entries(src, entries, frames, packed,
-                                                                                   incarnation):
+        for entry, buffers, nbytes, in_shm, error, ready, pulling in self._inbound.entries(
+                src, entries, frames, packed, incarnation):
             if entry.kind == wire.USER:
                 self._counters.received(src, nbytes + len(entry.codec_header))
                 self._mailbox.deliver(Message(src, incarnation, entry.tag, entry.codec_header, buffers, 0, nbytes,
-                                              in_shm, error, ready))
+                                              in_shm, error, ready, pulling))
+            elif pulling is not None:
+                log.warning("rlinf %s: dropped system message %r with pulled buffers", self.address, entry.tag)
             elif error is not None:
                 log.warning("rlinf %s: dropped system message %r: %s", self.address, entry.tag, error)
             elif entry.tag == "bye":
@@ -947,6 +984,8 @@ class Communicator:
         gone_here = info is not None and info.incarnation == incarnation and control.process_gone_here(info)
         if self._shm is not None:
             self._shm.peer_gone(address, alive=not gone_here)
+        if self._pull is not None:
+            self._pull.gone(address, incarnation)
         self._gpu.gone(address, incarnation, left=kind == "left", process_gone=gone_here)
         for hook in self._gone_hooks:
             hook(address, incarnation)

@@ -14,6 +14,10 @@ and in both the peer is usually waiting, so the second CPU would otherwise idle.
 ``RLINF_COPY_THREADS`` sets how many threads one copy uses in all, the caller included
 (default 2 on a machine with 2 CPUs or more, else 1; ``1`` turns splitting off).
 
+The same split serves other one-pass copies of ``(dst, src)`` pairs: :meth:`Copier.copy`
+takes the function that copies a list of pairs (reads from another process's memory,
+:mod:`rlinf.transports.cma`, pass theirs).
+
 Buffer lifetime: the copy has finished, in every part, when :meth:`Copier.copy` returns;
 it keeps no reference to the arrays.
 """
@@ -23,7 +27,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -35,7 +39,9 @@ SPLIT_BYTES = 8 << 20
 #: destination addresses, which decides memcpy's speed, is the same in every part).
 _GRAIN = 64 << 10
 
-Pair = tuple[np.ndarray, np.ndarray]
+#: ``(dst, src)``: ``src`` is a 1-D uint8 array, or anything with ``nbytes`` that slices
+#: like one (e.g. :class:`rlinf.transports.cma.Remote`).
+Pair = tuple[np.ndarray, Any]
 
 
 def default_threads() -> int:
@@ -101,19 +107,20 @@ class Copier:
     def __repr__(self) -> str:
         return f"<Copier threads={self.threads} split_bytes={self.split_bytes}>"
 
-    def copy(self, pairs: Sequence[Pair]) -> None:
-        """Copy each ``src`` into its ``dst`` (1-D uint8 arrays of equal sizes)."""
+    def copy(self, pairs: Sequence[Pair], fn: Callable[[Sequence[Pair]], None] = _copy_all) -> None:
+        """Copy each ``src`` into its ``dst`` (of equal sizes) with ``fn(pairs)`` (by
+        default ``np.copyto`` pair by pair), each part of a large copy on its own thread."""
         if self.threads == 1 or sum(src.nbytes for _, src in pairs) < self.split_bytes:
-            _copy_all(pairs)
+            fn(pairs)
             return
         pool = self._helpers()
         if pool is None:
-            _copy_all(pairs)
+            fn(pairs)
             return
         mine, *theirs = split(pairs, self.threads)
-        futures: list[Future] = [pool.submit(_copy_all, part) for part in theirs]
+        futures: list[Future] = [pool.submit(fn, part) for part in theirs]
         try:
-            _copy_all(mine)
+            fn(mine)
         finally:   # every part is done before we return, also when ours failed
             errors = [exc for exc in (future.exception() for future in futures) if exc is not None]
         if errors:

@@ -1,9 +1,10 @@
 """A received frame set's entries, with their buffers rebuilt wherever they travelled.
 
-The data plane carries a message's buffers in one of five ways (see :mod:`rlinf.wire`):
+The data plane carries a message's buffers in one of six ways (see :mod:`rlinf.wire`):
 inside one packed blob shared by coalesced small messages, as payload frames (a large
 buffer as several chunks), in the sender's shared-memory slot, in another process's
-slot relayed by the sender, or (GPU buffers) in the sender's CUDA IPC slot.
+slot relayed by the sender, in the sender's own memory for us to pull, or (GPU buffers)
+in the sender's CUDA IPC slot.
 :class:`FrameReader` turns each entry back into a list of buffers, so that the
 communicator only delivers messages.
 
@@ -11,11 +12,13 @@ Buffer lifetime: buffers are views of the received frames, of the packed blob, o
 shared memory (valid, and the slot kept busy, for as long as they or anything decoded
 over them is referenced); chunked buffers are joined into recycled private memory,
 which is reused once nothing references it. GPU buffers are views of the sender's CUDA
-IPC slot, which goes back to it once they are all garbage-collected.
+IPC slot, which goes back to it once they are all garbage-collected. Pulled buffers are
+recycled private memory, filled once their entry's ``pulling`` future is done.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Callable, Iterator
 
@@ -24,6 +27,7 @@ import numpy as np
 from . import wire
 from .errors import ClosedError, DecodeError, ProtocolError
 from .transports import shm
+from .transports._pull import PullSession
 
 __all__ = ["FrameReader", "Rebuilt"]
 
@@ -31,10 +35,12 @@ log = logging.getLogger("rlinf.comm")
 
 _NO_BYTES = memoryview(b"")
 
-#: One entry: ``(entry, buffers, nbytes, in_shared_memory, error, ready)``; ``error`` (a
-#: DecodeError) when its shared memory could not be opened, its buffers then missing;
-#: ``ready`` (GPU buffers from CUDA IPC) orders the decoding thread's stream after them.
-Rebuilt = tuple[wire.Entry, list, int, bool, "DecodeError | None", "Callable[[], None] | None"]
+#: One entry: ``(entry, buffers, nbytes, in_shared_memory, error, ready, pulling)``;
+#: ``error`` (a DecodeError) when its shared memory could not be opened, its buffers then
+#: missing; ``ready`` (GPU buffers from CUDA IPC) orders the decoding thread's stream
+#: after them; ``pulling`` (a future) is done once pulled buffers hold their data.
+Rebuilt = tuple[wire.Entry, list, int, bool, "DecodeError | None", "Callable[[], None] | None",
+                "asyncio.Future | None"]
 
 
 class FrameReader:
@@ -50,13 +56,16 @@ class FrameReader:
             :meth:`~rlinf.transports.cuda_ipc.CudaIpcReader.open`).
         refuse_gpu: ``refuse_gpu(src, incarnation, gpu)`` gives back the GPU slot of an
             entry whose other buffers could not be read.
+        pull: the communicator's pulls (:class:`~rlinf.transports._pull.PullSession`), or None.
     """
 
     def __init__(self, session: shm.ShmSession | None, recycler: shm.Recycler,
                  pid_of: Callable[[str], int | None], on_bad_slot: Callable[[], None],
                  open_gpu: Callable[[str, str, wire.GpuRef], tuple] | None = None,
-                 refuse_gpu: Callable[[str, str, wire.GpuRef], None] | None = None) -> None:
+                 refuse_gpu: Callable[[str, str, wire.GpuRef], None] | None = None,
+                 pull: PullSession | None = None) -> None:
         self._shm = session
+        self._pull = pull
         self._recycler = recycler
         self._pid_of = pid_of
         self._on_bad_slot = on_bad_slot
@@ -70,9 +79,17 @@ class FrameReader:
         i = 0
         blob = (frames[0] if frames else _NO_BYTES) if packed else None
         for entry in entries:
-            buffers, nbytes, error, ready = [], 0, None, None
+            buffers, nbytes, error, ready, pulling = [], 0, None, None, None
             in_slot = relayed = None
-            if entry.slot is not None or entry.relays is not None:
+            if entry.pull is not None:    # its negative counts are read from the sender's memory
+                try:
+                    pulled, pulling = self._open_pull(src, incarnation, entry)
+                    in_slot = iter(pulled)
+                except ProtocolError as exc:
+                    self._on_bad_slot()
+                    log.warning("rlinf: bad pull descriptor from %s: %r", src, exc)
+                    error = DecodeError(f"message from {src} cannot be pulled: {exc}")
+            elif entry.slot is not None or entry.relays is not None:
                 try:
                     in_slot, relayed = self._open(src, entry)
                 except (ProtocolError, ClosedError) as exc:
@@ -112,7 +129,13 @@ class FrameReader:
                     self._on_bad_slot()
                     log.warning("rlinf: bad CUDA IPC slot from %s: %r", src, exc)
                     error = DecodeError(f"message from {src} cannot be read from its GPU slot: {exc}")
-            yield entry, buffers, nbytes, in_slot is not None or relayed is not None, error, ready
+            yield entry, buffers, nbytes, in_slot is not None or relayed is not None, error, ready, pulling
+
+    def _open_pull(self, src: str, incarnation: str, entry: wire.Entry) -> tuple[list, asyncio.Future]:
+        if self._pull is None:
+            raise ProtocolError("pulls are not enabled in this process")
+        sizes = [-c for c in entry.frame_counts if c < 0]
+        return self._pull.open(src, incarnation, entry.pull, sizes)
 
     def _insert_gpu(self, src: str, incarnation: str, gpu: wire.GpuRef, buffers: list) -> tuple[Callable, int]:
         """Put an entry's device buffers in their places among its host ``buffers``;

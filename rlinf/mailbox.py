@@ -38,6 +38,8 @@ class Message:
     are garbage-collected). ``error``: the message arrived but cannot be rebuilt (e.g. a
     bad shared-memory descriptor); receiving it raises this error. ``ready``: for GPU
     buffers from CUDA IPC, orders the decoding thread's current stream after their copy.
+    ``pulling``: buffers being read from the sender's memory (a future, done once they
+    hold the data; see ``rlinf/transports/_pull.py``).
     """
 
     src: str
@@ -50,6 +52,7 @@ class Message:
     shm: bool = False
     error: BaseException | None = None
     ready: Callable[[], None] | None = None
+    pulling: asyncio.Future | None = None
 
 
 class _Waiter:

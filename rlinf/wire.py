@@ -51,6 +51,15 @@ then the slot and relays, or nil::
 device buffer at ``offset`` in the slot. ``share`` and ``event`` (torch's IPC description
 of the slot and its ready event) come with the slot's first message to this receiver.
 
+An entry may carry an eighth item instead of a slot, relays and GPU buffers (those three
+are then nil): its large buffers are left in the sender's memory for the receiver to
+*pull* (see :class:`PullRef` and ``rlinf/transports/_pull.py``)::
+
+    [kind, tag, codec_header, layout, nil, nil, nil, [pull_id, [address, ...]]]
+
+A negative ``layout[i]`` then marks buffer ``i`` as pulled: ``-layout[i]`` bytes at the
+next address, in buffer order.
+
 Entries are in send order.
 
 Every size and count is checked before anything is allocated; a bad header raises
@@ -69,7 +78,8 @@ import msgpack
 
 from .errors import ProtocolError
 
-__all__ = ["VERSION", "USER", "SYSTEM", "MAX_FRAME", "SLOT_ALIGN", "Entry", "SlotRef", "FdRef", "GpuRef", "pack_header",
+__all__ = ["VERSION", "USER", "SYSTEM", "MAX_FRAME", "SLOT_ALIGN", "Entry", "SlotRef", "FdRef", "GpuRef", "PullRef",
+           "pack_header",
            "HeaderPacker", "unpack_header", "slot_layout", "parse_segment_name"]
 
 VERSION = 1
@@ -108,6 +118,7 @@ class Entry:
     slot: SlotRef | None = None
     relays: list[SlotRef | FdRef] | None = None
     gpu: GpuRef | None = None
+    pull: PullRef | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +184,29 @@ class GpuRef:
     event: bytes | None
     places: tuple[tuple[int, int, int], ...]
     span: int
+
+
+@dataclass(frozen=True, slots=True)
+class PullRef:
+    """Where a message's pulled buffers are: a validated pull descriptor.
+
+    Attributes:
+        pull_id: the sender's number for the message, echoed back once pulled.
+        addresses: where each pulled buffer starts in the sender's memory, in order.
+    """
+
+    pull_id: int
+    addresses: tuple[int, ...]
+
+
+def _unpack_pull(raw: Any, pulled: int) -> PullRef:
+    if not (isinstance(raw, list) and len(raw) == 2 and type(raw[0]) is int and isinstance(raw[1], list)):
+        raise ProtocolError("malformed pull descriptor")
+    pull_id, addresses = raw
+    if not (0 <= pull_id <= INT_MAX and len(addresses) == pulled
+            and all(type(a) is int and 0 < a <= INT_MAX for a in addresses)):
+        raise ProtocolError("bad pull descriptor")
+    return PullRef(pull_id, tuple(addresses))
 
 
 _SHARE_TYPES = (int, bytes, int, int, bytes, int, bytes, bool)
@@ -306,13 +340,15 @@ def _relayed_place(item: list, relays: list[SlotRef | FdRef] | None) -> None:
 def _unpack_entry(raw: Any, limit: int, low: int) -> tuple[Entry, int]:
     """An entry with a slot and/or relays (or a malformed one): the entry, and the
     payload bytes/frames it announces."""
-    if not (isinstance(raw, list) and 4 <= len(raw) <= 7):
+    if not (isinstance(raw, list) and 4 <= len(raw) <= 8):
         raise ProtocolError("malformed message entry")
     kind, tag, codec_header, counts = raw[:4]
     if kind not in (USER, SYSTEM) or not isinstance(codec_header, bytes) or not isinstance(counts, list):
         raise ProtocolError("malformed message entry")
     if not isinstance(tag, (int, str)) or isinstance(tag, bool):
         raise ProtocolError("message tag must be an int or str")
+    if len(raw) == 8:
+        return _unpack_pull_entry(raw, limit, low)
     slot = _unpack_slot(raw[4]) if len(raw) >= 5 and (len(raw) == 5 or raw[4] is not None) else None
     relays = _unpack_relays(raw[5]) if len(raw) >= 6 and raw[5] is not None else None
     gpu = _unpack_gpu(raw[6], len(counts)) if len(raw) == 7 else None
@@ -335,6 +371,27 @@ def _unpack_entry(raw: Any, limit: int, low: int) -> tuple[Entry, int]:
     if slot is not None and not 0 < in_slot <= slot.size:
         raise ProtocolError(f"slot of {slot.size} bytes cannot hold the {in_slot} bytes announced")
     return Entry(kind, tag, codec_header, counts, slot, relays, gpu), total
+
+
+def _unpack_pull_entry(raw: list, limit: int, low: int) -> tuple[Entry, int]:
+    """An entry whose large buffers are pulled (its eighth item; see the module docstring)."""
+    kind, tag, codec_header, counts, slot, relays, gpu, pull = raw
+    if slot is not None or relays is not None or gpu is not None:
+        raise ProtocolError("a pulled message carries no slot, relays or GPU buffers")
+    total = pulled = span = 0
+    for c in counts:
+        if type(c) is not int:
+            raise ProtocolError("bad buffer layout")
+        if c < 0:
+            pulled += 1
+            span -= c
+        elif low <= c <= limit:
+            total += c
+        else:
+            raise ProtocolError("bad buffer layout")
+    if not 0 < span <= MAX_SLOT:
+        raise ProtocolError("bad pulled buffer sizes")
+    return Entry(kind, tag, codec_header, counts, pull=_unpack_pull(pull, pulled)), total
 
 
 def pack_header(src: str, incarnation: str, entries: list[list], packed: bool = False) -> bytes:

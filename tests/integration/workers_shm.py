@@ -177,3 +177,82 @@ async def produce_on_command(comm, ctl: str, dst: str, nbytes: int):
         await comm.send({"x": np.full(nbytes, value, np.uint8)}, dst, timeout=30)
         await comm.send("sent", ctl, tag=72, timeout=30)
     return comm._shm.pool.created
+
+
+def pull_state(comm) -> dict:
+    """What a test needs to know about a communicator's pulls."""
+    pull = comm._pull
+    return {"offered": pull.offered, "pulled": pull.pulled, "held": len(pull._held), "sources": len(pull._sources)}
+
+
+async def pulled_by(comm, peer: str) -> None:
+    """Wait until ``peer`` (a copy-out receiver that got a message of ours through a
+    slot) has agreed to pull our large messages."""
+    from .wait import until
+
+    incarnation = comm._roster[peer].incarnation
+    await until(lambda: comm._pull.agreed(peer, incarnation), what=f"{peer} to agree to pull")
+
+
+async def send_reused(comm, dst: str, n: int, nbytes: int):
+    """Send ``n`` messages to ``dst`` from ONE buffer, refilled as soon as each send
+    returned (a send returns when its buffers may be reused): the first through a slot,
+    the others pulled once ``dst`` agreed (``pulls``; else through slots too). Return our
+    pulls and how many sends still held their buffers when they returned."""
+    buf = np.zeros(nbytes, np.uint8)
+    held_after_send = 0
+    for i in range(n):
+        buf[:] = i
+        await comm.send({"x": buf, "i": i}, dst, timeout=60)
+        held_after_send += len(comm._pull._held)
+        buf[:] = 255                         # the receiver must never see this
+        if i == 0:
+            assert await comm.recv(dst, tag=1, timeout=60) == "first"
+            if comm._pull.threshold:
+                await pulled_by(comm, dst)
+    assert await comm.recv(dst, tag=1, timeout=60) == "checked"
+    return {**pull_state(comm), "held_after_send": held_after_send}
+
+
+async def check_fills(comm, src: str, n: int):
+    """Receive ``n`` messages from ``src`` (ack the first) and check each is all ``i``;
+    keep them; then say so and report our pulls."""
+    kept = []
+    for i in range(n):
+        obj = await comm.recv(src, timeout=60)
+        assert obj["i"] == i and bool(np.all(obj["x"] == i)), f"message {i} changed after its send returned"
+        kept.append(obj)
+        if i == 0:
+            await comm.send("first", src, tag=1, timeout=60)
+    await comm.send("checked", src, tag=1, timeout=60)
+    return pull_state(comm)
+
+
+async def swap(comm, n: int, nbytes: int):
+    """For ranks 0 and 1 of one group: two exchanges (the second through slots: the first
+    goes inline when the other is not in our roster yet), then, once the other agreed to
+    pull, ``n`` times: send a large array to the other, THEN receive one from it (both
+    send first: a send must not wait for the other's receive)."""
+    name, rank = comm.address.split(":")
+    peer = f"{name}:{1 - int(rank)}"
+    for _ in range(2):
+        await comm.send({"x": np.zeros(nbytes, np.uint8)}, peer, timeout=30)
+        await comm.recv(peer, timeout=30)
+    await pulled_by(comm, peer)
+    for i in range(n):
+        await comm.send({"x": np.full(nbytes, i, np.uint8)}, peer, timeout=30)
+        obj = await comm.recv(peer, timeout=30)
+        assert bool(np.all(obj["x"] == i))
+    return pull_state(comm)
+
+
+async def pull_then_freeze(comm, src: str):
+    """Receive one message from ``src`` (through a slot: we ask to pull from then on),
+    wait for its "freeze" (tag 1), say "frozen" (tag 2), then block our event loop until
+    killed: what ``src`` sends next is never read."""
+    await comm.recv(src, timeout=60)
+    await comm.recv(src, tag=1, timeout=60)
+    await comm.send("frozen", src, tag=2, timeout=60)
+    await asyncio.sleep(0)        # one loop turn: the reply's frame set goes out (Outbox.put)
+    import time
+    time.sleep(600)

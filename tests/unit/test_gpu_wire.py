@@ -70,7 +70,7 @@ def test_frame_reader_puts_device_buffers_in_their_places():
 
     entry = _unpack([wire.USER, 0, b"h", [1, 1], None, None, _gpu([[3, 0, 4], [0, 256, 2]])],
                     [b"aa", b"bbb"])
-    [(_entry, buffers, nbytes, in_shm, error, ready)] = list(_reader(open_gpu).entries(
+    [(_entry, buffers, nbytes, in_shm, error, ready, _pulling)] = list(_reader(open_gpu).entries(
         "a:0", [entry], [memoryview(b"aa"), memoryview(b"bbb")], False, "inc"))
     assert error is None and not in_shm and opened == [("a:0", "inc", 3)] and ready is not None
     assert [bytes(b) for b in buffers] == [b"\x00\x00", b"aa", b"bbb", b"\x03\x03\x03\x03"]
@@ -81,7 +81,7 @@ def test_frame_reader_without_cuda_ipc_reports_the_entry_unreadable():
     dropped = []
     reader = FrameReader(None, Recycler(), lambda src: None, lambda: dropped.append(1))
     entry = _unpack([wire.USER, 0, b"h", [], None, None, _gpu([[0, 0, 4]])])
-    [(_entry, _buffers, _n, _shm, error, _ready)] = list(reader.entries("a:0", [entry], [], False))
+    [(_entry, _buffers, _n, _shm, error, _ready, _pulling)] = list(reader.entries("a:0", [entry], [], False))
     assert isinstance(error, DecodeError) and dropped == [1]
 
 

@@ -1,0 +1,70 @@
+"""Single-copy pulls between real processes: a copy-out receiver reads a same-node
+sender's buffers in place (``rlinf/transports/_pull.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import rlinf
+from rlinf.transports import cma
+
+from .wait import until
+from . import workers_shm
+
+pytestmark = [pytest.mark.multiproc,
+              pytest.mark.skipif(not cma.available(), reason="no process_vm_readv / pidfd here")]
+
+COPY_OUT = {"RLINF_SHM_VIEWS": "0"}
+
+
+async def test_a_copy_out_receiver_pulls_and_a_send_returns_only_once_read(cluster):
+    """The first message goes through a slot; the receiver then asks to pull, and the
+    rest are pulled. The sender refills its one buffer as soon as each send returned:
+    the receiver still sees every message as it was sent."""
+    n = 8
+    async with asyncio.timeout(60):
+        receiver = await cluster.spawn(workers_shm.check_fills, "checker", 1, args=("sender:0", n), env=COPY_OUT)
+        sender = await cluster.spawn(workers_shm.send_reused, "sender", 1, args=("checker:0", n, 3 << 20))
+        [got], [sent] = await asyncio.gather(receiver.join(), sender.join())
+        assert got["pulled"] == n - 1, got          # all but the first, which went through a slot
+        assert got["sources"] == 1
+        assert sent["offered"] == got["pulled"] and sent["held"] == 0
+        assert sent["held_after_send"] == 0         # no send returned before its read
+
+
+async def test_two_copy_out_peers_that_send_first_do_not_wait_on_each_other(cluster):
+    """Each sends a large array, then receives: reads happen on arrival, not on receive."""
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers_shm.swap, "p", 2, args=(6, 4 << 20), env=COPY_OUT)
+        states = await group.join()
+        assert all(s["pulled"] == 6 and s["offered"] == 6 for s in states), states
+
+
+async def test_a_send_waiting_on_a_killed_receiver_fails_with_peer_lost(cluster, driver):
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers_shm.pull_then_freeze, "frozen", 1, args=("driver:0",), env=COPY_OUT)
+        await driver.send({"x": np.ones(2 << 20, np.uint8)}, "frozen:0")          # through a slot
+        [info] = [p for p in await driver.peers() if p.address == "frozen:0"]
+        await until(lambda: driver._pull.agreed("frozen:0", info.incarnation), what="the receiver to agree to pull")
+        await driver.send("freeze", "frozen:0", tag=1)
+        assert await driver.recv("frozen:0", tag=2) == "frozen"
+        sending = asyncio.ensure_future(driver.send({"x": np.ones(2 << 20, np.uint8)}, "frozen:0"))
+        await until(lambda: driver._pull.offered == 1, what="the pulled send to be queued")
+        assert not sending.done()                     # nobody reads it
+        await group.kill()
+        with pytest.raises(rlinf.PeerLostError):
+            await asyncio.wait_for(sending, 10)
+        assert not driver._pull._held
+
+
+async def test_pulls_off_on_the_sender_keep_slots(cluster):
+    n = 4
+    async with asyncio.timeout(60):
+        receiver = await cluster.spawn(workers_shm.check_fills, "checker", 1, args=("sender:0", n), env=COPY_OUT)
+        sender = await cluster.spawn(workers_shm.send_reused, "sender", 1, args=("checker:0", n, 2 << 20),
+                                     env={"RLINF_SHM_PULL": "0"})
+        [got], [sent] = await asyncio.gather(receiver.join(), sender.join())
+        assert got["pulled"] == 0 and got["sources"] == 0 and sent["offered"] == 0
