@@ -11,10 +11,17 @@ the end), which is how small batches flow in a pipeline. The 400 KiB rows of rli
 pyzmq and the floor are measured in alternating rounds (``ROUNDS``, each in new processes)
 and report the median over rounds; the note gives each method's range over the rounds.
 
+At 40 MiB, memcpy runs right before each rlinf transfer (``_paired_rounds``), so both are
+measured with the caches a 40 MiB transfer leaves (cold) and in the same phase of this
+VM's speed; the rows with views and with owned copies run in ``ROUNDS`` rounds (new
+processes each) and report the medians over rounds, their notes the range of the
+per-round ratios and the ratio against a memcpy repeated alone (partly in cache).
+
 Rows: memcpy of the payload into memory already paged in (the limit), rlinf with views
 (the default), rlinf sending tensors already in shared memory (``share_memory_()``: by
 handle, no copy; against the torch.multiprocessing queue given the same tensors), rlinf
-where the receiver owns a copy (``shm_views=False``), rlinf with
+where the receiver owns a copy (``shm_views=False``: pulled from the sender's memory,
+and with ``RLINF_SHM_PULL=0`` through a slot), rlinf with
 its large copies on the loop instead of an executor (``RLINF_SHM_OFFLOAD``), raw pyzmq
 multipart over ipc (msgpack header + raw frames, ``copy=False``; the receiver rebuilds
 the same dict of torch tensors over the frames, without copying), at 400 KiB a
@@ -57,6 +64,9 @@ SIZES = {"40 MiB": 40 << 20, "400 KiB": 400 << 10}
 STREAM = 200
 #: Rounds of the 400 KiB rows (rlinf, raw pyzmq and the floor alternate; see ``_rounds``).
 ROUNDS, ROUNDS_QUICK = 5, 1
+#: Untimed transfers before the 40 MiB ones: the first few run slower (a copy-out
+#: receiver also agrees to pull only after its first message).
+WARMUP = 5
 
 
 def _tensors(obj: dict) -> list:
@@ -64,17 +74,24 @@ def _tensors(obj: dict) -> list:
 
 
 # ----------------------------------------------------------------------------- memcpy
-def _memcpy(total: int, reps: int) -> float:
+def _memcpy_op(total: int):
+    """One memcpy of the payload into memory already paged in, then a touch of every
+    page (what the receiver does): a function that does it and returns its time."""
     src = [t.numpy() for t in _tensors(nested_object(total))]
     dst = [np.ones_like(a) for a in src]          # paged in
-    times = []
-    for _ in range(reps + 1):
+
+    def once() -> float:
         t0 = time.perf_counter()
         for d, s in zip(dst, src):
             np.copyto(d, s)
         touch(dst)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+        return time.perf_counter() - t0
+    return once
+
+
+def _memcpy(total: int, reps: int) -> float:
+    once = _memcpy_op(total)
+    return statistics.median([once() for _ in range(reps + 1)][1:])
 
 
 # ----------------------------------------------------------------------------- rlinf
@@ -93,7 +110,11 @@ async def _rl_sink(comm, n: int, stream: int):
 
 
 async def _rlinf(total: int, reps: int, stream: int, env: dict, torch_tensors: bool = True,
-                 shared: bool = False) -> tuple[float, float | None]:
+                 shared: bool = False, paired=None, warmup: int = 1) -> tuple[float, float | None, float | None]:
+    """rlinf's one-at-a-time median (after ``warmup`` transfers), its streamed time per
+    message, and, with ``paired`` (a function timing one run of a baseline), the median
+    of that baseline run just before each timed transfer (both see the same phases of
+    this VM's speed)."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)            # the driver (sender) reads RLINF_SHM_OFFLOAD at start
     try:
@@ -101,9 +122,11 @@ async def _rlinf(total: int, reps: int, stream: int, env: dict, torch_tensors: b
             obj = nested_object(total, torch_tensors=torch_tensors)
             for t in _tensors(obj) if shared else ():
                 t.share_memory_()     # passed by handle: no copy
-            await cluster.spawn(_rl_sink, "sink", 1, args=(reps + 1, stream), env=env)
-            times = []
-            for _ in range(reps + 1):
+            await cluster.spawn(_rl_sink, "sink", 1, args=(reps + warmup, stream), env=env)
+            times, baseline = [], []
+            for _ in range(reps + warmup):
+                if paired is not None:
+                    baseline.append(paired())
                 t0 = time.perf_counter()
                 await comm.send(obj, "sink:0")
                 await comm.recv("sink:0", tag=1)
@@ -115,8 +138,9 @@ async def _rlinf(total: int, reps: int, stream: int, env: dict, torch_tensors: b
                     await comm.send(obj, "sink:0")
                 await comm.recv("sink:0", tag=1)
                 streamed = (time.perf_counter() - t0) / stream
-            assert comm.stats().transports["shm"].msgs >= reps + 1, "rlinf did not use shared memory"
-            return statistics.median(times[1:]), streamed
+            assert comm.stats().transports["shm"].msgs >= reps + warmup, "rlinf did not use shared memory"
+            return (statistics.median(times[warmup:]), streamed,
+                    statistics.median(baseline[warmup:]) if baseline else None)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -274,7 +298,7 @@ def _rounds(total: int, reps: int, stream: int, torch_tensors: bool, n: int) -> 
     different phases and their ratio says more about the phases than the methods.
     Alternating rounds expose every method to the same mix of phases."""
     methods = {
-        "rlinf": lambda: run_loop(_rlinf(total, reps, stream, {}, torch_tensors)),
+        "rlinf": lambda: run_loop(_rlinf(total, reps, stream, {}, torch_tensors))[:2],
         "raw": lambda: _raw_zmq(total, reps, stream, torch_tensors),
         "floor": lambda: _shm_floor.run(ctx, total, reps, stream, torch_tensors),
     }
@@ -283,6 +307,33 @@ def _rounds(total: int, reps: int, stream: int, torch_tensors: bool, n: int) -> 
     for r in range(n):
         for k in names[r % 3:] + names[:r % 3]:
             out[k].append(methods[k]())
+    return out
+
+
+def _paired_rounds(total: int, reps: int, torch_tensors: bool, warmup: int, n: int) -> dict[str, tuple]:
+    """``n`` rounds of rlinf with views, with owned copies (pulled) and with owned copies
+    through a slot (``RLINF_SHM_PULL=0``), each transfer right after a memcpy of the same
+    size: ``{method: (rlinf, memcpy, note)}``, the medians over rounds of the per-round
+    medians, and the range of the per-round ratios.
+
+    The memcpy before each transfer runs with the caches as a transfer leaves them (cold:
+    the payload and slot are larger than the L3 cache), at the ~21 GB/s of BENCHMARKS.md's
+    reference; a memcpy repeated alone keeps part of its 80 MiB in the 32 MiB L3 cache and
+    runs ~15% faster (its time is in the S1 row's note). Rounds spread each method over
+    more of this VM's speed phases (see :func:`_rounds`)."""
+    envs = {"views": {}, "copy": {"RLINF_SHM_VIEWS": "0"},
+            "slot": {"RLINF_SHM_VIEWS": "0", "RLINF_SHM_PULL": "0"}}
+    once = _memcpy_op(total)
+    got: dict[str, list[tuple]] = {k: [] for k in envs}
+    for _ in range(n):
+        for k, env in envs.items():
+            t, _, base = run_loop(_rlinf(total, reps, 0, env, torch_tensors, paired=once, warmup=warmup))
+            got[k].append((t, base))
+    out = {}
+    for k, results in got.items():
+        ratios = [base / t for t, base in results]
+        out[k] = (statistics.median(t for t, _ in results), statistics.median(b for _, b in results),
+                  f"rounds: {min(ratios):.2f}-{max(ratios):.2f}x")
     return out
 
 
@@ -304,7 +355,7 @@ def run(quick: bool = False, sizes: list[str] | None = None) -> list[Row]:
         if sizes and label not in sizes:
             continue
         small = total < (1 << 20)
-        reps = (8 if quick else 100) if small else (3 if quick else 15)
+        reps = (8 if quick else 100) if small else (3 if quick else 30)
         stream = (STREAM // 10 if quick else STREAM) if small else 0
         torch_tensors = not quick
         memcpy = _memcpy(total, reps)
@@ -312,10 +363,13 @@ def run(quick: bool = False, sizes: list[str] | None = None) -> list[Row]:
             rounds = _rounds(total, reps, stream, torch_tensors, ROUNDS_QUICK if quick else ROUNDS)
             (views, views_stream), (raw, raw_stream), (floor, floor_stream) = (
                 _medians(rounds[k]) for k in ("rlinf", "raw", "floor"))
-        else:
-            views, views_stream = run_loop(_rlinf(total, reps, stream, {}, torch_tensors))
+            copy, _, _ = run_loop(_rlinf(total, reps, 0, {"RLINF_SHM_VIEWS": "0"}, torch_tensors))
+        else:   # each transfer right after a memcpy, in rounds: see _paired_rounds
+            warmup = 2 if quick else WARMUP
+            paired = _paired_rounds(total, reps, torch_tensors, warmup, ROUNDS_QUICK if quick else ROUNDS)
+            (views, memcpy_views, views_note), (copy, memcpy_copy, copy_note), (by_slot, memcpy_slot, slot_note) = (
+                paired[k] for k in ("views", "copy", "slot"))
             raw, raw_stream = _raw_zmq(total, reps, stream, torch_tensors)
-        copy, _ = run_loop(_rlinf(total, reps, 0, {"RLINF_SHM_VIEWS": "0"}, torch_tensors))
         shared_q = _torch_queue(total, reps, shared=True)
         fresh_q = _torch_queue(total, reps, shared=False)
         gloo = _gloo(total, reps)
@@ -338,17 +392,24 @@ def run(quick: bool = False, sizes: list[str] | None = None) -> list[Row]:
                 Row(f"{label} receiver owns a copy", copy, "raw pyzmq multipart ipc", raw, "s"),
             ]
         else:
-            on_loop, _ = run_loop(_rlinf(total, reps, 0, {"RLINF_SHM_OFFLOAD": "1T"}, torch_tensors))
-            by_handle, _ = run_loop(_rlinf(total, reps, 0, {}, True, shared=True))
+            on_loop, _, _ = run_loop(_rlinf(total, reps, 0, {"RLINF_SHM_OFFLOAD": "1T"}, torch_tensors,
+                                            warmup=warmup))
+            by_handle, _, _ = run_loop(_rlinf(total, reps, 0, {}, True, shared=True, warmup=warmup))
             rows += [
-                Row(f"S1 {label} views", views, "memcpy", memcpy, "s", target=">= 0.75x"),
+                Row(f"S1 {label} views", views, "memcpy, each before a transfer", memcpy_views, "s",
+                    target=">= 0.75x", note=f"{views_note}; memcpy alone: {memcpy * 1e3:.2f} ms "
+                                            f"({memcpy / views:.2f}x)"),
                 Row(f"S1 {label} pre-shared tensors, by handle", by_handle, "torch.mp Queue, pre-shared", shared_q,
                     "s", target=">= 2.5x"),
                 Row(f"{label} views", views, "torch.mp Queue, pre-shared", shared_q, "s"),
                 Row(f"S1 {label} views", views, "raw pyzmq multipart ipc", raw, "s", target=">= 3x"),
                 Row(f"{label} views", views, "torch.mp Queue, fresh", fresh_q, "s"),
                 Row(f"{label} views", views, "gloo send/recv per tensor", gloo, "s"),
-                Row(f"S2 {label} receiver owns a copy", copy, "memcpy", memcpy, "s", target=">= 0.4x"),
+                Row(f"S2 {label} receiver owns a copy", copy, "memcpy, each before a transfer", memcpy_copy, "s",
+                    target=">= 0.4x", note=f"{copy_note}; pulled from the sender's memory: one copy "
+                                           f"({memcpy / copy:.2f}x memcpy alone)"),
+                Row(f"{label} receiver owns a copy, through a slot", by_slot, "memcpy, each before a transfer",
+                    memcpy_slot, "s", note=f"{slot_note}; RLINF_SHM_PULL=0: two copies"),
                 Row(f"{label} views, copy on the loop", on_loop, "rlinf views (executor copy)", views, "s",
                     note="RLINF_SHM_OFFLOAD=1T"),
             ]

@@ -103,9 +103,11 @@ class Communicator:
             numbers, str, bytes, and lists and maps of them, at most 16 deep).
         shm_views: arrays received through shared memory are zero-copy views of the
             sender's slot (True, the default; the slot returns to the sender when they are
-            garbage-collected), or owned copies made at receive time (False: one more
-            copy, but nothing of the sender's is held). Default ``$RLINF_SHM_VIEWS``
-            (``0`` for copies), else True. The same holds for GPU tensors received
+            garbage-collected), or owned copies (False: nothing of the sender's is held;
+            a large same-node message is then read straight from the sender's memory
+            when it arrives, one copy, where the kernel allows it, else copied out of
+            the slot at receive time: see ``RLINF_SHM_PULL`` in ``docs/transports.md``).
+            Default ``$RLINF_SHM_VIEWS`` (``0`` for copies), else True. The same holds for GPU tensors received
             through CUDA IPC (views of the sender's device slot, or owned copies).
         exclusive: join only if no live worker holds ``address`` (else ``start``
             raises :class:`~rlinf.AddressInUseError`). By default a second worker under
@@ -412,7 +414,9 @@ class Communicator:
         Returns when the buffers of ``obj`` may be reused: small messages (< 1 MiB) are
         copied at once, large ones are sent zero-copy and awaited until released, and a
         same-node message whose payload reaches the shared-memory threshold is copied
-        once into a shared-memory slot (see ``docs/transports.md``).
+        once into a shared-memory slot, or, to a receiver that takes owned copies and
+        agreed to, awaited until it has read the buffers from our memory (see
+        ``docs/transports.md``).
 
         Raises:
             PeerLostError: ``dst`` died or left. CommTimeoutError: not sent in ``timeout``.
