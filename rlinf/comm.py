@@ -484,12 +484,14 @@ class Communicator:
             raise outbox.error
         if gpu:
             buffers, gpu = self._gpu.prepare(buffers, dst)
-        held = False      # the slots we owe dst go back with this message, ahead of it
+        held = False      # the large slots we owe dst go back with this message, ahead of it
         if self._shm is not None and self._shm.owed:
-            notice = self._shm.take(dst)
-            if notice is not None:
-                self._queue_notice(outbox, notice, hold=True)
+            ahead = self._shm.ahead(dst)
+            if ahead:
+                self._queue_notice(outbox, self._shm.take(dst), hold=True)
                 held = True
+            elif ahead is not None:   # small slots: right after it, off a reply's path
+                self._loop.call_soon(self._shm.flush_to, dst)
         cuda = self._gpu.session
         if cuda is not None and cuda.owed:
             notice = cuda.take(dst)

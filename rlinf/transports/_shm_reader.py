@@ -92,6 +92,14 @@ class ShmReader:
     def __repr__(self) -> str:
         return f"<ShmReader mapped={len(self._shared) + len(self._private)}{' closed' if self.closed else ''}>"
 
+    def mapped_bytes(self, segment: str) -> int:
+        """The size of our mapping of ``segment`` (0 if we have none)."""
+        mm = self._shared.get(segment) or self._private.get(segment)
+        try:
+            return len(mm) if mm is not None else 0
+        except ValueError:   # closed meanwhile
+            return 0
+
     def open(self, src: Hashable, slot: wire.SlotRef, sizes: Sequence[int], pid: int | None = None) -> list[memoryview]:
         """Writable views of the buffers of ``sizes`` bytes in ``slot``, from ``src``.
 

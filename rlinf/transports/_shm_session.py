@@ -31,10 +31,13 @@ WINDOW_BYTES = 256 << 20
 #: half its window.
 STALL = 0.05
 #: Seconds a notice (a release or a first mapping) may wait for company: what we owe a
-#: sender goes out with our next message to it (:meth:`ShmSession.take`), else with
+#: sender goes out with our next message to it (:meth:`ShmSession.ahead`), else with
 #: the other notices collected within this delay, in one message per sender. The
 #: communicator flushes earlier once many are owed.
 NOTICE_DELAY = 0.5e-3
+#: Releases of at least this many bytes of slots travel ahead of our next message to
+#: their sender, in its frame set; smaller ones right after it (:meth:`ShmSession.ahead`).
+AHEAD_BYTES = 1 << 20
 
 
 class ShmSession:
@@ -72,6 +75,7 @@ class ShmSession:
         self._loop_thread = threading.get_ident()
         self._send_notice = send_notice
         self._pending: dict[str, tuple[list, list]] = {}
+        self._owed_bytes: dict[str, int] = {}      # sender -> bytes of the slots we release to it
         self._owed = 0
         self._timer: asyncio.TimerHandle | None = None
         self._changed: asyncio.Event | None = None
@@ -203,6 +207,7 @@ class ShmSession:
             mapped.append(segment)
         else:
             releases.append([segment, generation])
+            self._owed_bytes[src] = self._owed_bytes.get(src, 0) + self.reader.mapped_bytes(segment)
 
     @property
     def owed(self) -> int:
@@ -213,6 +218,7 @@ class ShmSession:
         """What we owe ``src`` (the notice's body), to send with a message to it now;
         None if nothing."""
         owed = self._pending.pop(src, None)
+        self._owed_bytes.pop(src, None)
         if owed is None:
             return None
         self._owed -= len(owed[0]) + len(owed[1])
@@ -220,10 +226,30 @@ class ShmSession:
             self._stop_timer()
         return list(owed)
 
+    def ahead(self, src: str) -> bool | None:
+        """How what we owe ``src`` goes with our next message to it: ahead of it in its
+        frame set (True: it returns a slot of at least :data:`AHEAD_BYTES`, which the
+        sender's next message may then reuse instead of taking a second one), or right
+        after it (False: small slots; carried ahead they would add ~12 us to a reply's
+        latency on both sides). None: we owe ``src`` nothing."""
+        if src not in self._pending:
+            return None
+        return self._owed_bytes.get(src, 0) >= AHEAD_BYTES
+
+    def flush_to(self, src: str) -> None:
+        """Send what we owe ``src`` now, in a notice of its own."""
+        owed = self.take(src)
+        if owed is not None:
+            try:
+                self._send_notice(src, owed)
+            except RlinfError as exc:   # the sender is gone: it retires or sweeps its slots
+                log.debug("rlinf: shared-memory notice to %s not sent: %r", src, exc)
+
     def flush(self) -> None:
         """Send the notices collected so far, one message per sender."""
         self._stop_timer()
         pending, self._pending, self._owed = self._pending, {}, 0
+        self._owed_bytes.clear()
         for src, (releases, mapped) in pending.items():
             try:
                 self._send_notice(src, [releases, mapped])
@@ -261,6 +287,7 @@ class ShmSession:
         self.relay.reader_gone(address, alive=alive)
         self.fd_maps.peer_gone(address)
         self._owed -= sum(map(len, self._pending.pop(address, ((), ()))))
+        self._owed_bytes.pop(address, None)
         self._holding.discard(address)
         event = self._room.pop(address, None)
         if event is not None:
