@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import rlinf
+from rlinf.devices import process_gone
 from rlinf.transports import cma
 
 from .wait import until
@@ -68,3 +69,26 @@ async def test_pulls_off_on_the_sender_keep_slots(cluster):
                                      env={"RLINF_SHM_PULL": "0"})
         [got], [sent] = await asyncio.gather(receiver.join(), sender.join())
         assert got["pulled"] == 0 and got["sources"] == 0 and sent["offered"] == 0
+
+
+async def test_a_sender_killed_before_its_message_is_read_fails_that_receive(cluster, driver, tmp_path):
+    """The receiver's loop is frozen while a pulled message arrives and its sender is
+    killed; once the receiver reads on, its read finds the sender gone (its pidfd says
+    so, whatever process has that pid now): the receive raises PeerLostError, nothing
+    else is read."""
+    go = tmp_path / "go"
+    async with asyncio.timeout(60):
+        receiver = await cluster.spawn(workers_shm.frozen_puller, "puller", 1,
+                                       args=("sender:0", "driver:0", str(go)), env=COPY_OUT)
+        sender = await cluster.spawn(workers_shm.pull_sender, "sender", 1, args=("puller:0", "driver:0", 2 << 20))
+        assert await driver.recv("sender:0", tag=40) == "agreed"
+        await driver.send("freeze", "puller:0", tag=1)
+        assert await driver.recv("puller:0", tag=2) == "frozen"
+        await driver.send("go", "sender:0", tag=41)
+        assert await driver.recv("sender:0", tag=42) == 1          # one pulled send in flight
+        pid = sender.pids[0]
+        await sender.kill()
+        await until(lambda: process_gone(pid), what="the sender to be gone")
+        go.touch()
+        [got] = await receiver.join()
+        assert "could be read" in got.get("lost", "") and got["pulled"] == 1, got     # the read failed

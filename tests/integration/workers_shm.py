@@ -256,3 +256,38 @@ async def pull_then_freeze(comm, src: str):
     await asyncio.sleep(0)        # one loop turn: the reply's frame set goes out (Outbox.put)
     import time
     time.sleep(600)
+
+
+async def pull_sender(comm, dst: str, ctl: str, nbytes: int):
+    """Send one message to ``dst`` through a slot, wait until ``dst`` agreed to pull, tell
+    ``ctl`` (tag 40); on its word (tag 41) start a pulled send, say so (tag 42) and wait
+    to be killed."""
+    await comm.send({"x": np.zeros(nbytes, np.uint8)}, dst, timeout=30)
+    await pulled_by(comm, dst)
+    await comm.send("agreed", ctl, tag=40, timeout=30)
+    await comm.recv(ctl, tag=41, timeout=30)
+    comm.async_send({"x": np.full(nbytes, 7, np.uint8)}, dst)      # its read never ends: we die first
+    await comm.send(comm._pull.offered, ctl, tag=42, timeout=30)
+    await asyncio.Event().wait()
+
+
+async def frozen_puller(comm, src: str, ctl: str, go: str):
+    """Receive ``src``'s first message (we then agree to pull from it); on ``ctl``'s word
+    (tag 1) say "frozen" (tag 2) and block our loop until the file ``go`` exists (what
+    arrives meanwhile waits in the socket); then receive ``src``'s next message and
+    report how that went."""
+    import os
+    import time
+
+    await comm.recv(src, timeout=30)
+    await comm.recv(ctl, tag=1, timeout=30)
+    await comm.send("frozen", ctl, tag=2, timeout=30)
+    await asyncio.sleep(0)        # one loop turn: the reply's frame set goes out (Outbox.put)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.01)          # the loop is blocked on purpose: nothing is read meanwhile
+    try:
+        obj = await comm.recv(src, timeout=30)
+        return {"got": int(obj["x"][0]), **pull_state(comm)}
+    except rlinf.PeerLostError as exc:
+        return {"lost": str(exc), **pull_state(comm)}
