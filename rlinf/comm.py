@@ -247,6 +247,7 @@ class Communicator:
                                          self._shm.copier, offload=self._shm.offload, threshold=pull_threshold(),
                                          pid_of=self._pid_of)
                 self.on_system("pull", self._pull.on_notice)
+                self._stats_providers["pull"] = self._pull.report
             self._inbound = FrameReader(self._shm, self._recycler, self._pid_of, self._counters.dropped,
                                         self._gpu.open, self._gpu.refuse, self._pull)
             self._listener.set_handler(self._arrival.zmq)

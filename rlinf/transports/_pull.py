@@ -125,6 +125,11 @@ class PullSession:
         return (f"<PullSession threshold={self.threshold} offered={self.offered} pulled={self.pulled} "
                 f"agreed={len(self._agreed)} held={len(self._held)} sources={len(self._sources)}>")
 
+    def report(self) -> dict:
+        """Plain values for the stats a worker reports (``rlinf top``)."""
+        return {"threshold": self.threshold, "offered": self.offered, "pulled": self.pulled,
+                "agreed": len(self._agreed), "sources": len(self._sources), "held": len(self._held)}
+
     # -- sending ---------------------------------------------------------------------------
     def agreed(self, dst: str, incarnation: str) -> bool:
         """Whether ``dst`` (this incarnation) pulls our large messages (cheap: one lookup)."""

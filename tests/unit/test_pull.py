@@ -88,6 +88,9 @@ async def test_an_agreed_pull_reads_exactly_and_completes_the_send_after(offload
         assert np.array_equal(np.frombuffer(got[0], np.float32), a) and bytes(got[1]) == bytes(b)
         got[0][:4] = b"\0\0\0\0"                           # owned and writable
         assert (pair.s.offered, pair.r.pulled) == (1, 1)
+        assert pair.s.report() == {"threshold": 1 << 20, "offered": 1, "pulled": 0, "agreed": 1, "sources": 0,
+                                   "held": 0}
+        assert pair.r.report()["sources"] == 1
     finally:
         pair.close()
 
