@@ -237,8 +237,16 @@ class Call:
         failed after it sent what this one needed, e.g. its timeout expired meanwhile),
         so the call fails on every member that can still tell."""
         mailbox = self.comm._mailbox
-        while (msg := mailbox.get_nowait(None, self.tag)) is not None:
-            self._file(self.comm._decode(msg), msg.src)     # raises for an abort
+        pulled = []    # data still read from its sender's memory, never an abort: left queued
+        try:
+            while (msg := mailbox.get_nowait(None, self.tag)) is not None:
+                if msg.pulling is not None:
+                    pulled.append(msg)
+                    continue
+                self._file(self.comm._decode(msg), msg.src)     # raises for an abort
+        finally:
+            for msg in reversed(pulled):
+                mailbox.put_back(msg)
 
     def retire(self) -> None:
         """The call is over: its messages still queued or yet to come are dropped."""

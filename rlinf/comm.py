@@ -344,6 +344,11 @@ class Communicator:
         if self._gpu.session is not None:
             self._gpu.session.flush()
         if self._pull is not None:
+            if deregister:
+                try:   # receivers still reading what we hold for them: let them finish
+                    await self._pull.drain(_GRACEFUL_LINGER_MS / 1000)
+                except asyncio.CancelledError as exc:
+                    cancelled = exc
             self._pull.close(error)
         self._closed = error
         bye_to = self._say_bye() if deregister else []
@@ -486,13 +491,12 @@ class Communicator:
         if gpu:
             buffers, gpu = self._gpu.prepare(buffers, dst)
         held = False      # the large slots we owe dst go back with this message, ahead of it
+        ahead = None
         if self._shm is not None and self._shm.owed:
             ahead = self._shm.ahead(dst)
             if ahead:
                 self._queue_notice(outbox, self._shm.take(dst), hold=True)
                 held = True
-            elif ahead is not None:   # small slots: right after it, off a reply's path
-                self._loop.call_soon(self._shm.flush_to, dst)
         cuda = self._gpu.session
         if cuda is not None and cuda.owed:
             notice = cuda.take(dst)
@@ -502,6 +506,8 @@ class Communicator:
         future = self._queue(outbox, kind, tag, codec_header, buffers, need_future, gpu)
         if held:
             outbox.flush()
+        elif ahead is False:   # small slots: right after it (after its flush), off a reply's path
+            self._loop.call_soon(self._shm.flush_to, dst)
         return future
 
     def _new_cuda_session(self) -> cuda_ipc.CudaIpcSession:
@@ -567,10 +573,10 @@ class Communicator:
         """Queue a message whose receiver pulls its buffers from our memory (it agreed to;
         see ``rlinf/transports/_pull.py``); the future completes once it has read them."""
         pull = self._pull
-        layout, item, future = pull.offer(outbox.address, buffers, sizes)
+        layout, item, future, sent = pull.offer(outbox.address, outbox.info.incarnation, buffers, sizes)
         entry = [wire.USER, tag, codec_header, layout, None, None, None, item]
         discard = lambda: pull.drop(item[0], outbox.error)   # noqa: E731
-        outbox.put(OutMessage(entry, [], nbytes + len(codec_header), None, False, transport=routing.SHM,
+        outbox.put(OutMessage(entry, [], nbytes + len(codec_header), sent, False, transport=routing.SHM,
                               discard=discard), self._loop)
         return future
 
@@ -981,6 +987,8 @@ class Communicator:
             return
         self._dead.add(key, DEAD_KEPT)
         self._arrival.forget(f"{address}|{incarnation}".encode())
+        if self._pull is not None:
+            self._pull.gone(address, incarnation)
         current = self._roster.get(address)
         if current is not None and current.incarnation != incarnation:
             return   # a newer incarnation already joined
@@ -991,8 +999,6 @@ class Communicator:
         gone_here = info is not None and info.incarnation == incarnation and control.process_gone_here(info)
         if self._shm is not None:
             self._shm.peer_gone(address, alive=not gone_here)
-        if self._pull is not None:
-            self._pull.gone(address, incarnation)
         self._gpu.gone(address, incarnation, left=kind == "left", process_gone=gone_here)
         for hook in self._gone_hooks:
             hook(address, incarnation)

@@ -55,10 +55,11 @@ An entry may carry an eighth item instead of a slot, relays and GPU buffers (tho
 are then nil): its large buffers are left in the sender's memory for the receiver to
 *pull* (see :class:`PullRef` and ``rlinf/transports/_pull.py``)::
 
-    [kind, tag, codec_header, layout, nil, nil, nil, [pull_id, [address, ...]]]
+    [kind, tag, codec_header, layout, nil, nil, nil, [pull_id, [address, ...], token_address, token]]
 
 A negative ``layout[i]`` then marks buffer ``i`` as pulled: ``-layout[i]`` bytes at the
-next address, in buffer order.
+next address, in buffer order. The 8 bytes at ``token_address`` hold ``token`` for as long
+as the sender holds the buffers for the receiver.
 
 Entries are in send order.
 
@@ -193,20 +194,26 @@ class PullRef:
     Attributes:
         pull_id: the sender's number for the message, echoed back once pulled.
         addresses: where each pulled buffer starts in the sender's memory, in order.
+        token_address: where the sender keeps the word that says its hold lasts.
+        token: the word's value while it does (0 once the sender revoked the hold).
     """
 
     pull_id: int
     addresses: tuple[int, ...]
+    token_address: int
+    token: int
 
 
 def _unpack_pull(raw: Any, pulled: int) -> PullRef:
-    if not (isinstance(raw, list) and len(raw) == 2 and type(raw[0]) is int and isinstance(raw[1], list)):
+    if not (isinstance(raw, list) and len(raw) == 4 and type(raw[0]) is int and isinstance(raw[1], list)):
         raise ProtocolError("malformed pull descriptor")
-    pull_id, addresses = raw
+    pull_id, addresses, token_address, token = raw
     if not (0 <= pull_id <= INT_MAX and len(addresses) == pulled
-            and all(type(a) is int and 0 < a <= INT_MAX for a in addresses)):
+            and all(type(a) is int and 0 < a <= INT_MAX for a in addresses)
+            and type(token_address) is int and 0 < token_address <= INT_MAX
+            and type(token) is int and 0 < token <= INT_MAX):
         raise ProtocolError("bad pull descriptor")
-    return PullRef(pull_id, tuple(addresses))
+    return PullRef(pull_id, tuple(addresses), token_address, token)
 
 
 _SHARE_TYPES = (int, bytes, int, int, bytes, int, bytes, bool)

@@ -45,6 +45,8 @@ import logging
 import os
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from .. import wire
 from ..copier import Copier
 from ..errors import ClosedError, DecodeError, PeerLostError, ProtocolError
@@ -71,14 +73,24 @@ def pull_threshold(environ: Any = None) -> int:
 
 
 class _Held:
-    """A pulled message's buffers, held by the sender until the receiver is done."""
+    """A pulled message's buffers, held by the sender until the receiver is done.
 
-    __slots__ = ("dst", "buffers", "future")
+    ``token`` is a word of ours the receiver reads after the data: it holds ``value``
+    while the hold lasts and 0 once it was revoked (see :meth:`PullSession.revoke`).
+    ``sent`` is the outbox's future of the entry; cancelling it before the entry left
+    drops the entry."""
 
-    def __init__(self, dst: str, buffers: list, future: asyncio.Future) -> None:
+    __slots__ = ("dst", "incarnation", "buffers", "future", "sent", "token", "value")
+
+    def __init__(self, dst: str, incarnation: str, buffers: list, future: asyncio.Future,
+                 sent: asyncio.Future) -> None:
         self.dst = dst
+        self.incarnation = incarnation
         self.buffers = buffers
         self.future = future
+        self.sent = sent
+        self.value = int.from_bytes(os.urandom(8), "little") | 1
+        self.token = np.array([self.value], np.uint64)
 
 
 class PullSession:
@@ -116,7 +128,9 @@ class PullSession:
         self._cookie = cma.Cookie()
         self._ids = itertools.count()
         self._agreed: dict[str, str] = {}           # receiver -> its incarnation that agreed
+        self._cookied: set[str] = set()             # receivers we sent our cookie
         self._held: dict[int, _Held] = {}           # pull_id -> what a receiver still reads
+        self._emptied: asyncio.Event | None = None  # set when _held empties (drain)
         self._asked: set[tuple[str, str]] = set()   # senders (address, incarnation) asked
         self._sources: dict[tuple[str, str], cma.Process] = {}
         self._closed = False
@@ -135,21 +149,55 @@ class PullSession:
         """Whether ``dst`` (this incarnation) pulls our large messages (cheap: one lookup)."""
         return self._agreed.get(dst) == incarnation
 
-    def offer(self, dst: str, buffers: Sequence[Any], sizes: Sequence[int]) -> tuple[list, list, asyncio.Future]:
-        """Hold ``buffers`` for ``dst`` to pull: ``(layout, wire item, future)``; the
-        future completes once ``dst`` has read them (see the module docstring)."""
+    def offer(self, dst: str, incarnation: str, buffers: Sequence[Any],
+              sizes: Sequence[int]) -> tuple[list, list, asyncio.Future, asyncio.Future]:
+        """Hold ``buffers`` for ``dst`` (``incarnation``) to pull: ``(layout, wire item,
+        future, sent)``. ``future`` completes once ``dst`` has read them (see the module
+        docstring); cancelling it (a send that timed out) revokes the hold. ``sent`` is
+        for the outbox (its entry's future)."""
         pull_id = next(self._ids)
         self.offered += 1
         addresses = [cma.address_of(b) for b, n in zip(buffers, sizes) if n]
-        future = self._loop.create_future()
-        self._held[pull_id] = _Held(dst, list(buffers), future)
-        return [-n if n else 0 for n in sizes], [pull_id, addresses], future
+        future, sent = self._loop.create_future(), self._loop.create_future()
+        held = self._held[pull_id] = _Held(dst, incarnation, list(buffers), future, sent)
+        future.add_done_callback(lambda f: f.cancelled() and self.drop(pull_id, None))
+        sent.add_done_callback(lambda f: self._left(pull_id, f))
+        item = [pull_id, addresses, cma.address_of(held.token), held.value]
+        return [-n if n else 0 for n in sizes], item, future, sent
+
+    def _left(self, pull_id: int, sent: asyncio.Future) -> None:
+        """The outbox is done with the entry: it failed to send it, or dropped it."""
+        if not sent.cancelled() and sent.exception() is not None:
+            self.drop(pull_id, sent.exception())
 
     def drop(self, pull_id: int, error: BaseException | None) -> None:
-        """The message of ``pull_id`` was dropped unsent: its send fails with ``error``."""
+        """Give up the hold of ``pull_id``: revoke it, and fail its send with ``error``
+        (None: its send was cancelled). The buffers are the caller's again at once: a
+        receiver that reads them later finds the hold revoked and discards what it read."""
         held = self._held.pop(pull_id, None)
-        if held is not None and not held.future.done():
+        if held is None:
+            return
+        held.token[0] = 0         # first: the receiver checks it after reading the data
+        if not held.sent.done():
+            held.sent.cancel()    # not sent yet: the outbox drops the entry
+        if not held.future.done():
             held.future.set_exception(error or ClosedError("the message was dropped unsent"))
+        self._check_emptied()
+
+    def _check_emptied(self) -> None:
+        if not self._held and self._emptied is not None:
+            self._emptied.set()
+
+    async def drain(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until every receiver read what we hold for it."""
+        self._emptied = asyncio.Event()
+        if self._held:
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._emptied.wait()
+            except TimeoutError:
+                log.warning("rlinf: closing before %s read what they were to pull; those sends fail",
+                            sorted({h.dst for h in self._held.values()}))
 
     # -- receiving -------------------------------------------------------------------------
     def want(self, src: str, incarnation: str) -> None:
@@ -164,26 +212,36 @@ class PullSession:
     def open(self, src: str, incarnation: str, ref: wire.PullRef, sizes: Sequence[int]) -> tuple[list, asyncio.Future]:
         """Start reading a pulled entry's buffers (``sizes``, in order) into our memory:
         ``(buffers, future)``; the buffers hold the data once the future is done (it
-        raises ``PeerLostError`` or ``DecodeError`` if they cannot be read).
+        raises ``PeerLostError`` or ``DecodeError`` if they cannot be read). The sender
+        is told when we are done with its buffers, whatever happens.
 
         Raises:
-            ProtocolError: ``src`` never proved it can be read by us.
+            ProtocolError: ``src`` never proved it can be read by us, or we cannot hold
+                the bytes it announces (the sender is told at once).
         """
-        process = self._sources.get((src, incarnation))
-        if process is None:
-            raise ProtocolError(f"{src} sent a pull descriptor, but no pull was agreed with it")
         self.pulled += 1
+        process = self._sources.get((src, incarnation))
         offsets, end = wire.slot_layout(list(sizes))
-        dst = self._recycler.take(end)
+        try:
+            if process is None:
+                raise ProtocolError(f"{src} sent a pull descriptor, but no pull was agreed with it")
+            try:
+                dst = self._recycler.take(end)
+            except (MemoryError, ValueError, OverflowError) as exc:
+                raise ProtocolError(f"cannot hold the {end} bytes {src} announced: {exc!r}") from None
+        except ProtocolError:
+            self._notify(src, ["done", ref.pull_id])
+            raise
         pairs = [(dst[o:o + n], cma.Remote(a, n)) for o, n, a in zip(offsets, sizes, ref.addresses)]
+        token = (ref.token_address, ref.token)
         if end >= self._offload:
-            future = self._loop.run_in_executor(None, self._read, src, process, pairs)
+            future = self._loop.run_in_executor(None, self._read, src, process, pairs, token)
             # runs before the receive that awaits the future resumes (callbacks go in order)
             future.add_done_callback(lambda f: self._finished(src, ref.pull_id, f))
         else:
             future = self._loop.create_future()
             try:
-                self._read(src, process, pairs)
+                self._read(src, process, pairs, token)
                 future.set_result(None)
             except (PeerLostError, DecodeError) as exc:
                 future.set_exception(exc)
@@ -191,13 +249,21 @@ class PullSession:
         whole = memoryview(dst)
         return [whole[o:o + n] for o, n in zip(offsets, sizes)], future
 
-    def _read(self, src: str, process: cma.Process, pairs: list) -> None:
+    def _read(self, src: str, process: cma.Process, pairs: list, token: tuple[int, int]) -> None:
+        """Read the data, then the sender's token (any thread): a token that changed
+        means the sender revoked its hold meanwhile, so what we read may be anything."""
+        address, value = token
         try:
             self._copier.copy(pairs, process.read)
+            now = np.zeros(1, np.uint64)
+            process.read([(now.view(np.uint8), cma.Remote(address, 8))])
         except ProcessLookupError:
             raise PeerLostError(f"{src} was lost before its message could be read", peer=src) from None
         except OSError as exc:
             raise DecodeError(f"message from {src} cannot be read from its memory: {exc}") from None
+        if int(now[0]) != value:
+            raise DecodeError(f"{src} withdrew the message before it was read (its send failed, timed out "
+                              "or was cancelled)")
 
     def _finished(self, src: str, pull_id: int, future: asyncio.Future) -> None:
         if not future.cancelled():
@@ -210,33 +276,39 @@ class PullSession:
         if not (isinstance(notice, list) and notice and isinstance(notice[0], str)):
             raise ProtocolError(f"malformed pull notice from {src}")
         what, args = notice[0], notice[1:]
-        if what == "done" and len(args) == 1:
+        if what == "done" and len(args) == 1 and type(args[0]) is int:
             held = self._held.get(args[0])
             if held is not None and held.dst == src:
                 del self._held[args[0]]
                 if not held.future.done():
                     held.future.set_result(None)
+                self._check_emptied()
         elif what == "ask" and len(args) == 1 and isinstance(args[0], str):
             if not self._closed and self.threshold:
+                self._cookied.add(src)
                 self._notify(src, ["cookie", self._incarnation, os.getpid(), self._cookie.address,
                                    self._cookie.value])
         elif what == "cookie" and len(args) == 4:
             self._verify(src, *args)
         elif what == "ok" and len(args) == 1 and isinstance(args[0], str):
-            self._agreed[src] = args[0]
+            if src in self._cookied and not self._closed:    # only a peer we offered to
+                self._agreed[src] = args[0]
         else:
             raise ProtocolError(f"malformed pull notice from {src}: {what!r}")
 
     def _verify(self, src: str, incarnation: Any, pid: Any, address: Any, value: Any) -> None:
         if self._closed or (src, incarnation) not in self._asked:
             return
+        if not (type(pid) is int and pid > 0 and type(address) is int and address > 0
+                and type(value) is bytes and len(value) == len(self._cookie.value)):
+            raise ProtocolError(f"malformed pull cookie from {src}")
         known = self._pid_of(src)
         if known is not None and known != pid:
             log.info("rlinf: %s reports pid %s, its registration %s: no pulls from it", src, pid, known)
             return
         try:
             process = cma.verify(pid, address, value)
-        except (OSError, TypeError, ValueError) as exc:
+        except OSError as exc:
             log.info("rlinf: cannot read %s's memory (%s): its messages keep coming through shared memory",
                      src, exc)
             return
@@ -258,8 +330,9 @@ class PullSession:
         forget its agreement and its process."""
         if self._agreed.get(address) == incarnation:
             del self._agreed[address]
+        self._cookied.discard(address)
         error = PeerLostError(f"{address} left or was lost before it read the message", peer=address)
-        for pull_id in [i for i, h in self._held.items() if h.dst == address]:
+        for pull_id in [i for i, h in self._held.items() if h.dst == address and h.incarnation == incarnation]:
             self.drop(pull_id, error)
         self._asked.discard((address, incarnation))
         process = self._sources.pop((address, incarnation), None)
@@ -267,7 +340,8 @@ class PullSession:
             process.close()
 
     def close(self, error: BaseException) -> None:
-        """Fail every held send with ``error`` and forget every process (idempotent)."""
+        """Revoke every hold, failing its send with ``error``, and forget every process
+        (idempotent)."""
         self._closed = True
         self._agreed.clear()
         for pull_id in list(self._held):

@@ -94,7 +94,9 @@ class ShmReader:
 
     def mapped_bytes(self, segment: str) -> int:
         """The size of our mapping of ``segment`` (0 if we have none)."""
-        mm = self._shared.get(segment) or self._private.get(segment)
+        mm = self._shared.get(segment)
+        if mm is None:
+            mm = self._private.get(segment)
         try:
             return len(mm) if mm is not None else 0
         except ValueError:   # closed meanwhile

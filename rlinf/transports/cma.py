@@ -113,8 +113,9 @@ class Process:
         with self._lock:
             if self._pidfd < 0:
                 return False
-            readable, _, _ = select.select([self._pidfd], [], [], 0)
-            return not readable
+            poller = select.poll()     # not select(): pidfds may be numbered past 1023
+            poller.register(self._pidfd, select.POLLIN)
+            return not poller.poll(0)
 
     def read(self, pairs: Sequence[tuple[np.ndarray, Remote]]) -> None:
         """Copy each :class:`Remote` into its ``dst`` (1-D uint8 arrays, equal sizes).
@@ -157,6 +158,8 @@ def verify(pid: int, address: int, cookie: bytes) -> Process:
     """
     if _readv is None:
         raise OSError(errno.ENOSYS, "process_vm_readv is not available here")
+    if len(cookie) < 8:
+        raise ValueError(f"a cookie of {len(cookie)} bytes proves nothing")
     pidfd = os.pidfd_open(pid)     # first: the cookie read next proves the pidfd's process
     process = Process(pid, pidfd)
     try:

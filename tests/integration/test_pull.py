@@ -92,3 +92,39 @@ async def test_a_sender_killed_before_its_message_is_read_fails_that_receive(clu
         go.touch()
         [got] = await receiver.join()
         assert "could be read" in got.get("lost", "") and got["pulled"] == 1, got     # the read failed
+
+
+@pytest.mark.parametrize("how", ["timeout", "close"])
+async def test_a_send_given_up_before_its_read_never_delivers_the_reused_buffer(cluster, tmp_path, how):
+    """The receiver's loop is frozen while a pulled message waits; the sender's send
+    times out (or the sender closes), so the caller reuses its buffer. When the receiver
+    reads on, its read finds the hold revoked: that receive raises DecodeError, and the
+    bytes written after the send failed are never delivered as the message."""
+    go = tmp_path / "go"
+    sender = await cluster.connect("giver:0").start()
+    try:
+        async with asyncio.timeout(60):
+            receiver = await cluster.spawn(workers_shm.frozen_puller, "puller", 1,
+                                           args=("giver:0", "giver:0", str(go)), env=COPY_OUT)
+            await sender.send({"x": np.ones(2 << 20, np.uint8)}, "puller:0")          # through a slot
+            [info] = [p for p in await sender.peers() if p.address == "puller:0"]
+            await until(lambda: sender._pull.agreed("puller:0", info.incarnation), what="the receiver to agree")
+            await sender.send("freeze", "puller:0", tag=1)
+            assert await sender.recv("puller:0", tag=2) == "frozen"
+            buf = np.full(2 << 20, 7, np.uint8)
+            if how == "timeout":
+                with pytest.raises(rlinf.CommTimeoutError):
+                    await sender.send({"x": buf}, "puller:0", timeout=0.2)
+            else:
+                sending = asyncio.ensure_future(sender.send({"x": buf}, "puller:0"))
+                await until(lambda: sender._pull.offered == 1, what="the pulled send to be queued")
+                await sender.aclose()      # waits a moment for the read (none comes), then revokes
+                with pytest.raises(rlinf.ClosedError):
+                    await sending
+            assert not sender._pull._held
+            buf[:] = 9                     # the send failed: the caller reuses its buffer
+            go.touch()
+            [got] = await receiver.join()
+            assert "withdrew" in got.get("error", ""), got
+    finally:
+        await sender.aclose()

@@ -288,6 +288,8 @@ async def frozen_puller(comm, src: str, ctl: str, go: str):
         time.sleep(0.01)          # the loop is blocked on purpose: nothing is read meanwhile
     try:
         obj = await comm.recv(src, timeout=30)
-        return {"got": int(obj["x"][0]), **pull_state(comm)}
+        return {"got": sorted(set(np.unique(obj["x"]).tolist())), **pull_state(comm)}
     except rlinf.PeerLostError as exc:
         return {"lost": str(exc), **pull_state(comm)}
+    except rlinf.RlinfError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", **pull_state(comm)}

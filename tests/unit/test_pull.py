@@ -62,14 +62,26 @@ async def pair():
     p.close()
 
 
+def _offer(pair: Pair, buffers: list) -> tuple[wire.Entry, asyncio.Future]:
+    """Offer ``buffers`` from s to r: (the entry as r parses it, the send's future); the
+    entry counts as sent."""
+    sizes = [memoryview(b).nbytes for b in buffers]
+    layout, item, sending, sent = pair.s.offer("r:0", "R1", buffers, sizes)
+    sent.set_result(None)
+    entry, _ = wire._unpack_entry([0, 0, b"", layout, None, None, None, item], 1 << 22, 0)   # packed
+    return entry, sending
+
+
+def _open(pair: Pair, entry: wire.Entry) -> tuple[list, asyncio.Future]:
+    return pair.r.open("s:0", "S1", entry.pull, [-c for c in entry.frame_counts if c < 0])
+
+
 def _send(pair: Pair, buffers: list) -> tuple[asyncio.Future, list, asyncio.Future]:
     """Offer ``buffers`` from s to r and let r open the entry: ``(send future, r's
     buffers, r's read future)``."""
-    sizes = [memoryview(b).nbytes for b in buffers]
-    layout, item, sent = pair.s.offer("r:0", buffers, sizes)
-    entry, _ = wire._unpack_entry([0, 0, b"", layout, None, None, None, item], 1 << 22, 0)   # packed
-    got, reading = pair.r.open("s:0", "S1", entry.pull, [-c for c in entry.frame_counts if c < 0])
-    return sent, got, reading
+    entry, sending = _offer(pair, buffers)
+    got, reading = _open(pair, entry)
+    return sending, got, reading
 
 
 @pytest.mark.parametrize("offload", [16 << 20, 0])      # read on the loop / in an executor
@@ -132,51 +144,117 @@ async def test_a_sender_that_cannot_be_verified_keeps_using_slots(caplog):
         pair.close()
 
 
-async def test_an_entry_from_a_sender_never_verified_is_a_protocol_error(pair):
+async def test_an_entry_that_cannot_be_read_is_refused_and_its_sender_told(pair):
     with pytest.raises(ProtocolError):
-        pair.r.open("s:0", "S1", wire.PullRef(0, (8,)), [8])
+        pair.r.open("s:0", "S1", wire.PullRef(0, (8,), 8, 1), [8])
+    assert pair.deliver() == ["done"]                        # each refusal tells the sender
     pair.agree()
     with pytest.raises(ProtocolError):   # another incarnation of it
-        pair.r.open("s:0", "S0", wire.PullRef(0, (8,)), [8])
+        pair.r.open("s:0", "S0", wire.PullRef(0, (8,), 8, 1), [8])
+    entry, sending = _offer(pair, [np.ones(16)])
+
+    def no_memory(n):
+        raise MemoryError(f"{n} bytes")
+
+    pair.r._recycler.take = no_memory      # more than this process can allocate
+    with pytest.raises(ProtocolError, match="cannot hold"):
+        pair.r.open("s:0", "S1", entry.pull, [wire.MAX_SLOT])
+    assert pair.deliver() == ["done", "done"]
+    assert sending.done() and not pair.s._held                # its hold is over
 
 
 async def test_a_bad_address_fails_that_receive_and_still_frees_the_send(pair):
     pair.agree()
-    layout, item, sent = pair.s.offer("r:0", [np.ones(16)], [128])
-    got, reading = pair.r.open("s:0", "S1", wire.PullRef(item[0], (8,)), [128])
+    entry, sending = _offer(pair, [np.ones(16)])
+    ref = entry.pull
+    got, reading = pair.r.open("s:0", "S1", wire.PullRef(ref.pull_id, (8,), ref.token_address, ref.token), [128])
     with pytest.raises(DecodeError, match="cannot be read"):
         await reading
     pair.deliver()
-    assert sent.done() and not pair.s._held
+    assert sending.done() and not pair.s._held
+
+
+@pytest.mark.parametrize("how", ["cancel", "drop"])
+async def test_a_hold_given_up_before_the_read_makes_that_receive_fail(pair, how):
+    """The sender's send timed out (its future cancelled) or failed: the buffers are the
+    caller's again, so a read that happens later must not deliver what it read."""
+    pair.agree()
+    data = np.full(1 << 16, 7, np.uint8)
+    entry, sending = _offer(pair, [data])
+    if how == "cancel":
+        sending.cancel()
+        await asyncio.sleep(0)               # its done-callbacks run
+    else:
+        pair.s.drop(entry.pull.pull_id, PeerLostError("lost", peer="r:0"))
+    assert not pair.s._held
+    data[:] = 9                              # the caller reuses its buffer
+    _got, reading = _open(pair, entry)
+    with pytest.raises(DecodeError, match="withdrew"):
+        await reading
+
+
+async def test_a_hold_given_up_before_its_entry_left_drops_the_entry(pair):
+    pair.agree()
+    layout, item, sending, sent = pair.s.offer("r:0", "R1", [np.ones(16)], [128])
+    sending.cancel()
+    await asyncio.sleep(0)
+    assert sent.cancelled()                  # the outbox drops a queued entry whose future is cancelled
+    layout, item, sending, sent = pair.s.offer("r:0", "R1", [np.ones(16)], [128])
+    sent.set_exception(PeerLostError("lost", peer="r:0"))      # the outbox could not send it
+    with pytest.raises(PeerLostError):
+        await sending
+    assert not pair.s._held
+
+
+async def test_close_waits_for_reads_then_revokes(pair):
+    pair.agree()
+    _entry, sending = _offer(pair, [np.ones(16)])
+    async with asyncio.timeout(5):
+        await pair.s.drain(0.01)             # nobody reads: gives up after its timeout
+    waiting = asyncio.ensure_future(pair.s.drain(5))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    pair.s.on_notice("r:0", ["done", _entry.pull.pull_id])
+    async with asyncio.timeout(5):
+        await waiting
+    assert sending.result() is None
 
 
 async def test_a_receiver_that_leaves_or_a_close_fails_the_waiting_sends(pair):
     pair.agree()
-    _, _, sent = pair.s.offer("r:0", [np.ones(16)], [128])
+    _, sending = _offer(pair, [np.ones(16)])
+    pair.s.gone("r:0", "R0")             # an older incarnation: not what holds this one
+    assert not sending.done()
     pair.s.gone("r:0", "R1")
     with pytest.raises(PeerLostError):
-        await sent
+        await sending
     assert not pair.s.agreed("r:0", "R1") and not pair.s._held
-    _, _, sent = pair.s.offer("r:0", [np.ones(16)], [128])
+    _, sending = _offer(pair, [np.ones(16)])
+    pair.s.drop(1, None)                 # dropped unsent
+    with pytest.raises(ClosedError):
+        await sending
+    _, sending = _offer(pair, [np.ones(16)])
     pair.s.close(ClosedError("closed"))
     with pytest.raises(ClosedError):
-        await sent
-    _, _, sent = pair.s.offer("r:0", [np.ones(16)], [128])
-    pair.s.drop(2, None)                 # dropped unsent
-    with pytest.raises(ClosedError):
-        await sent
+        await sending
 
 
 async def test_done_from_another_peer_and_malformed_notices(pair):
     pair.agree()
-    _, _, sent = pair.s.offer("r:0", [np.ones(16)], [128])
+    _, sending = _offer(pair, [np.ones(16)])
     pair.s.on_notice("x:0", ["done", 0])
-    assert not sent.done()
-    for bad in ([], "done", ["what"], ["done"], [1, 2]):
+    assert not sending.done()
+    for bad in ([], "done", ["what"], ["done"], [1, 2], ["done", "0"]):
         with pytest.raises(ProtocolError):
             pair.s.on_notice("r:0", bad)
     pair.s.on_notice("r:0", ["done", 0])
-    assert sent.done()
+    assert sending.done()
+    pair.s.on_notice("x:0", ["ok", "X1"])      # x never got our cookie
+    assert not pair.s.agreed("x:0", "X1")
+    pair.r._asked.add(("s:0", "S1"))
+    for cookie in ([None, 4096, bytes(16)], [1, 4096, b""], [1, 0, bytes(16)], [1, 4096, "x" * 16]):
+        with pytest.raises(ProtocolError):
+            pair.r.on_notice("s:0", ["cookie", "S1", *cookie])
 
 
 async def test_a_sender_that_died_fails_the_receive_with_peer_lost(pair):
@@ -197,17 +275,19 @@ def test_the_threshold_setting():
 
 
 @pytest.mark.parametrize("entry", [
-    [0, 0, b"", [-8], None, None, None, [0, []]],                  # fewer addresses than pulled buffers
-    [0, 0, b"", [-8], None, None, None, [0, [4096, 8192]]],        # more
-    [0, 0, b"", [-8], None, None, None, [0, [0]]],                 # a null address
-    [0, 0, b"", [-8], None, None, None, [0, [-4096]]],
-    [0, 0, b"", [-8], None, None, None, [-1, [4096]]],             # a negative id
-    [0, 0, b"", [-8], None, None, None, [0]],
+    [0, 0, b"", [-8], None, None, None, [0, [], 64, 1]],            # fewer addresses than pulled buffers
+    [0, 0, b"", [-8], None, None, None, [0, [4096, 8192], 64, 1]],  # more
+    [0, 0, b"", [-8], None, None, None, [0, [0], 64, 1]],           # a null address
+    [0, 0, b"", [-8], None, None, None, [0, [-4096], 64, 1]],
+    [0, 0, b"", [-8], None, None, None, [-1, [4096], 64, 1]],       # a negative id
+    [0, 0, b"", [-8], None, None, None, [0, [4096], 0, 1]],         # no token address
+    [0, 0, b"", [-8], None, None, None, [0, [4096], 64, 0]],        # a null token
+    [0, 0, b"", [-8], None, None, None, [0, [4096]]],
     [0, 0, b"", [-8], None, None, None, "x"],
-    [0, 0, b"", [3], None, None, None, [0, []]],                   # nothing to pull
-    [0, 0, b"", [-8], ["rlinf-1-x-0-0", 0, 4096, 0, False], None, None, [0, [4096]]],   # and a slot
-    [0, 0, b"", [-(wire.MAX_SLOT + 1)], None, None, None, [0, [4096]]],
-    [0, 0, b"", [-8, "a"], None, None, None, [0, [4096]]],
+    [0, 0, b"", [3], None, None, None, [0, [], 64, 1]],             # nothing to pull
+    [0, 0, b"", [-8], ["rlinf-1-x-0-0", 0, 4096, 0, False], None, None, [0, [4096], 64, 1]],   # and a slot
+    [0, 0, b"", [-(wire.MAX_SLOT + 1)], None, None, None, [0, [4096], 64, 1]],
+    [0, 0, b"", [-8, "a"], None, None, None, [0, [4096], 64, 1]],
 ])
 def test_malformed_pull_descriptors_are_protocol_errors(entry):
     header = wire.pack_header("s:0", "S1", [entry], packed=True)
@@ -216,7 +296,7 @@ def test_malformed_pull_descriptors_are_protocol_errors(entry):
 
 
 def test_a_pull_descriptor_round_trips():
-    header = wire.pack_header("s:0", "S1", [[0, 5, b"h", [-8, 3, 0, -100], None, None, None, [7, [4096, 1 << 47]]]],
-                              packed=True)
+    header = wire.pack_header("s:0", "S1", [[0, 5, b"h", [-8, 3, 0, -100], None, None, None,
+                                             [7, [4096, 1 << 47], 8192, 5]]], packed=True)
     _src, _inc, [entry], _packed = wire.unpack_header(header, [b"abc"])
-    assert entry.pull == wire.PullRef(7, (4096, 1 << 47)) and entry.slot is None
+    assert entry.pull == wire.PullRef(7, (4096, 1 << 47), 8192, 5) and entry.slot is None
