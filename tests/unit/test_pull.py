@@ -300,3 +300,28 @@ def test_a_pull_descriptor_round_trips():
                                              [7, [4096, 1 << 47], 8192, 5]]], packed=True)
     _src, _inc, [entry], _packed = wire.unpack_header(header, [b"abc"])
     assert entry.pull == wire.PullRef(7, (4096, 1 << 47), 8192, 5) and entry.slot is None
+
+
+async def test_the_collectives_abort_check_leaves_pulled_data_queued_in_order():
+    """Aborts are small, never pulled: a pulled message (still being read) is data, and
+    the abort check must neither decode it half-read nor lose it."""
+    from rlinf._collective import Call
+    from rlinf.mailbox import Mailbox, Message
+
+    mailbox = Mailbox()
+    reading = asyncio.get_running_loop().create_future()
+    pulled = [Message("a:0", "A1", "t", b"", [], pulling=reading) for _ in range(2)]
+    for msg in pulled:
+        mailbox.deliver(msg)
+
+    class Comm:
+        _mailbox = mailbox
+
+        def _decode(self, msg):
+            raise AssertionError("a pulled message was decoded")
+
+    call = Call.__new__(Call)
+    call.comm, call.tag = Comm(), "t"
+    call.check_aborted()
+    assert [mailbox.get_nowait("a:0", "t"), mailbox.get_nowait("a:0", "t")] == pulled
+    reading.cancel()
