@@ -25,16 +25,24 @@ ptrace rules, not on either process alone:
    each other before receiving never wait on each other; then it answers
    ``["done", pull_id]``.
 
+Giving up: a send that times out or is cancelled, or fails (its receiver left, or we
+close), *revokes* its hold: we zero the message's token (a word of ours whose address
+and value the entry carries) before the caller gets its buffers back. The receiver
+reads the token after the data; a changed token means the data may be anything, and
+that receive raises :class:`~rlinf.errors.DecodeError`. A revoked entry still queued is
+not sent. Closing first waits a moment for the reads in flight (:meth:`PullSession.drain`).
+
 Failures: a sender that dies before a read ends makes the receive of that message raise
-:class:`~rlinf.errors.PeerLostError` (its pidfd says so; a reused pid is never read);
-any other failed read raises :class:`~rlinf.errors.DecodeError` there. A receiver that
-leaves or dies fails the sends waiting on it with ``PeerLostError``; closing fails them
-with ``ClosedError``.
+:class:`~rlinf.errors.PeerLostError` (its pidfd says so: what was read from a pid that
+another process may have taken meanwhile is discarded); any other failed read raises
+``DecodeError`` there. Every entry is answered ``done``, read or refused. A receiver
+that leaves or dies fails the sends waiting on it with ``PeerLostError``; closing fails
+them with ``ClosedError``.
 
 Buffer lifetime: the sender holds a pulled message's buffers (they must not change)
-until the receiver's ``done``, the receiver's departure or close; only then does the
-send complete. The receiver's buffers are recycled private memory, owned by it (reused
-once nothing references them).
+until the receiver's ``done``, the receiver's departure, the send's cancellation or
+close; only then does the send complete (or fail). The receiver's buffers are recycled
+private memory, owned by it (reused once nothing references them).
 """
 
 from __future__ import annotations
@@ -160,10 +168,15 @@ class PullSession:
         addresses = [cma.address_of(b) for b, n in zip(buffers, sizes) if n]
         future, sent = self._loop.create_future(), self._loop.create_future()
         held = self._held[pull_id] = _Held(dst, incarnation, list(buffers), future, sent)
-        future.add_done_callback(lambda f: f.cancelled() and self.drop(pull_id, None))
+        future.add_done_callback(lambda f: self._ended(pull_id, f))
         sent.add_done_callback(lambda f: self._left(pull_id, f))
         item = [pull_id, addresses, cma.address_of(held.token), held.value]
         return [-n if n else 0 for n in sizes], item, future, sent
+
+    def _ended(self, pull_id: int, future: asyncio.Future) -> None:
+        """The send's future is done: cancelled (its caller gave up), the hold is revoked."""
+        if future.cancelled():
+            self.drop(pull_id, None)
 
     def _left(self, pull_id: int, sent: asyncio.Future) -> None:
         """The outbox is done with the entry: it failed to send it, or dropped it."""
