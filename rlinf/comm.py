@@ -576,8 +576,13 @@ class Communicator:
         layout, item, future, sent = pull.offer(outbox.address, outbox.info.incarnation, buffers, sizes)
         entry = [wire.USER, tag, codec_header, layout, None, None, None, item]
         discard = lambda: pull.drop(item[0], outbox.error)   # noqa: E731
-        outbox.put(OutMessage(entry, [], nbytes + len(codec_header), sent, False, transport=routing.SHM,
-                              discard=discard), self._loop)
+        try:
+            outbox.put(OutMessage(entry, [], nbytes + len(codec_header), sent, False, transport=routing.SHM,
+                                  discard=discard), self._loop)
+        except BaseException as exc:   # the outbox failed meanwhile: no hold is left behind
+            pull.drop(item[0], exc)
+            future.exception()
+            raise
         return future
 
     def _shm_route(self, info: WorkerInfo) -> bool:

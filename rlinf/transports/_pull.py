@@ -35,7 +35,8 @@ not sent. Closing first waits a moment for the reads in flight (:meth:`PullSessi
 Failures: a sender that dies before a read ends makes the receive of that message raise
 :class:`~rlinf.errors.PeerLostError` (its pidfd says so: what was read from a pid that
 another process may have taken meanwhile is discarded); any other failed read raises
-``DecodeError`` there. Every entry is answered ``done``, read or refused. A receiver
+``DecodeError`` there. Every entry opened is answered ``done``, read or refused (a
+frame set dropped whole, malformed or from a peer taken for dead, is not). A receiver
 that leaves or dies fails the sends waiting on it with ``PeerLostError``; closing fails
 them with ``ClosedError``.
 
@@ -80,11 +81,26 @@ def pull_threshold(environ: Any = None) -> int:
     return _parse_bytes(raw, "RLINF_SHM_PULL") if raw else DEFAULT_PULL
 
 
+class _SendFuture(asyncio.Future):
+    """The future of a pulled send: cancelling it revokes the hold at once, before
+    ``cancel()`` returns, so the caller may reuse its buffers from then on (a done
+    callback would run a loop turn later)."""
+
+    def __init__(self, *, loop: asyncio.AbstractEventLoop, revoke: Callable[[], None]) -> None:
+        super().__init__(loop=loop)
+        self._revoke = revoke
+
+    def cancel(self, msg: Any = None) -> bool:
+        if not self.done():
+            self._revoke()
+        return super().cancel(msg)
+
+
 class _Held:
     """A pulled message's buffers, held by the sender until the receiver is done.
 
     ``token`` is a word of ours the receiver reads after the data: it holds ``value``
-    while the hold lasts and 0 once it was revoked (see :meth:`PullSession.revoke`).
+    while the hold lasts and 0 once it was revoked (see :meth:`PullSession.drop`).
     ``sent`` is the outbox's future of the entry; cancelling it before the entry left
     drops the entry."""
 
@@ -136,7 +152,7 @@ class PullSession:
         self._cookie = cma.Cookie()
         self._ids = itertools.count()
         self._agreed: dict[str, str] = {}           # receiver -> its incarnation that agreed
-        self._cookied: set[str] = set()             # receivers we sent our cookie
+        self._cookied: dict[str, str] = {}          # receiver -> its incarnation we sent our cookie
         self._held: dict[int, _Held] = {}           # pull_id -> what a receiver still reads
         self._emptied: asyncio.Event | None = None  # set when _held empties (drain)
         self._asked: set[tuple[str, str]] = set()   # senders (address, incarnation) asked
@@ -166,17 +182,12 @@ class PullSession:
         pull_id = next(self._ids)
         self.offered += 1
         addresses = [cma.address_of(b) for b, n in zip(buffers, sizes) if n]
-        future, sent = self._loop.create_future(), self._loop.create_future()
+        future = _SendFuture(loop=self._loop, revoke=lambda: self._revoke(pull_id))
+        sent = self._loop.create_future()
         held = self._held[pull_id] = _Held(dst, incarnation, list(buffers), future, sent)
-        future.add_done_callback(lambda f: self._ended(pull_id, f))
         sent.add_done_callback(lambda f: self._left(pull_id, f))
         item = [pull_id, addresses, cma.address_of(held.token), held.value]
         return [-n if n else 0 for n in sizes], item, future, sent
-
-    def _ended(self, pull_id: int, future: asyncio.Future) -> None:
-        """The send's future is done: cancelled (its caller gave up), the hold is revoked."""
-        if future.cancelled():
-            self.drop(pull_id, None)
 
     def _left(self, pull_id: int, sent: asyncio.Future) -> None:
         """The outbox is done with the entry: it failed to send it, or dropped it."""
@@ -184,18 +195,24 @@ class PullSession:
             self.drop(pull_id, sent.exception())
 
     def drop(self, pull_id: int, error: BaseException | None) -> None:
-        """Give up the hold of ``pull_id``: revoke it, and fail its send with ``error``
-        (None: its send was cancelled). The buffers are the caller's again at once: a
-        receiver that reads them later finds the hold revoked and discards what it read."""
+        """Give up the hold of ``pull_id`` (:meth:`_revoke`) and fail its send with
+        ``error`` (None: "dropped unsent")."""
+        held = self._revoke(pull_id)
+        if held is not None and not held.future.done():
+            held.future.set_exception(error or ClosedError("the message was dropped unsent"))
+
+    def _revoke(self, pull_id: int) -> _Held | None:
+        """End the hold of ``pull_id``: its buffers are the caller's again at once, and a
+        receiver that reads them later finds the hold revoked and discards what it read.
+        Returns the hold (None if it had ended)."""
         held = self._held.pop(pull_id, None)
         if held is None:
-            return
+            return None
         held.token[0] = 0         # first: the receiver checks it after reading the data
         if not held.sent.done():
             held.sent.cancel()    # not sent yet: the outbox drops the entry
-        if not held.future.done():
-            held.future.set_exception(error or ClosedError("the message was dropped unsent"))
         self._check_emptied()
+        return held
 
     def _check_emptied(self) -> None:
         if not self._held and self._emptied is not None:
@@ -242,13 +259,18 @@ class PullSession:
                 dst = self._recycler.take(end)
             except (MemoryError, ValueError, OverflowError) as exc:
                 raise ProtocolError(f"cannot hold the {end} bytes {src} announced: {exc!r}") from None
+            pairs = [(dst[o:o + n], cma.Remote(a, n)) for o, n, a in zip(offsets, sizes, ref.addresses)]
+            token = (ref.token_address, ref.token)
+            future = None
+            if end >= self._offload:
+                try:
+                    future = self._loop.run_in_executor(None, self._read, src, process, pairs, token)
+                except RuntimeError as exc:    # the executor is shut down (interpreter exit)
+                    raise ProtocolError(f"cannot read {src}'s message now: {exc}") from None
         except ProtocolError:
             self._notify(src, ["done", ref.pull_id])
             raise
-        pairs = [(dst[o:o + n], cma.Remote(a, n)) for o, n, a in zip(offsets, sizes, ref.addresses)]
-        token = (ref.token_address, ref.token)
-        if end >= self._offload:
-            future = self._loop.run_in_executor(None, self._read, src, process, pairs, token)
+        if future is not None:
             # runs before the receive that awaits the future resumes (callbacks go in order)
             future.add_done_callback(lambda f: self._finished(src, ref.pull_id, f))
         else:
@@ -272,8 +294,8 @@ class PullSession:
             process.read([(now.view(np.uint8), cma.Remote(address, 8))])
         except ProcessLookupError:
             raise PeerLostError(f"{src} was lost before its message could be read", peer=src) from None
-        except OSError as exc:
-            raise DecodeError(f"message from {src} cannot be read from its memory: {exc}") from None
+        except Exception as exc:   # refused by the kernel, or a descriptor that makes no sense
+            raise DecodeError(f"message from {src} cannot be read from its memory: {exc!r}") from None
         if int(now[0]) != value:
             raise DecodeError(f"{src} withdrew the message before it was read (its send failed, timed out "
                               "or was cancelled)")
@@ -298,13 +320,13 @@ class PullSession:
                 self._check_emptied()
         elif what == "ask" and len(args) == 1 and isinstance(args[0], str):
             if not self._closed and self.threshold:
-                self._cookied.add(src)
+                self._cookied[src] = args[0]
                 self._notify(src, ["cookie", self._incarnation, os.getpid(), self._cookie.address,
                                    self._cookie.value])
         elif what == "cookie" and len(args) == 4:
             self._verify(src, *args)
         elif what == "ok" and len(args) == 1 and isinstance(args[0], str):
-            if src in self._cookied and not self._closed:    # only a peer we offered to
+            if self._cookied.get(src) == args[0] and not self._closed:    # only a peer we offered to
                 self._agreed[src] = args[0]
         else:
             raise ProtocolError(f"malformed pull notice from {src}: {what!r}")
@@ -343,7 +365,8 @@ class PullSession:
         forget its agreement and its process."""
         if self._agreed.get(address) == incarnation:
             del self._agreed[address]
-        self._cookied.discard(address)
+        if self._cookied.get(address) == incarnation:
+            del self._cookied[address]
         error = PeerLostError(f"{address} left or was lost before it read the message", peer=address)
         for pull_id in [i for i, h in self._held.items() if h.dst == address and h.incarnation == incarnation]:
             self.drop(pull_id, error)

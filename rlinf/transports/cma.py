@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import platform
 import select
 import sys
 import threading
@@ -57,9 +58,13 @@ _readv = _libc_call()
 
 
 def available() -> bool:
-    """Whether this platform has ``process_vm_readv`` and pidfds (Linux >= 5.3). Whether a
-    given sender may be read is another matter: see :func:`verify`."""
-    return _readv is not None
+    """Whether this platform has ``process_vm_readv`` and pidfds (Linux >= 5.3), on
+    x86-64. Whether a given sender may be read is another matter: see :func:`verify`.
+
+    x86-64 only: the pull protocol (:mod:`._pull`) relies on its store ordering (the
+    sender zeroes a token, then its caller may write the buffers; the receiver reads the
+    buffers, then the token) without explicit fences, which other architectures need."""
+    return _readv is not None and platform.machine() in ("x86_64", "AMD64")
 
 
 def address_of(buffer) -> int:
