@@ -4,6 +4,7 @@ sender's buffers in place (``rlinf/transports/_pull.py``)."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import numpy as np
 import pytest
@@ -19,6 +20,29 @@ pytestmark = [pytest.mark.multiproc,
               pytest.mark.skipif(not cma.available(), reason="no process_vm_readv / pidfd here")]
 
 COPY_OUT = {"RLINF_SHM_VIEWS": "0"}
+
+
+class Gate:
+    """A FIFO that holds a worker's loop blocked (``frozen_puller`` reads a byte from it)
+    until :meth:`open`. We keep it open read-write, so neither side's ``open`` waits."""
+
+    def __init__(self, path) -> None:
+        os.mkfifo(path)
+        self.path = str(path)
+        self._fd = os.open(path, os.O_RDWR)
+
+    def open(self) -> None:
+        os.write(self._fd, b"g")
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+@pytest.fixture
+def gate(tmp_path):
+    g = Gate(tmp_path / "go")
+    yield g
+    g.close()
 
 
 async def test_a_copy_out_receiver_pulls_and_a_send_returns_only_once_read(cluster):
@@ -71,15 +95,14 @@ async def test_pulls_off_on_the_sender_keep_slots(cluster):
         assert got["pulled"] == 0 and got["sources"] == 0 and sent["offered"] == 0
 
 
-async def test_a_sender_killed_before_its_message_is_read_fails_that_receive(cluster, driver, tmp_path):
+async def test_a_sender_killed_before_its_message_is_read_fails_that_receive(cluster, driver, gate):
     """The receiver's loop is frozen while a pulled message arrives and its sender is
     killed; once the receiver reads on, its read finds the sender gone (its pidfd says
     so, whatever process has that pid now): the receive raises PeerLostError, nothing
     else is read."""
-    go = tmp_path / "go"
     async with asyncio.timeout(60):
         receiver = await cluster.spawn(workers_shm.frozen_puller, "puller", 1,
-                                       args=("sender:0", "driver:0", str(go)), env=COPY_OUT)
+                                       args=("sender:0", "driver:0", gate.path), env=COPY_OUT)
         sender = await cluster.spawn(workers_shm.pull_sender, "sender", 1, args=("puller:0", "driver:0", 2 << 20))
         assert await driver.recv("sender:0", tag=40) == "agreed"
         await driver.send("freeze", "puller:0", tag=1)
@@ -89,23 +112,22 @@ async def test_a_sender_killed_before_its_message_is_read_fails_that_receive(clu
         pid = sender.pids[0]
         await sender.kill()
         await until(lambda: process_gone(pid), what="the sender to be gone")
-        go.touch()
+        gate.open()
         [got] = await receiver.join()
         assert "could be read" in got.get("lost", "") and got["pulled"] == 1, got     # the read failed
 
 
 @pytest.mark.parametrize("how", ["timeout", "close"])
-async def test_a_send_given_up_before_its_read_never_delivers_the_reused_buffer(cluster, tmp_path, how):
+async def test_a_send_given_up_before_its_read_never_delivers_the_reused_buffer(cluster, gate, how):
     """The receiver's loop is frozen while a pulled message waits; the sender's send
     times out (or the sender closes), so the caller reuses its buffer. When the receiver
     reads on, its read finds the hold revoked: that receive raises DecodeError, and the
     bytes written after the send failed are never delivered as the message."""
-    go = tmp_path / "go"
     sender = await cluster.connect("giver:0").start()
     try:
         async with asyncio.timeout(60):
             receiver = await cluster.spawn(workers_shm.frozen_puller, "puller", 1,
-                                           args=("giver:0", "giver:0", str(go)), env=COPY_OUT)
+                                           args=("giver:0", "giver:0", gate.path), env=COPY_OUT)
             await sender.send({"x": np.ones(2 << 20, np.uint8)}, "puller:0")          # through a slot
             [info] = [p for p in await sender.peers() if p.address == "puller:0"]
             await until(lambda: sender._pull.agreed("puller:0", info.incarnation), what="the receiver to agree")
@@ -123,7 +145,7 @@ async def test_a_send_given_up_before_its_read_never_delivers_the_reused_buffer(
                     await sending
             assert not sender._pull._held
             buf[:] = 9                     # the send failed: the caller reuses its buffer
-            go.touch()
+            gate.open()
             [got] = await receiver.join()
             assert "withdrew" in got.get("error", ""), got
     finally:

@@ -254,8 +254,8 @@ async def pull_then_freeze(comm, src: str):
     await comm.recv(src, tag=1, timeout=60)
     await comm.send("frozen", src, tag=2, timeout=60)
     await asyncio.sleep(0)        # one loop turn: the reply's frame set goes out (Outbox.put)
-    import time
-    time.sleep(600)
+    import threading
+    threading.Event().wait()      # the loop is blocked on purpose, until we are killed
 
 
 async def pull_sender(comm, dst: str, ctl: str, nbytes: int):
@@ -273,19 +273,20 @@ async def pull_sender(comm, dst: str, ctl: str, nbytes: int):
 
 async def frozen_puller(comm, src: str, ctl: str, go: str):
     """Receive ``src``'s first message (we then agree to pull from it); on ``ctl``'s word
-    (tag 1) say "frozen" (tag 2) and block our loop until the file ``go`` exists (what
-    arrives meanwhile waits in the socket); then receive ``src``'s next message and
-    report how that went."""
+    (tag 1) say "frozen" (tag 2) and block our loop until a byte comes through the FIFO
+    ``go`` (the test's gate: what arrives meanwhile waits in the socket); then receive
+    ``src``'s next message and report how that went."""
     import os
-    import time
 
     await comm.recv(src, timeout=30)
     await comm.recv(ctl, tag=1, timeout=30)
     await comm.send("frozen", ctl, tag=2, timeout=30)
     await asyncio.sleep(0)        # one loop turn: the reply's frame set goes out (Outbox.put)
-    deadline = time.monotonic() + 60
-    while not os.path.exists(go) and time.monotonic() < deadline:
-        time.sleep(0.01)          # the loop is blocked on purpose: nothing is read meanwhile
+    fd = os.open(go, os.O_RDONLY)  # the test holds it open for writing: no wait here
+    try:
+        os.read(fd, 1)            # the loop is blocked on purpose: nothing is read meanwhile
+    finally:
+        os.close(fd)
     try:
         obj = await comm.recv(src, timeout=30)
         return {"got": sorted(set(np.unique(obj["x"]).tolist())), **pull_state(comm)}
