@@ -107,8 +107,9 @@ class Communicator:
             a large same-node message is then read straight from the sender's memory
             when it arrives, one copy, where the kernel allows it, else copied out of
             the slot at receive time: see ``RLINF_SHM_PULL`` in ``docs/transports.md``).
-            Default ``$RLINF_SHM_VIEWS`` (``0`` for copies), else True. The same holds for GPU tensors received
-            through CUDA IPC (views of the sender's device slot, or owned copies).
+            Default ``$RLINF_SHM_VIEWS`` (``0`` for copies), else True. The same holds for
+            GPU tensors received through CUDA IPC (views of the sender's device slot, or
+            owned copies).
         exclusive: join only if no live worker holds ``address`` (else ``start``
             raises :class:`~rlinf.AddressInUseError`). By default a second worker under
             a live address replaces the first, as a restarted worker does.

@@ -248,13 +248,8 @@ class ShmSession:
     def flush(self) -> None:
         """Send the notices collected so far, one message per sender."""
         self._stop_timer()
-        pending, self._pending, self._owed = self._pending, {}, 0
-        self._owed_bytes.clear()
-        for src, (releases, mapped) in pending.items():
-            try:
-                self._send_notice(src, [releases, mapped])
-            except RlinfError as exc:   # the sender is gone: it retires or sweeps its slots
-                log.debug("rlinf: shared-memory notice to %s not sent: %r", src, exc)
+        for src in list(self._pending):
+            self.flush_to(src)
 
     def _stop_timer(self) -> None:
         if self._timer is not None:
