@@ -17,13 +17,13 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(PY) -m rlinf.cli demo
+	$(PY) -m rlinf demo
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: install
-	$(PY) -m rlinf.cli bench
+	$(PY) -m rlinf bench
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -71,7 +71,7 @@ def baseline_context(*preload: str):
     Start-up is never inside a timed region; the measured code is the same as under
     spawn. (rlinf's own workers are started by ``rlinf.Cluster``, with spawn.)"""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["numpy", "zmq", "msgpack", "rlinf.control", *preload])
+    ctx.set_forkserver_preload(["numpy", "zmq", "msgpack", "rlinf.control.client", *preload])
     return ctx
 
 

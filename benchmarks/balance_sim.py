@@ -28,22 +28,10 @@ import sys
 from pathlib import Path
 
 try:
-    from rlinf.channel.policies import (
-        ConsumerInfo,
-        ItemInfo,
-        SpeedMeter,
-        make_policy,
-        select_checked,
-    )
+    from rlinf.channel.policies import ConsumerInfo, ItemInfo, SpeedMeter, make_policy, select_checked
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from rlinf.channel.policies import (
-        ConsumerInfo,
-        ItemInfo,
-        SpeedMeter,
-        make_policy,
-        select_checked,
-    )
+    from rlinf.channel.policies import ConsumerInfo, ItemInfo, SpeedMeter, make_policy, select_checked
 
 __all__ = ["SPEEDS", "POLICIES", "TARGET_IMBALANCE", "make_steps", "simulate", "run", "main"]
 

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import Row, baseline_context, nested_object, print_rows, touch  # noqa: E402
 
 import rlinf  # noqa: E402
-from rlinf.control import run as run_loop  # noqa: E402
+from rlinf.control.client import run as run_loop  # noqa: E402
 
 ctx = baseline_context()
 SPEEDS = (1.0, 1.0, 2.0, 4.0)

@@ -38,7 +38,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rlinf  # noqa: E402
-from rlinf.control import run as run_loop  # noqa: E402
+from rlinf.control.client import run as run_loop  # noqa: E402
 
 ctx = baseline_context("torch", "torch.distributed")
 # Failure detection is not what is measured here; on a loaded 2-vCPU VM a heartbeat can

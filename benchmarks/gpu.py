@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import Row, print_rows  # noqa: E402
 
 import rlinf  # noqa: E402
-from rlinf.control import run as run_loop  # noqa: E402
+from rlinf.control.client import run as run_loop  # noqa: E402
 
 SIZES = {"1 MiB": 1 << 20, "64 MiB": 64 << 20, "512 MiB": 512 << 20}
 #: Messages per streamed round (sent back to back, one ack): steady-state bandwidth.

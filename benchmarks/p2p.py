@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import Row, baseline_context, nested_object, quick_main, touch  # noqa: E402
 
 import rlinf  # noqa: E402
-from rlinf.control import run as run_loop  # noqa: E402
+from rlinf.control.client import run as run_loop  # noqa: E402
 
 ctx = baseline_context()
 

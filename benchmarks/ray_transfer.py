@@ -30,7 +30,7 @@ from _common import Row, nested_object, quick_main, touch  # noqa: E402
 
 import rlinf  # noqa: E402
 import rlinf.ray  # noqa: E402
-from rlinf.control import run as run_loop  # noqa: E402
+from rlinf.control.client import run as run_loop  # noqa: E402
 
 # A loaded 2-core machine can starve a heartbeat thread for over the 1.5 s default.
 os.environ.setdefault("RLINF_PEER_TIMEOUT", "10")

@@ -55,7 +55,7 @@ import _shm_floor  # noqa: E402
 from _common import Row, baseline_context, nested_object, print_rows, touch  # noqa: E402
 
 import rlinf  # noqa: E402
-from rlinf.control import run as run_loop  # noqa: E402
+from rlinf.control.client import run as run_loop  # noqa: E402
 
 ctx = baseline_context("torch")
 # A loaded 2-core machine can starve a heartbeat thread for over the 1.5 s default.

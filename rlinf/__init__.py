@@ -10,30 +10,18 @@ from .channel import policies
 from .channel.client import Channel
 from .channel.policies import ConsumerInfo, ItemInfo, LoadBalancePolicy
 from .channel.stats import ChannelStats
-from .cluster import Cluster, WorkerGroup
-from .comm import Communicator, connect
-from .facade import SyncCommunicator, init, shutdown
-from .errors import (
-    AddressInUseError,
-    AuthenticationError,
-    ClosedError,
-    CommTimeoutError,
-    DecodeError,
-    EncodeError,
-    EndOfChannel,
-    PeerLostError,
-    ProtocolError,
-    RlinfError,
-    TransportUnavailableError,
-    WorkerFailedError,
-    WouldBlock,
-)
-from .group import Group
+from .launch.cluster import Cluster, WorkerGroup
+from .core.communicator import Communicator, connect
+from .sync import SyncCommunicator, init, shutdown
+from .errors import (AddressInUseError, AuthenticationError, ClosedError, CommTimeoutError, DecodeError, EncodeError,
+                     EndOfChannel, PeerLostError, ProtocolError, RlinfError, TransportUnavailableError,
+                     WorkerFailedError, WouldBlock)
+from .collectives.group import Group
 from .info import DeviceInfo, MembershipEvent, WorkerInfo
-from .manager import Manager
-from .stats import CommStats, PeerStats, TransportStats
-from .work import Work
-from .worker import Worker
+from .control.manager import Manager
+from .core.stats import CommStats, PeerStats, TransportStats
+from .core.work import Work
+from .launch.worker import Worker
 
 __version__ = "0.1.0"
 

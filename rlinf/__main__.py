@@ -3,6 +3,6 @@
 from __future__ import annotations
 
 if __name__ == "__main__":
-    from .cli import main
+    from .tools.cli import main
 
     raise SystemExit(main())

@@ -1,5 +1,5 @@
 """A data link that accepts every frame set at once and keeps a copy of it: the tests
-drive a real :class:`rlinf.outbox.Outbox` through it, with no sockets."""
+drive a real :class:`rlinf.core._outbox.Outbox` through it, with no sockets."""
 
 from __future__ import annotations
 

@@ -9,19 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from . import policies
-from .policies import (
-    FIFO,
-    ConsumerInfo,
-    ItemInfo,
-    LoadBalancePolicy,
-    MostFreeMemory,
-    PerformanceAware,
-    RoundRobin,
-    ShortestQueue,
-    SpeedMeter,
-    WeightedRoundRobin,
-    make_policy,
-)
+from .policies import (FIFO, ConsumerInfo, ItemInfo, LoadBalancePolicy, MostFreeMemory, PerformanceAware, RoundRobin,
+                       ShortestQueue, SpeedMeter, WeightedRoundRobin, make_policy)
 from .stats import ChannelStats, ConsumerStats, KeyStats
 
 __all__ = [

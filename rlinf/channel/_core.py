@@ -24,7 +24,7 @@ import math
 import time
 from typing import Any, Callable
 
-from ..bounded import Doubling
+from ..util.bounded import Doubling
 from ._state import Handle, Item, Request, insert_by_id
 from .policies import ItemInfo, LoadBalancePolicy, make_policy, select_checked
 

@@ -18,8 +18,9 @@ import sys
 import time
 from typing import Any, Callable
 
-from .. import wire
-from ..errors import ClosedError, CommTimeoutError, DecodeError, EndOfChannel, PeerLostError, ProtocolError, RlinfError
+from ..core import wire
+from ..errors import (ClosedError, CommTimeoutError, DecodeError, EndOfChannel, PeerLostError, ProtocolError,
+                      RlinfError)
 from ._payload import decoded, unpack
 from ._wire import decode_ops, encode_ops
 from .server import REQUEST_TAG, check_name, reply_tag, server_address

@@ -17,17 +17,9 @@ from typing import Any, Callable
 
 from ..errors import AddressInUseError, ClosedError, CommTimeoutError, EndOfChannel, RlinfError, WouldBlock
 from ..info import check_timeout as _check_timeout
-from ..outbox import SMALL_MESSAGE
-from ..work import Work
-from ._handle import (
-    MAX_COUNT,
-    HandleBase,
-    _chain,
-    _check_key,
-    _check_weight,
-    _retrieve,
-    default_free_memory,
-)
+from ..core._outbox import SMALL_MESSAGE
+from ..core.work import Work
+from ._handle import MAX_COUNT, HandleBase, _chain, _check_key, _check_weight, _retrieve, default_free_memory
 from ._payload import pack
 from .policies import make_policy
 from .server import ChannelServer, ServerProcess, check_name, server_address

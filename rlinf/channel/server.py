@@ -1,6 +1,6 @@
 """The channel server: one worker (``channel.<name>:0``) that owns a channel's queues.
 
-:class:`ChannelServer` joins the cluster with its own :class:`~rlinf.comm.Communicator`
+:class:`ChannelServer` joins the cluster with its own :class:`~rlinf.core.communicator.Communicator`
 (meta ``{"kind": "channel", "channel": name}``, so it shows in the roster and in
 ``rlinf top``; its :class:`~rlinf.channel.stats.ChannelStats` go with its heartbeats as
 ``"channel"``), receives the operations of every client handle, feeds them to the state
@@ -24,22 +24,14 @@ import re
 import traceback
 from typing import Any
 
-from .. import control
-from ..comm import Communicator
-from ..errors import (
-    AddressInUseError,
-    ClosedError,
-    CommTimeoutError,
-    DecodeError,
-    PeerLostError,
-    ProtocolError,
-    RlinfError,
-    WorkerFailedError,
-)
+from ..control import client as control
+from ..core.communicator import Communicator
+from ..errors import (AddressInUseError, ClosedError, CommTimeoutError, DecodeError, PeerLostError, ProtocolError,
+                      RlinfError, WorkerFailedError)
 from ..info import socket_dirs
-from ..launch import remove_socket_dirs
-from ..pipe import MessagePipe
-from ..routing import CUDA_IPC
+from ..launch.base import remove_socket_dirs
+from ..util.pipe import MessagePipe
+from ..core.routing import CUDA_IPC
 from ._core import ChannelCore
 from ._state import Handle
 from ._wire import decode_ops, encode_ops

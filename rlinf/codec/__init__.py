@@ -27,20 +27,10 @@ from typing import Any, Sequence
 
 import msgpack
 
-from rlinf.codec import _decode, _encode
-from rlinf.codec._wire import (
-    MAGIC,
-    NATIVE,
-    PREFIX,
-    VERSION,
-    Fail,
-    Limits,
-    TypeRegistry,
-    buffer_nbytes,
-    fmt_path,
-    is_device_buffer,
-)
-from rlinf.errors import DecodeError, EncodeError
+from . import _decode, _encode
+from ._wire import (MAGIC, NATIVE, PREFIX, VERSION, Fail, Limits, TypeRegistry, buffer_nbytes, fmt_path,
+                    is_device_buffer)
+from ..errors import DecodeError, EncodeError
 
 __all__ = [
     "Codec",

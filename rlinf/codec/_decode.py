@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from rlinf.codec import _wire as W
-from rlinf.errors import DecodeError
+from . import _wire as W
+from ..errors import DecodeError
 
 if TYPE_CHECKING:
-    from rlinf.codec import Codec
+    from . import Codec
 
 _ndarray = np.ndarray
 

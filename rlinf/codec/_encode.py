@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from rlinf.codec import _wire as W
-from rlinf.codec._wire import NATIVE, Fail, ext, tuple_new
+from . import _wire as W
+from ._wire import NATIVE, Fail, ext, tuple_new
 
 if TYPE_CHECKING:
-    from rlinf.codec import Codec
+    from . import Codec
 
 _ExtType = W.ExtType
 _TAG_TUPLE, _TAG_DICT, _TAG_ODICT = ext(W.T_TUPLE), ext(W.T_DICT), ext(W.T_ODICT)

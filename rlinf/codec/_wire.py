@@ -23,7 +23,7 @@ from typing import Any, Callable
 import msgpack
 import numpy as np
 
-from rlinf.errors import DecodeError
+from ..errors import DecodeError
 
 VERSION = 1
 MAGIC = b"\xc1RL"

@@ -12,9 +12,9 @@ import sys
 import time
 from typing import Any
 
-from .. import control
+from ..control import client as control
 from ..errors import RlinfError
-from ..top import RateTracker, format_bytes
+from ..tools.top import RateTracker, format_bytes
 from . import workers
 
 __all__ = ["run"]
@@ -154,7 +154,7 @@ def _as_dict(obj: Any) -> Any:
 
 
 async def _job(args: argparse.Namespace, cfg: dict, display: Display) -> dict:
-    from ..cluster import Cluster
+    from ..launch.cluster import Cluster
 
     # Local worker deaths are seen at once (the manager watches their pids); the heartbeat
     # timeout only matters for stalls, and 2 busy cores can stall a process for seconds.

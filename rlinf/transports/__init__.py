@@ -9,7 +9,7 @@
   write and read (no I/O thread in between).
 * :mod:`.tcp_bulk` — large payloads between nodes over a TCP stream of their own.
 * :mod:`.cuda_ipc` — GPU buffers to another process of the node: pooled device slots
-  shared once, interprocess events for ordering (used through :mod:`rlinf.gpu_paths`).
+  shared once, interprocess events for ordering (used through :mod:`rlinf.core._gpu_paths`).
 
 Which one carries a buffer is decided only by :func:`rlinf.routing.select_transport`;
 ``docs/transports.md`` has the table and the lifetime rules. Importing this package

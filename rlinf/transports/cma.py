@@ -74,7 +74,7 @@ def address_of(buffer) -> int:
 
 class Remote:
     """``nbytes`` at ``address`` in another process; sliceable like a 1-D uint8 array (so
-    :func:`rlinf.copier.split` can cut a read into parts)."""
+    :func:`rlinf.util.copier.split` can cut a read into parts)."""
 
     __slots__ = ("address", "nbytes")
 

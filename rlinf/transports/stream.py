@@ -49,10 +49,10 @@ import socket
 import struct
 from typing import Any, Callable, Sequence
 
-from .. import wire
+from ..core import wire
 from ..errors import AuthenticationError, ClosedError, PeerLostError, TransportUnavailableError
 from ._proof import MAC, NONCE, mac, nonce, same
-from ._shm_pool import Recycler
+from .shm._pool import Recycler
 from .base import Inbox, Link, Listener, Received, Transport, WouldBlock
 
 __all__ = ["StreamTransport", "StreamLink", "StreamListener", "SCHEME"]

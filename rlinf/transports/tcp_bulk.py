@@ -54,12 +54,12 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from .. import wire
+from ..core import wire
 from ..errors import AuthenticationError, ClosedError, PeerLostError, TransportUnavailableError
 from . import _aead
 from ._proof import MAC as _MAC, NONCE as _NONCE, mac as _mac, nonce as _new_nonce, same as _same
 from .base import Inbox, Link, Listener, Received, Transport
-from ._shm_pool import Recycler
+from .shm._pool import Recycler
 
 __all__ = ["BulkTransport", "BulkLink", "BulkListener", "SCHEME"]
 
@@ -471,7 +471,7 @@ class BulkTransport(Transport):
     """Bulk TCP listener and links (see the module docstring).
 
     Args:
-        key: the cluster's bulk key (:attr:`rlinf.security.ClusterKeys.bulk_key`).
+        key: the cluster's bulk key (:attr:`rlinf.control.security.ClusterKeys.bulk_key`).
         host: interface to listen on.
         advertise_host: address peers dial (default ``host``).
         recycler: memory received frames are read into (a new one by default).

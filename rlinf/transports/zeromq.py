@@ -29,9 +29,9 @@ from typing import Any, Callable, Sequence
 import zmq
 from zmq.backend import Socket as _BackendSocket
 
-from .. import leftovers
+from . import leftovers
 from ..errors import ClosedError, PeerLostError, TransportUnavailableError
-from ..security import ClusterKeys
+from ..control.security import ClusterKeys
 from .base import Inbox, Link, Listener, Received, Transport
 
 __all__ = ["ZmqTransport", "ZmqLink", "ZmqListener", "make_ipc_dir"]
@@ -69,7 +69,7 @@ def _remove_ipc_dirs_at_exit() -> None:
 
 def make_ipc_dir() -> str:
     """A short private directory for socket files (AF_UNIX paths max 107 bytes), named
-    after this process (:mod:`rlinf.leftovers`). Whoever listens there removes it on close;
+    after this process (:mod:`rlinf.transports.leftovers`). Whoever listens there removes it on close;
     if the process exits first, an exit hook does."""
     path = tempfile.mkdtemp(prefix=leftovers.prefix(), dir=leftovers.tmp_dir())
     os.chmod(path, 0o700)

@@ -11,7 +11,7 @@ import os
 import pytest
 
 import rlinf
-from rlinf.transports import cuda_ipc
+from rlinf.transports.cuda import ipc as cuda_ipc
 
 from . import workers_gpu
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import rlinf
-from rlinf import cli, top
+from rlinf.tools import cli, top
 
 from . import workers
 from .wait import until
@@ -296,7 +296,7 @@ def test_bench_quick_all_rows():
     minute and a half on 2 cores); one that cannot run here (gpu without CUDA) is skipped."""
     import subprocess
 
-    from rlinf import bench
+    from rlinf.tools import bench
 
     found = bench.find_benchmarks(bench.default_dir())
     out = subprocess.run([sys.executable, "-m", "rlinf", "bench", "--quick", "--json"],

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import rlinf
-from rlinf.launch import wait_gone
+from rlinf.launch.base import wait_gone
 from rlinf.info import socket_dirs
 
 from .wait import reaped
@@ -388,7 +388,7 @@ async def test_workers_killed_before_they_registered_leave_no_socket_directories
     import socket
 
     def orphans() -> set[str]:     # socket directories of processes that are gone
-        from rlinf.devices import process_gone
+        from rlinf.util.procs import process_gone
 
         return {d for d in glob.glob("/tmp/rlinf-[0-9]*") if process_gone(int(os.path.basename(d).split("-")[1]))}
 

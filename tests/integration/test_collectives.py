@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import rlinf
-from rlinf.reshard import reshard
+from rlinf.collectives.reshard import reshard
 
 from . import workers, workers_coll
 

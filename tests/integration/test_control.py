@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 import rlinf
-from rlinf.manager import Manager
+from rlinf.control.manager import Manager
 
 pytestmark = pytest.mark.multiproc
 

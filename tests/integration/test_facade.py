@@ -17,7 +17,7 @@ import sys
 import pytest
 
 import rlinf
-from rlinf import facade
+from rlinf import sync as facade
 
 pytestmark = pytest.mark.multiproc
 
@@ -310,5 +310,5 @@ def test_rendezvous_choices():
 
 def test_init_arguments():
     with pytest.raises(ValueError, match="auto"):
-        rlinf.facade.init(backend="nccl")
+        rlinf.sync.init(backend="nccl")
     facade.shutdown()                                      # nothing to shut down: no-op

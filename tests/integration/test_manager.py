@@ -10,9 +10,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from rlinf import control
-from rlinf.manager import Manager
-from rlinf.security import ClusterKeys
+from rlinf.control import client as control
+from rlinf.control.manager import Manager
+from rlinf.control.security import ClusterKeys
 
 pytestmark = pytest.mark.multiproc
 
@@ -154,12 +154,12 @@ def test_processes_in_another_pid_namespace_are_not_judged_by_pid():
     import subprocess
     import sys
 
-    from rlinf.control import machine_id
+    from rlinf.control.client import machine_id
 
     if shutil.which("unshare") is None:
         pytest.skip("no unshare(1) here")
     out = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
-                          "from rlinf.control import machine_id; print(machine_id())"],
+                          "from rlinf.control.client import machine_id; print(machine_id())"],
                          capture_output=True, text=True, timeout=60)
     if out.returncode != 0:
         pytest.skip(f"cannot make a PID namespace here: {out.stderr.strip()[-200:]}")

@@ -17,9 +17,9 @@ import torch
 import zmq
 
 import rlinf
-from rlinf import wire
-from rlinf.outbox import IN_FLIGHT, OutMessage, Outbox, bulk_frames
-from rlinf.stats import Counters
+from rlinf.core import wire
+from rlinf.core._outbox import IN_FLIGHT, OutMessage, Outbox, bulk_frames
+from rlinf.core.stats import Counters
 
 from ..recording_link import RecordingLink
 from .same import assert_same

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import rlinf
-from rlinf.devices import process_gone
+from rlinf.util.procs import process_gone
 from rlinf.transports import cma
 
 from .wait import until

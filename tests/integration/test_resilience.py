@@ -56,7 +56,7 @@ async def test_manager_restart_keeps_peers_talking_and_rebuilds_roster():
 _PEER = """
 import asyncio, sys
 import rlinf
-from rlinf.control import run
+from rlinf.control.client import run
 
 async def main():
     async with rlinf.connect("b:0", manager=sys.argv[1], token=sys.argv[2]) as b:
@@ -112,7 +112,7 @@ async def test_garbage_on_data_and_control_endpoints_is_survived(cluster, driver
                 t.linger = 0
                 t.routing_id = b"x:0|fake"
                 encrypt = endpoint.startswith("tcp://")
-                rlinf.security.ClusterKeys(cluster.token).secure_client(t, encrypt=encrypt)
+                rlinf.control.security.ClusterKeys(cluster.token).secure_client(t, encrypt=encrypt)
                 t.connect(endpoint)
                 socks.append(t)
             def throw(s, frames):
@@ -125,8 +125,8 @@ async def test_garbage_on_data_and_control_endpoints_is_survived(cluster, driver
                 for _ in range(30):
                     n = int(rng.integers(1, 4))
                     throw(s, [rng.bytes(int(rng.integers(0, 300))) for _ in range(n)])
-                throw(s, [rlinf.wire.pack_header("x:0", "fake", [[0, 0, b"", [5]]])])           # count mismatch
-                throw(s, [rlinf.wire.pack_header("x:0", "fake", [[0, 0, b"\x93", []]])[:-3]])   # truncated
+                throw(s, [rlinf.core.wire.pack_header("x:0", "fake", [[0, 0, b"", [5]]])])           # count mismatch
+                throw(s, [rlinf.core.wire.pack_header("x:0", "fake", [[0, 0, b"\x93", []]])[:-3]])   # truncated
             # The worker and the manager still serve real peers.
             group = await cluster.spawn(workers.echo, "echo", 1, args=("driver:0", 1))
             await driver.send({"still": "alive"}, "echo:0")
@@ -147,9 +147,9 @@ async def test_insider_garbage_codec_payload_raises_decode_error(driver, cluster
             s = ctx.socket(zmq.DEALER)
             s.linger = 0
             s.routing_id = b"evil:0|i1"
-            rlinf.security.ClusterKeys(cluster.token).secure_client(s, encrypt=False)
+            rlinf.control.security.ClusterKeys(cluster.token).secure_client(s, encrypt=False)
             s.connect(driver.info.endpoints["ipc"])
-            s.send_multipart([rlinf.wire.pack_header("evil:0", "i1", [[0, 0, b"\xc1garbage", []]])])
+            s.send_multipart([rlinf.core.wire.pack_header("evil:0", "i1", [[0, 0, b"\xc1garbage", []]])])
             with pytest.raises(rlinf.DecodeError):
                 await driver.recv("evil:0", timeout=10)
             await driver.send("ok", "driver:0")
@@ -239,7 +239,7 @@ async def test_large_message_is_chunked_and_reassembled(driver):
 async def test_dead_incarnations_remembered_are_bounded(driver, monkeypatch):
     """Each death of a peer restarted under one name left an entry for good: a long-lived
     driver grew by one per restart. The newest are kept (their late frames are dropped)."""
-    from rlinf import comm as comm_module
+    from rlinf.core import communicator as comm_module
     from rlinf.info import MembershipEvent
 
     monkeypatch.setattr(comm_module, "DEAD_KEPT", 3)
@@ -255,8 +255,8 @@ async def test_the_state_kept_per_departed_peer_is_bounded(driver, monkeypatch):
     buffer of its own) and a mailbox entry for good: ~270 KiB per peer that came and
     went. Outboxes now share one header packer, and only the newest departed peers are
     remembered (a send or receive to them fails at once)."""
-    from rlinf import comm as comm_module
-    from rlinf import mailbox as mailbox_module
+    from rlinf.core import communicator as comm_module
+    from rlinf.core import _mailbox as mailbox_module
     from rlinf.info import MembershipEvent
 
     monkeypatch.setattr(comm_module, "DEAD_KEPT", 3)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import rlinf
-from rlinf.devices import process_gone
+from rlinf.util.procs import process_gone
 from rlinf.transports import shm
 
 from .same import assert_same
@@ -100,7 +100,7 @@ async def test_a_sender_ahead_of_its_reader_waits_for_slots_instead_of_growing(c
     """A reader that consumes slower than its sender sends: the sender's sends wait once
     the reader holds a window of slots, so the pool stays at about that many segments
     instead of a new one per message."""
-    from rlinf.transports._shm_session import WINDOW_SLOTS
+    from rlinf.transports.shm._session import WINDOW_SLOTS
 
     n = 4 * WINDOW_SLOTS
     async with asyncio.timeout(60):
@@ -119,7 +119,7 @@ async def test_a_reader_that_keeps_its_views_does_not_block_its_sender(cluster, 
     """A reader that keeps every message (a queue, say): past the window the sender
     waits once, for a short while, then sends on; nothing is lost, and the slots come
     back when the reader drops its views."""
-    from rlinf.transports._shm_session import WINDOW_SLOTS
+    from rlinf.transports.shm._session import WINDOW_SLOTS
 
     n = WINDOW_SLOTS + 20
     async with asyncio.timeout(60):
@@ -160,8 +160,8 @@ async def test_a_small_slot_comes_back_right_after_the_reply_a_large_one_in_it(c
     would add to the reply's latency on both sides) but sent in a frame set of its own
     right after it; a large one travels ahead of the reply, so the next message reuses
     that slot instead of taking a second one."""
-    from rlinf import wire
-    from rlinf.transports._shm_session import AHEAD_BYTES
+    from rlinf.core import wire
+    from rlinf.transports.shm._session import AHEAD_BYTES
 
     frame_sets = []
     deliver = driver._arrival._deliver
@@ -329,12 +329,12 @@ async def test_bad_slot_descriptor_is_a_decode_error(cluster, driver):
         try:
             s.linger = 0
             s.routing_id = b"evil:0|i1"
-            rlinf.security.ClusterKeys(cluster.token).secure_client(s, encrypt=False)
+            rlinf.control.security.ClusterKeys(cluster.token).secure_client(s, encrypt=False)
             s.connect(driver.info.endpoints["ipc"])
             header, _ = rlinf.codec.encode(np.zeros(100))
             for name in ("rlinf-1-ff-ab-0", f"rlinf-{os.getpid()}-ff-00-999999"):
                 slot = [name, 0, 1 << 20, 1, False]
-                s.send_multipart([rlinf.wire.pack_header("evil:0", "i1", [[0, 0, header, [-800], slot]], True), b""])
+                s.send_multipart([rlinf.core.wire.pack_header("evil:0", "i1", [[0, 0, header, [-800], slot]], True), b""])
                 with pytest.raises(rlinf.DecodeError):
                     await driver.recv("evil:0", timeout=10)
             await driver.send("ok", "driver:0")
@@ -437,7 +437,7 @@ _WHOLE_JOB = """
 import asyncio, json, os
 import numpy as np
 import rlinf
-from rlinf.control import run
+from rlinf.control.client import run
 from tests.integration import workers_shm
 
 async def main():

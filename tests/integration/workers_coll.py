@@ -19,7 +19,7 @@ import torch
 
 import rlinf
 from rlinf.info import parse_address
-from rlinf.reshard import reshard
+from rlinf.collectives.reshard import reshard
 
 T = 30.0   # timeout of every collective call in the scenarios
 

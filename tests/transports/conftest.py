@@ -15,7 +15,7 @@ from typing import Any, Awaitable, Callable
 import pytest
 import zmq
 
-from rlinf.security import ClusterKeys, ZapHandler
+from rlinf.control.security import ClusterKeys, ZapHandler
 from rlinf.transports.base import Link, Listener
 from rlinf.transports.shm import ShmTransport, available as shm_available
 from rlinf.transports.stream import StreamTransport

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from rlinf import wire
+from rlinf.core import wire
 from rlinf.errors import ProtocolError
 from rlinf.transports import shm
 
@@ -202,7 +202,7 @@ def test_private_readers_do_not_see_each_other_and_reset_on_release(pool, releas
 def test_a_private_reader_drops_exactly_its_written_pages(pool, released, monkeypatch, pagemap):
     """Pages a multicast reader wrote are reset on release; pages it only read stay
     mapped (no re-fault on the next use) and show the next message's bytes."""
-    from rlinf.transports import _pagemap, _shm_reader
+    from rlinf.transports.shm import _pagemap, _reader as _shm_reader
 
     if not pagemap:   # e.g. /proc unavailable: every page is dropped, still correct
         monkeypatch.setattr(_pagemap, "written_runs", lambda address, length: None)
@@ -291,7 +291,7 @@ def test_recycler_reuses_memory_once_arrays_die():
 
 def test_recycled_memory_starts_on_a_page():
     """Copies into it must not land 16 bytes past a page-aligned source (np.empty's
-    offset), which runs ~10x slower on our CPUs (rlinf.memory)."""
+    offset), which runs ~10x slower on our CPUs (rlinf.util.memory)."""
     recycler = shm.Recycler(1 << 30)
     for n in (1, 64 << 10, 400 << 10, 3 << 20):
         assert recycler.take(n).ctypes.data % mmap.PAGESIZE == 0
@@ -454,7 +454,7 @@ def _shared_tensor(n: int = 1 << 16):
 def _planned(t, dst: str = "r:0"):
     """Encode ``{"t": t}`` and plan it as the communicator does: (places, relays), fds."""
     from rlinf import codec
-    from rlinf.transports._fdshare import FdShares
+    from rlinf.transports.shm._fdshare import FdShares
 
     _, buffers = codec.encode({"t": t})
     fds = FdShares()
@@ -465,7 +465,7 @@ def _planned(t, dst: str = "r:0"):
 def test_shared_storages_finds_only_fd_shared_tensors():
     torch = pytest.importorskip("torch")
     from rlinf import codec
-    from rlinf.transports._fdshare import shared_storages
+    from rlinf.transports.shm._fdshare import shared_storages
 
     t = _shared_tensor()
     _, buffers = codec.encode({"shared": t[10:20], "plain": torch.ones(8), "np": np.ones(8)})
@@ -492,7 +492,7 @@ def test_a_shared_tensor_is_planned_by_handle_and_held_until_released():
 
 
 def test_fd_maps_map_once_share_writes_and_check_identity():
-    from rlinf.transports._fdshare import FdMaps
+    from rlinf.transports.shm._fdshare import FdMaps
 
     t = _shared_tensor()
     (places, relays), fds, _ = _planned(t)

@@ -1,4 +1,4 @@
-"""rlinf.arrival: bulk frame sets are delivered in call order with the ZeroMQ ones."""
+"""rlinf.core._arrival: bulk frame sets are delivered in call order with the ZeroMQ ones."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from rlinf import arrival
-from rlinf.arrival import ArrivalOrder, bulk_header
+from rlinf.core import _arrival as arrival
+from rlinf.core._arrival import ArrivalOrder, bulk_header
 from rlinf.transports.base import Received
 
 

@@ -1,4 +1,4 @@
-"""rlinf.busypoll: polling before sleeping, the adaptive window, cancellation, CPU bound."""
+"""rlinf.core._busypoll: polling before sleeping, the adaptive window, cancellation, CPU bound."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from rlinf.busypoll import DEFAULT_US, BusyPoll
+from rlinf.core._busypoll import DEFAULT_US, BusyPoll
 from rlinf.errors import PeerLostError
-from rlinf.mailbox import Mailbox, Message
+from rlinf.core._mailbox import Mailbox, Message
 
 #: A maximum no wait in these tests comes near, even on a loaded machine.
 _LONG_US = 1e6

@@ -524,7 +524,7 @@ def test_the_channel_process_forwards_items_as_they_are():
     """It never writes into the items it forwards: no copy-on-write remap per forwarded
     slot (which took Q2 from 0.64x to 0.24x of memcpy), and no CUDA context."""
     from rlinf.channel.server import ChannelServer
-    from rlinf.comm import Communicator
+    from rlinf.core.communicator import Communicator
 
     server = ChannelServer("c", manager="tcp://127.0.0.1:1", token="t")
     assert not server.comm._guard_relays and "cuda_ipc" in server.comm._routing.disabled

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from rlinf.copier import Copier
+from rlinf.util.copier import Copier
 from rlinf.transports import cma
 
 pytestmark = pytest.mark.skipif(not cma.available(), reason="no process_vm_readv / pidfd here")

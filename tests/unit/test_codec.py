@@ -28,15 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from rlinf.codec import (
-    Codec,
-    Limits,
-    TypeRegistry,
-    buffer_nbytes,
-    decode,
-    encode,
-    is_device_buffer,
-)
+from rlinf.codec import Codec, Limits, TypeRegistry, buffer_nbytes, decode, encode, is_device_buffer
 from rlinf.codec import _wire as W
 from rlinf.errors import EncodeError
 

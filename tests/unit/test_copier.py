@@ -1,4 +1,4 @@
-"""rlinf.copier: large copies split across threads give the bytes of a plain copy."""
+"""rlinf.util.copier: large copies split across threads give the bytes of a plain copy."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from rlinf.copier import Copier, default_threads, split
+from rlinf.util.copier import Copier, default_threads, split
 
 
 def _pairs(sizes, seed=0):

@@ -10,7 +10,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from rlinf.transports import cuda_ipc
+from rlinf.transports.cuda import ipc as cuda_ipc
 
 
 class _Event:
@@ -362,7 +362,7 @@ SHARE = (0, b"\x02c" + b"h" * 64, cuda_ipc.MIN_SLOT, 0, b"/torch_1_2_3", 4, b"e"
 
 
 def _ref(slot=1, generation=1, share=SHARE, places=((0, 0, 8),)):
-    from rlinf import wire
+    from rlinf.core import wire
     return wire.GpuRef(slot, generation, 0, share, b"e" * 64 if share else None, places,
                        max(o + n for _i, o, n in places))
 
@@ -498,7 +498,7 @@ class _DeviceBuf(_Buf):
 
 
 def _comm_with(peer_devices, peer_transports=("zmq", "cuda_ipc")):
-    from rlinf.comm import Communicator
+    from rlinf.core.communicator import Communicator
     from rlinf.info import DeviceInfo, WorkerInfo
 
     comm = Communicator("me:0", manager="tcp://127.0.0.1:1", token="t")
@@ -546,9 +546,9 @@ async def test_a_restarted_peer_starts_from_fresh_slots():
 
 
 async def test_a_gpu_message_is_queued_with_its_item_and_discards_its_slot_unsent():
-    from rlinf import wire
+    from rlinf.core import wire
     from rlinf.info import DeviceInfo
-    from rlinf.outbox import Outbox
+    from rlinf.core._outbox import Outbox
 
     from ..recording_link import RecordingLink
 

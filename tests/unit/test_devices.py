@@ -1,4 +1,4 @@
-"""Tests for rlinf.devices: node identity, device discovery, addresses, buffer descriptors."""
+"""Tests for rlinf.control.devices: node identity, device discovery, addresses, buffer descriptors."""
 
 from __future__ import annotations
 
@@ -12,15 +12,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from rlinf.devices import (
-    BufferInfo,
-    describe_buffer,
-    discover_devices,
-    host_addresses,
-    node_id,
-    preferred_address,
-    preferred_peer_address,
-)
+from rlinf.control.devices import (BufferInfo, describe_buffer, discover_devices, host_addresses, node_id,
+                                   preferred_address, preferred_peer_address)
 from rlinf.info import DeviceInfo
 
 _GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg")
@@ -117,9 +110,9 @@ def test_import_and_cpu_calls_do_not_import_torch():
         """
         import sys
         import numpy as np
-        import rlinf.devices, rlinf.routing
+        import rlinf.control.devices, rlinf.routing
         assert "torch" not in sys.modules and "cupy" not in sys.modules, "import pulled torch/cupy"
-        from rlinf.devices import describe_buffer, node_id, host_addresses, preferred_address
+        from rlinf.control.devices import describe_buffer, node_id, host_addresses, preferred_address
         describe_buffer(np.zeros(3)); describe_buffer(b"abc"); describe_buffer(memoryview(b"x"))
         node_id(); host_addresses()
         print("torch" in sys.modules, "cupy" in sys.modules)
@@ -132,7 +125,7 @@ def test_no_torch_env_keeps_torch_out():
     out = _run_python(
         """
         import sys
-        from rlinf.devices import discover_devices
+        from rlinf.control.devices import discover_devices
         devices = discover_devices()
         print("torch" in sys.modules, type(devices).__name__)
         """,
@@ -146,7 +139,7 @@ def test_cpu_only_host_discovery_skips_torch_import():
     out = _run_python(
         """
         import sys
-        from rlinf.devices import discover_devices
+        from rlinf.control.devices import discover_devices
         print(discover_devices(), "torch" in sys.modules)
         """
     )

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlinf import routing, wire
-from rlinf.comm import Communicator
+from rlinf.core import routing, wire
+from rlinf.core.communicator import Communicator
 from rlinf.errors import DecodeError, ProtocolError
-from rlinf.inbound import FrameReader
-from rlinf.transports import cuda_ipc
+from rlinf.core._inbound import FrameReader
+from rlinf.transports.cuda import ipc as cuda_ipc
 from rlinf.transports.shm import Recycler
 
 from ..recording_link import RecordingLink
@@ -118,8 +118,8 @@ def test_cap_from_environment(monkeypatch):
 async def test_small_gpu_messages_coalesce_with_others_and_keep_their_gpu_item():
     import asyncio
 
-    from rlinf.outbox import OutMessage, Outbox
-    from rlinf.stats import Counters
+    from rlinf.core._outbox import OutMessage, Outbox
+    from rlinf.core.stats import Counters
 
     loop = asyncio.get_running_loop()
     link = RecordingLink()

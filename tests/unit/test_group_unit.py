@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlinf import group as G
-from rlinf import reshard as R
+from rlinf.collectives import group as G
+from rlinf.collectives import reshard as R
 
 
 class _Stub:

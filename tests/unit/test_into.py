@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlinf.codec import Codec
-from rlinf.into import copy_into
+from rlinf.codec.into import copy_into
 
 
 @dataclasses.dataclass

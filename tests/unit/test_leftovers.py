@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from rlinf import leftovers
+from rlinf.transports import leftovers
 from rlinf.transports import shm
 
 

@@ -1,4 +1,4 @@
-"""rlinf.mailbox: hand-over to waiting receivers, lifetimes, and cancellation."""
+"""rlinf.core._mailbox: hand-over to waiting receivers, lifetimes, and cancellation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import weakref
 
 import numpy as np
 
-from rlinf.mailbox import Mailbox, Message
+from rlinf.core._mailbox import Mailbox, Message
 
 
 def _message(tag: int = 0) -> tuple[Message, weakref.ref]:
@@ -104,7 +104,7 @@ async def test_a_receive_cancelled_in_the_turn_both_messages_arrived_keeps_the_o
 
 
 async def test_a_retired_tag_drops_queued_and_later_messages_and_is_remembered_boundedly():
-    from rlinf.mailbox import RETIRED_TAGS
+    from rlinf.core._mailbox import RETIRED_TAGS
 
     mailbox = Mailbox()
     queued, queued_ref = _message("g:1")

@@ -1,11 +1,11 @@
-"""rlinf.memory: page-aligned buffers for copies (see its module docstring)."""
+"""rlinf.util.memory: page-aligned buffers for copies (see its module docstring)."""
 
 import mmap
 
 import numpy as np
 import pytest
 
-from rlinf.memory import page_aligned, page_aligned_like
+from rlinf.util.memory import page_aligned, page_aligned_like
 
 
 @pytest.mark.parametrize("n", [1, 16, 4095, 4096, 64 << 10, 400 << 10, 3 << 20])

@@ -1,4 +1,4 @@
-"""rlinf.pipe.MessagePipe over real socketpairs: large messages both ways at once, order,
+"""rlinf.util.pipe.MessagePipe over real socketpairs: large messages both ways at once, order,
 EOF, the blocking send for after the loop, and multiprocessing's framing at the other end.
 
 Tests run on asyncio's own loop (whose add_reader leaves the fd blocking, so the pipe
@@ -16,7 +16,7 @@ import threading
 
 import pytest
 
-from rlinf.pipe import MessagePipe
+from rlinf.util.pipe import MessagePipe
 
 #: Far beyond a socketpair's buffer (about 200 KiB on Linux).
 BIG = 8 * 1024 * 1024

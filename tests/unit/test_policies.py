@@ -12,21 +12,9 @@ import numpy as np
 import pytest
 
 from rlinf.channel import policies as policies_module
-from rlinf.channel.policies import (
-    FIFO,
-    POLICY_NAMES,
-    ConsumerInfo,
-    ItemInfo,
-    LoadBalancePolicy,
-    MostFreeMemory,
-    PerformanceAware,
-    RoundRobin,
-    ShortestQueue,
-    SpeedMeter,
-    WeightedRoundRobin,
-    make_policy,
-    select_checked,
-)
+from rlinf.channel.policies import (FIFO, POLICY_NAMES, ConsumerInfo, ItemInfo, LoadBalancePolicy, MostFreeMemory,
+                                    PerformanceAware, RoundRobin, ShortestQueue, SpeedMeter, WeightedRoundRobin,
+                                    make_policy, select_checked)
 
 ALL_POLICIES = [FIFO, RoundRobin, WeightedRoundRobin, ShortestQueue, PerformanceAware, MostFreeMemory]
 ITEM = ItemInfo(item_id=0, weight=1.0)

@@ -10,12 +10,12 @@ import os
 import numpy as np
 import pytest
 
-from rlinf import wire
-from rlinf.copier import Copier
+from rlinf.core import wire
+from rlinf.util.copier import Copier
 from rlinf.errors import ClosedError, DecodeError, PeerLostError, ProtocolError
 from rlinf.transports import cma
-from rlinf.transports._pull import DEFAULT_PULL, PullSession, pull_threshold
-from rlinf.transports._shm_pool import Recycler
+from rlinf.transports.shm._pull import DEFAULT_PULL, PullSession, pull_threshold
+from rlinf.transports.shm._pool import Recycler
 
 pytestmark = pytest.mark.skipif(not cma.available(), reason="no process_vm_readv / pidfd here")
 
@@ -303,8 +303,8 @@ def test_a_pull_descriptor_round_trips():
 async def test_the_collectives_abort_check_leaves_pulled_data_queued_in_order():
     """Aborts are small, never pulled: a pulled message (still being read) is data, and
     the abort check must neither decode it half-read nor lose it."""
-    from rlinf._collective import Call
-    from rlinf.mailbox import Mailbox, Message
+    from rlinf.collectives._engine import Call
+    from rlinf.core._mailbox import Mailbox, Message
 
     mailbox = Mailbox()
     reading = asyncio.get_running_loop().create_future()
@@ -326,7 +326,7 @@ async def test_the_collectives_abort_check_leaves_pulled_data_queued_in_order():
 
 
 async def test_cancelling_the_work_of_a_pulled_send_revokes_before_it_returns(pair):
-    from rlinf.work import Work
+    from rlinf.core.work import Work
 
     pair.agree()
     data = np.full(1 << 16, 7, np.uint8)
@@ -351,7 +351,7 @@ async def test_a_late_goodbye_of_an_old_incarnation_keeps_the_new_ones_agreement
 async def test_an_outbox_that_refuses_the_entry_leaves_no_hold(pair):
     import types
 
-    from rlinf.comm import Communicator
+    from rlinf.core.communicator import Communicator
 
     pair.agree()
 

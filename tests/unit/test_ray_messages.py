@@ -10,7 +10,7 @@ import multiprocessing
 import pytest
 
 pytest.importorskip("ray")
-from rlinf.ray import _RankActor  # noqa: E402
+from rlinf.launch.ray import _RankActor  # noqa: E402
 
 
 def _relay() -> tuple[_RankActor, object]:

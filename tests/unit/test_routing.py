@@ -7,24 +7,10 @@ import itertools
 import numpy as np
 import pytest
 
-from rlinf.devices import BufferInfo
+from rlinf.control.devices import BufferInfo
 from rlinf.info import DeviceInfo, WorkerInfo
-from rlinf.routing import (
-    ALWAYS_AVAILABLE,
-    BULK,
-    CUDA_IPC,
-    DEFAULT_SHM_THRESHOLD,
-    INLINE,
-    NCCL,
-    ROUTING_TABLE,
-    SHM,
-    STAGED,
-    TRANSPORTS,
-    Route,
-    RoutingConfig,
-    select_scheme,
-    select_transport,
-)
+from rlinf.core.routing import (ALWAYS_AVAILABLE, BULK, CUDA_IPC, DEFAULT_SHM_THRESHOLD, INLINE, NCCL, ROUTING_TABLE,
+                                SHM, STAGED, TRANSPORTS, Route, RoutingConfig, select_scheme, select_transport)
 
 GPU = (DeviceInfo(kind="cuda", index=0, uuid="GPU-0000", total_memory=80 << 30),)
 ALL = (INLINE, SHM, BULK, CUDA_IPC, NCCL)

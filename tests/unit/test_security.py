@@ -1,11 +1,11 @@
-"""Unit tests for the token helpers in ``rlinf.security``."""
+"""Unit tests for the token helpers in ``rlinf.control.security``."""
 from __future__ import annotations
 
 import argparse
 
 import pytest
 
-from rlinf.security import ClusterKeys, generate_token
+from rlinf.control.security import ClusterKeys, generate_token
 
 
 def test_generated_tokens_survive_a_command_line():

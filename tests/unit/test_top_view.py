@@ -8,7 +8,7 @@ import msgpack
 import pytest
 from rich.console import Console
 
-from rlinf import top
+from rlinf.tools import top
 from rlinf.channel import ChannelStats
 from rlinf.channel._core import ChannelCore
 

@@ -1,0 +1,312 @@
+"""Transport choice: the one place that decides how a buffer travels.
+
+:func:`select_transport` is a pure function of the two workers' descriptors, the
+buffer's descriptor and a :class:`RoutingConfig`; it does no I/O and never raises for a
+transport choice. It looks up the first row of :data:`ROUTING_TABLE` that matches the
+buffer (device kind, same node or not, large or not) and walks that row's preference
+list, taking the first transport both processes have and the config allows. The last
+entry of every row (``zmq`` or ``staged``) is always available.
+
+=====  =========  =====  ===============================
+buf    same node  large  preference
+=====  =========  =====  ===============================
+cpu    yes        yes    shm, zmq
+cpu    yes        no     zmq (ipc://)
+cpu    no         yes    bulk, zmq (tcp://)
+cpu    no         no     zmq (tcp://)
+cuda   yes        any    cuda_ipc, nccl, staged
+cuda   no         any    nccl, staged
+=====  =========  =====  ===============================
+
+"Large" means ``nbytes >= RoutingConfig.shm_threshold`` between processes of one node
+and ``nbytes >= RoutingConfig.bulk_threshold`` between nodes; "same node" means equal
+:attr:`~rlinf.info.WorkerInfo.node_id`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..control.devices import BufferInfo, describe_buffer
+from ..info import WorkerInfo
+
+__all__ = [
+    "INLINE",
+    "SHM",
+    "BULK",
+    "CUDA_IPC",
+    "NCCL",
+    "STAGED",
+    "TRANSPORTS",
+    "ALWAYS_AVAILABLE",
+    "DEFAULT_SHM_THRESHOLD",
+    "DEFAULT_BULK_THRESHOLD",
+    "RouteRow",
+    "ROUTING_TABLE",
+    "RoutingConfig",
+    "Route",
+    "select_transport",
+    "select_scheme",
+]
+
+INLINE = "zmq"
+"""The buffer travels inside the message's frame set, over the peer's data link: the
+stream socket on one node (:data:`STREAM`), else ZeroMQ (``ipc://``, ``tcp://``)."""
+STREAM = "stream"
+"""The link that carries frame sets between processes of one node: a Unix stream socket
+written and read by the event loops (``rlinf/transports/stream.py``); disabled, ZeroMQ
+``ipc://`` carries them."""
+SHM = "shm"
+"""Same-node shared memory; only a descriptor goes through ZeroMQ."""
+BULK = "bulk"
+"""A large payload to another node over an authenticated TCP stream of its own, read into
+recycled memory (sealed when TCP encryption is on); see ``rlinf/transports/tcp_bulk.py``."""
+CUDA_IPC = "cuda_ipc"
+"""Same-node CUDA IPC memory handle."""
+NCCL = "nccl"
+"""NCCL point-to-point between GPUs (any node)."""
+STAGED = "staged"
+"""A GPU buffer copied to host memory (``Tensor.cpu()``), then sent as a CPU buffer (inline
+or through shared memory); the receiver moves it to its current device."""
+
+TRANSPORTS: tuple[str, ...] = (INLINE, SHM, BULK, CUDA_IPC, NCCL, STAGED, STREAM)
+ALWAYS_AVAILABLE: frozenset[str] = frozenset({INLINE, STAGED})
+"""Transports every process has; they are the last resort of each row and cannot be disabled."""
+
+DEFAULT_SHM_THRESHOLD = 256 * 1024
+DEFAULT_BULK_THRESHOLD = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRow:
+    """One row of the routing table.
+
+    Attributes:
+        device: the buffer's device kind, ``"cpu"`` or ``"cuda"``.
+        same_node: whether the peers share a node; ``None`` matches either.
+        large: whether the buffer reaches the threshold of its case (``shm_threshold``
+            on one node, ``bulk_threshold`` between nodes); ``None`` matches either.
+        prefer: transports in order of preference; the last is always available.
+    """
+
+    device: str
+    same_node: bool | None
+    large: bool | None
+    prefer: tuple[str, ...]
+
+    def matches(self, device: str, same_node: bool, large: bool) -> bool:
+        """Whether this row applies to a buffer of ``device`` kind between such peers."""
+        return (
+            self.device == device
+            and (self.same_node is None or self.same_node == same_node)
+            and (self.large is None or self.large == large)
+        )
+
+
+ROUTING_TABLE: tuple[RouteRow, ...] = (
+    RouteRow("cpu", same_node=True, large=True, prefer=(SHM, INLINE)),
+    RouteRow("cpu", same_node=True, large=False, prefer=(INLINE,)),
+    RouteRow("cpu", same_node=False, large=True, prefer=(BULK, INLINE)),
+    RouteRow("cpu", same_node=False, large=False, prefer=(INLINE,)),
+    RouteRow("cuda", same_node=True, large=None, prefer=(CUDA_IPC, NCCL, STAGED)),
+    RouteRow("cuda", same_node=False, large=None, prefer=(NCCL, STAGED)),
+)
+"""The routing table; the first matching row wins. Every row ends in ``ALWAYS_AVAILABLE``."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    """Knobs of the routing decision.
+
+    Attributes:
+        shm_threshold: CPU buffers of at least this many bytes go through shared memory
+            between processes on one node; smaller ones travel inline.
+        disabled: transport names never to choose (``zmq`` and ``staged`` can't be).
+        bulk_threshold: CPU buffers of at least this many bytes go to another node over
+            a bulk TCP stream; smaller ones travel inline.
+    """
+
+    shm_threshold: int = DEFAULT_SHM_THRESHOLD
+    disabled: frozenset[str] = field(default_factory=frozenset)
+    bulk_threshold: int = DEFAULT_BULK_THRESHOLD
+
+    def __post_init__(self) -> None:
+        for name in ("shm_threshold", "bulk_threshold"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0 bytes, got {value}")
+        if isinstance(self.disabled, str):
+            raise TypeError("disabled must be a collection of transport names, not a str")
+        disabled = frozenset(self.disabled)
+        unknown = sorted(disabled - set(TRANSPORTS))
+        if unknown:
+            raise ValueError(f"unknown transport(s) {unknown}; known: {', '.join(TRANSPORTS)}")
+        locked = sorted(disabled & ALWAYS_AVAILABLE)
+        if locked:
+            raise ValueError(f"transport(s) {locked} cannot be disabled: they are the fallback of last resort")
+        object.__setattr__(self, "disabled", disabled)
+
+    def without(self, names: Iterable[str]) -> RoutingConfig:
+        """This config with ``names`` disabled too.
+
+        Raises:
+            ValueError: a name is unknown or cannot be disabled.
+        """
+        if isinstance(names, str):
+            raise TypeError("names must be a collection of transport names, not a str")
+        return replace(self, disabled=self.disabled | frozenset(names))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RoutingConfig:
+        """Build a config from the environment.
+
+        Reads ``RLINF_DISABLE_TRANSPORTS`` (comma- or space-separated names, e.g.
+        ``"nccl,cuda_ipc"``), ``RLINF_SHM_THRESHOLD`` and ``RLINF_BULK_THRESHOLD`` (bytes).
+
+        Args:
+            environ: the mapping to read; ``os.environ`` when ``None``.
+
+        Returns:
+            The config; defaults for unset variables.
+
+        Raises:
+            ValueError: a name is unknown or locked, or the threshold is not a
+                non-negative integer.
+        """
+        env = os.environ if environ is None else environ
+        names = env.get("RLINF_DISABLE_TRANSPORTS", "").replace(",", " ").split()
+        thresholds = {}
+        for field_name, variable in (("shm_threshold", "RLINF_SHM_THRESHOLD"),
+                                     ("bulk_threshold", "RLINF_BULK_THRESHOLD")):
+            raw = env.get(variable, "").strip()
+            if raw:
+                try:
+                    thresholds[field_name] = int(raw)
+                except ValueError:
+                    raise ValueError(f"{variable} must be a byte count, got {raw!r}") from None
+        return cls(disabled=frozenset(n.strip().lower() for n in names), **thresholds)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """The routing decision for one buffer.
+
+    Attributes:
+        transport: one of :data:`TRANSPORTS`.
+        scheme: ``"ipc"`` or ``"tcp"``: the ZeroMQ link that carries the message (and
+            the buffer, for ``zmq`` and ``staged``).
+        fallback: the row's first choice could not be used; the caller warns once per peer.
+        reason: short human text, e.g. ``"cpu, same node, 40.0 MiB >= shm threshold 256.0 KiB"``.
+    """
+
+    transport: str
+    scheme: str
+    fallback: bool
+    reason: str
+
+
+def select_scheme(src: WorkerInfo, dst: WorkerInfo, *, config: RoutingConfig | None = None) -> str:
+    """Choose which of ``dst``'s data endpoints ``src`` connects to.
+
+    Args:
+        src: the sender.
+        dst: the receiver.
+        config: its ``disabled`` set may hold :data:`STREAM`.
+
+    Returns:
+        ``"stream"`` when both share a node and both have a stream endpoint (and it is
+        not disabled), else ``"ipc"`` when they share a node and ``dst`` has an ``ipc``
+        endpoint, else ``"tcp"``.
+    """
+    if src.node_id == dst.node_id:
+        cfg = _DEFAULT_CONFIG if config is None else config
+        if STREAM in dst.endpoints and STREAM in src.endpoints and STREAM not in cfg.disabled:
+            return STREAM
+        if "ipc" in dst.endpoints:
+            return "ipc"
+    return "tcp"
+
+
+def select_transport(
+    src: WorkerInfo, dst: WorkerInfo, buffer: Any, *, config: RoutingConfig | None = None
+) -> Route:
+    """Choose how one buffer travels from ``src`` to ``dst``.
+
+    Pure: no I/O, and the environment is not read (build ``config`` once with
+    :meth:`RoutingConfig.from_env`). Never raises for a transport choice: when the
+    preferred transports are missing or disabled it falls back, ending at ``zmq`` or
+    ``staged``, which always work.
+
+    Args:
+        src: the sending worker's descriptor.
+        dst: the receiving worker's descriptor.
+        buffer: a :class:`~rlinf.control.devices.BufferInfo`, or a raw buffer (numpy array,
+            buffer-protocol object, torch tensor, cupy array) to describe.
+        config: thresholds and disabled transports; defaults to ``RoutingConfig()``.
+
+    Returns:
+        The :class:`Route`.
+
+    Raises:
+        TypeError: ``buffer`` cannot be described (see :func:`~rlinf.control.devices.describe_buffer`).
+    """
+    cfg = _DEFAULT_CONFIG if config is None else config
+    info = buffer if isinstance(buffer, BufferInfo) else describe_buffer(buffer)
+    same_node = src.node_id == dst.node_id
+    kind = info.kind
+    large = info.nbytes >= (cfg.shm_threshold if same_node else cfg.bulk_threshold)
+    scheme = select_scheme(src, dst, config=cfg)
+    row = next(r for r in ROUTING_TABLE if r.matches(kind, same_node, large))
+
+    situation = f"{kind}, {'same node' if same_node else 'other node'}"
+    if kind == "cpu":
+        op = ">=" if large else "<"
+        which, threshold = ("shm", cfg.shm_threshold) if same_node else ("bulk", cfg.bulk_threshold)
+        situation += f", {_fmt_bytes(info.nbytes)} {op} {which} threshold {_fmt_bytes(threshold)}"
+    skipped: list[str] = []
+    for name in row.prefer:
+        why_not = _unavailable(name, src, dst, same_node, cfg)
+        if why_not is None:
+            reason = situation if not skipped else f"{situation}; {'; '.join(skipped)}"
+            return Route(transport=name, scheme=scheme, fallback=bool(skipped), reason=reason)
+        skipped.append(f"{name} {why_not}")
+    # Unreachable while every row ends in ALWAYS_AVAILABLE (checked by the tests);
+    # kept so a bad table edit degrades to the always-working path, not an exception.
+    return Route(transport=STAGED if kind == "cuda" else INLINE, scheme=scheme, fallback=True, reason=situation)
+
+
+_DEFAULT_CONFIG = RoutingConfig()
+
+
+def _unavailable(name: str, src: WorkerInfo, dst: WorkerInfo, same_node: bool, cfg: RoutingConfig) -> str | None:
+    """Why ``name`` can't carry this buffer, or ``None`` when it can."""
+    if name in ALWAYS_AVAILABLE:
+        return None
+    if name in cfg.disabled:
+        return "disabled"
+    missing = [w.address for w in (src, dst) if name not in w.transports]
+    if missing:
+        return f"unavailable on {' and '.join(missing)}"
+    if name in (CUDA_IPC, NCCL):
+        no_gpu = [w.address for w in (src, dst) if not w.devices]
+        if no_gpu:
+            return f"needs a GPU on {' and '.join(no_gpu)}"
+    if name in (CUDA_IPC, SHM) and not same_node:
+        return "needs the same node"
+    return None
+
+
+def _fmt_bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    value = n / 1024
+    for unit in ("KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"

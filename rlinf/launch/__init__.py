@@ -1,0 +1,6 @@
+"""Starting workers: :class:`.cluster.Cluster` (embedded manager, local processes), the
+launcher interface and worker groups (:mod:`.base`), the worker runtime a rank runs
+(:mod:`.worker`) and the Ray launcher (:mod:`.ray`, imported only when used).
+
+Layer: above ``core``, ``collectives`` and ``channel``.
+"""
