@@ -22,8 +22,8 @@ from .control.manager import Manager
 from .core.stats import CommStats, PeerStats, TransportStats
 from .core.work import Work
 from .launch.worker import Worker
+from .version import __version__
 
-__version__ = "0.1.0"
 
 __all__ = [
     "AddressInUseError",

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 
+from .options import POLICIES
+
 __all__ = ["DESCRIPTION", "add_arguments", "run", "main"]
 
 DESCRIPTION = ("Train CartPole-v1 on a local cluster: rollout workers put episodes into a channel "
@@ -23,7 +25,6 @@ DESCRIPTION = ("Train CartPole-v1 on a local cluster: rollout workers put episod
                "all_reduce, and learner 0 broadcasts the new weights every iteration. Shows progress, "
                "stops when solved (or at the iteration cap) and prints a report.")
 
-POLICIES = ("fifo", "round_robin", "weighted_round_robin", "shortest_queue", "performance_aware")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -34,7 +34,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _check(args: argparse.Namespace) -> str | None:
-    from . import POLICIES
+    from .options import POLICIES
 
     if args.rollouts < 1 or args.learners < 1:
         return "--rollouts and --learners must be at least 1"

@@ -90,7 +90,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .. import __version__
+    from ..version import __version__
 
     parser = argparse.ArgumentParser(
         prog="rlinf", description="rlinf: asyncio-native messaging for distributed reinforcement learning.",
