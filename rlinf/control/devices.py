@@ -88,9 +88,10 @@ def discover_devices(*, no_torch: bool = False, visible: str | None = None) -> t
     Tries torch first (skipped with ``no_torch``, ``RLINF_NO_TORCH``, or when torch is not
     installed), then cupy. Indices are the process's logical ones, so
     ``CUDA_VISIBLE_DEVICES`` is honoured (the CUDA runtime reads it). Neither library is
-    imported when ``visible`` (the value of ``CUDA_VISIBLE_DEVICES``, given by the caller:
-    :func:`rlinf.config.visible_devices`) hides every GPU (``""`` or ``"-1"``) or, on Linux, when no NVIDIA device node exists — so on a
-    CPU-only machine this costs a few ``stat`` calls. Device properties are read only
+    imported when ``visible`` (that variable's value, which the caller reads with
+    :func:`rlinf.config.visible_devices`) hides every GPU (``""`` or ``"-1"``) or, on
+    Linux, when no NVIDIA device node exists — so on a CPU-only machine this costs a few
+    ``stat`` calls. Device properties are read only
     after ``torch.cuda.is_available()`` (which creates no CUDA context) reports a GPU,
     so a CPU-only machine never initialises CUDA. Where a GPU exists, reading its
     properties does initialise the CUDA runtime in this process (torch's lazy init), so
