@@ -1,10 +1,13 @@
 """Settings: every ``RLINF_*`` environment variable, parsed once into one frozen object.
 
-Build it once where a process starts (``Settings.from_env()``) and pass it down; code
-below reads fields, never the environment. This module and the launcher facade
-(``rlinf.init``, which also reads ``RANK``, ``WORLD_SIZE`` and the like) are the only
-places that read ``os.environ``; everything else takes a :class:`Settings` (or one of
-its values) as an argument, so a test builds the one it needs from a plain dict::
+Build it once where a process starts (``Settings.from_env()``: the Communicator does, in
+its constructor, unless given ``settings=``) and pass it down; code below reads fields,
+never the environment. This module is the only one that reads ``os.environ``: it also
+holds :class:`LaunchEnv` (the variables torchrun and Slurm set, which ``rlinf.init``
+reads) and :func:`visible_devices` (``CUDA_VISIBLE_DEVICES``). The launcher only writes
+the environment of the processes it starts (``rlinf/launch/``). Everything else takes a
+:class:`Settings` (or one of its values) as an argument, so a test builds the one it
+needs from a plain dict::
 
     settings = Settings.from_env({"RLINF_SHM_CAP": "512M", "RLINF_SHM_FD": "off"})
     settings.shm_cap                      # 536870912
@@ -38,8 +41,8 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Callable, Mapping
 
-__all__ = ["Settings", "Knob", "knobs", "parse_size", "parse_bool", "parse_duration", "parse_int",
-           "parse_names", "parse_str", "format_size"]
+__all__ = ["Settings", "DEFAULTS", "Knob", "knobs", "LaunchEnv", "visible_devices", "parse_size", "parse_bool",
+           "parse_duration", "parse_int", "parse_names", "parse_str", "format_size"]
 
 KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 _SCALE = {"": 1, "b": 1, "k": KIB, "m": MIB, "g": GIB, "t": TIB}
@@ -422,3 +425,77 @@ def knobs() -> tuple[Knob, ...]:
 
 _KNOBS: tuple[Knob, ...] = tuple(dataclasses.replace(f.metadata["knob"], name=f.name)
                                  for f in dataclasses.fields(Settings))
+
+
+#: The settings when no variable is set: the defaults of the code that takes these values
+#: as arguments (one source for each default).
+DEFAULTS: Settings = Settings()
+
+
+# --------------------------------------------------------------------------- other launchers
+
+
+def _text(env: Mapping[str, str], name: str) -> str | None:
+    """``name`` in ``env`` without the blanks around it; ``None`` when unset or blank."""
+    raw = env.get(name)
+    if raw is None:
+        return None
+    return raw.strip() or None
+
+
+def _whole(env: Mapping[str, str], name: str) -> int | None:
+    raw = _text(env, name)
+    return None if raw is None else parse_int(name, raw)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchEnv:
+    """What torchrun (and Slurm) tell a process, for ``rlinf.init`` (``rlinf.sync``).
+
+    Not ``RLINF_*`` knobs: other launchers set these, and only the torch.distributed-style
+    facade reads them. As for :class:`Settings`, an empty or blank variable counts as
+    unset, and a bad number raises ``ValueError`` naming the variable.
+
+    Attributes:
+        rank: ``RANK``.
+        world_size: ``WORLD_SIZE``.
+        master_addr: ``MASTER_ADDR``, the host of rank 0.
+        master_port: ``MASTER_PORT``.
+        agent_store: ``TORCHELASTIC_USE_AGENT_STORE`` is ``"True"``: torchrun's agent
+            already serves its store on ``MASTER_PORT``.
+        run_id: ``TORCHELASTIC_RUN_ID``.
+        restart_count: ``TORCHELASTIC_RESTART_COUNT`` (``"0"`` when unset).
+        slurm_job_id: ``SLURM_JOB_ID``.
+    """
+
+    rank: int | None = None
+    world_size: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    agent_store: bool = False
+    run_id: str | None = None
+    restart_count: str = "0"
+    slurm_job_id: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
+        """Read the variables from ``environ`` (``os.environ`` when ``None``).
+
+        Raises:
+            ValueError: ``RANK``, ``WORLD_SIZE`` or ``MASTER_PORT`` is not a whole number.
+        """
+        env = os.environ if environ is None else environ
+        return cls(rank=_whole(env, "RANK"), world_size=_whole(env, "WORLD_SIZE"),
+                   master_addr=_text(env, "MASTER_ADDR"), master_port=_whole(env, "MASTER_PORT"),
+                   agent_store=_text(env, "TORCHELASTIC_USE_AGENT_STORE") == "True",
+                   run_id=_text(env, "TORCHELASTIC_RUN_ID"),
+                   restart_count=_text(env, "TORCHELASTIC_RESTART_COUNT") or "0",
+                   slurm_job_id=_text(env, "SLURM_JOB_ID"))
+
+
+def visible_devices(environ: Mapping[str, str] | None = None) -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` as set (``None``: unset; blank stays blank, as CUDA reads
+    it: no device). The CUDA runtime applies it itself; rlinf only looks whether it hides
+    every GPU, to skip importing torch (:func:`rlinf.control.devices.discover_devices`)."""
+    env = os.environ if environ is None else environ
+    return env.get("CUDA_VISIBLE_DEVICES")

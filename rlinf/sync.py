@@ -41,12 +41,12 @@ import atexit
 import hashlib
 import ipaddress
 import logging
-import os
 import threading
 from concurrent.futures import Future
 from typing import Any, Coroutine
 
 from .codec import into
+from .config import LaunchEnv, Settings
 from .core.communicator import Communicator
 from .errors import ClosedError, CommTimeoutError
 from .info import parse_address
@@ -61,56 +61,48 @@ _current: SyncCommunicator | None = None
 
 
 # -- environment ---------------------------------------------------------------------
-def _rendezvous(env: dict[str, str]) -> dict[str, Any]:
-    """Resolve the launcher's environment into addresses, rank and manager location."""
-    env = {k: v for k, v in env.items() if v != ""}   # set but empty counts as unset
-    address = env.get("RLINF_ADDRESS")
+def _rendezvous(settings: Settings, launch: LaunchEnv) -> dict[str, Any]:
+    """Resolve what the launcher set (``RLINF_*`` in ``settings``, torchrun's variables
+    in ``launch``) into addresses, rank and manager location."""
+    address = settings.address
     if address:
         prefix, rank = parse_address(address)
-        if env.get("RANK") not in (None, str(rank)):
-            raise ValueError(f"RLINF_ADDRESS={address} disagrees with RANK={env['RANK']}")
-    elif env.get("RANK") is not None:
-        prefix, rank = "rank", _int(env, "RANK")
+        if launch.rank not in (None, rank):
+            raise ValueError(f"RLINF_ADDRESS={address} disagrees with RANK={launch.rank}")
+    elif launch.rank is not None:
+        prefix, rank = "rank", launch.rank
     else:
         raise ValueError("rlinf.init() needs RANK (torchrun sets it) or RLINF_ADDRESS='<name>:<rank>'")
-    world_size = _int(env, "WORLD_SIZE") if "WORLD_SIZE" in env else None
+    world_size = launch.world_size
     if world_size is None or not 0 <= rank < world_size:
         raise ValueError(f"rlinf.init() needs WORLD_SIZE > rank (RANK={rank}, WORLD_SIZE={world_size})")
-    out = {"prefix": prefix, "rank": rank, "world_size": world_size, "token": env.get("RLINF_TOKEN") or None,
+    out = {"prefix": prefix, "rank": rank, "world_size": world_size, "token": settings.token,
            "manager": None, "host": None, "store": None}
-    if env.get("RLINF_MANAGER"):
+    if settings.manager:
         if not out["token"]:
             raise ValueError("RLINF_MANAGER is set but RLINF_TOKEN is not")
-        out["manager"] = env["RLINF_MANAGER"]
+        out["manager"] = settings.manager
         return out
     out["manager_host"] = f"{prefix}:0"     # rank 0 runs the manager from here on
-    master, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
-    if not master or not port:
+    master, port = launch.master_addr, launch.master_port
+    if not master or port is None:
         raise ValueError("rlinf.init() needs MASTER_ADDR and MASTER_PORT (torchrun sets them) "
                          "or RLINF_MANAGER and RLINF_TOKEN")
     if ":" in master:    # an IPv6 address, bracketed or not (a host name never has one)
         raise ValueError(f"MASTER_ADDR={master!r} is an IPv6 address; rlinf's TCP endpoints are IPv4 "
                          f"only: use an IPv4 address or a host name that resolves to one")
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        run = f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        out["store"] = (master, int(port), f"rlinf/{run}/{prefix}/manager")
+    if launch.agent_store:
+        run = f"{launch.run_id or ''}/{launch.restart_count}"
+        out["store"] = (master, port, f"rlinf/{run}/{prefix}/manager")
         out["host"] = f"tcp://{_bind_host(master)}:0" if rank == 0 else None
         return out
     out["manager"] = f"tcp://{master}:{port}"
     out["host"] = f"tcp://{_bind_host(master)}:{port}" if rank == 0 else None
     if not out["token"]:
-        job = "|".join(env.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE",
-                                                  "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"))
+        job = "|".join(str(v) for v in (master, port, world_size, launch.run_id or "", launch.slurm_job_id or ""))
         out["token"] = hashlib.sha256(f"rlinf-derived-job-token|{job}".encode()).hexdigest()
         log.info("rlinf.init: no RLINF_TOKEN; using a token derived from the job's environment")
     return out
-
-
-def _int(env: dict[str, str], key: str) -> int:
-    try:
-        return int(env[key])
-    except ValueError:
-        raise ValueError(f"{key} must be an integer, got {env[key]!r}") from None
 
 
 def _bind_host(master: str) -> str:
@@ -231,7 +223,8 @@ class SyncCommunicator:
 
     def __init__(self, env: dict[str, str] | None = None, *, timeout: float | None = None,
                  connect_timeout: float = 60.0) -> None:
-        spec = _rendezvous(dict(os.environ if env is None else env))
+        settings = Settings.from_env(env)        # env None: this process's environment
+        spec = _rendezvous(settings, LaunchEnv.from_env(env))
         self.rank: int = spec["rank"]
         self.world_size: int = spec["world_size"]
         self._addresses = [f"{spec['prefix']}:{r}" for r in range(self.world_size)]
@@ -249,7 +242,7 @@ class SyncCommunicator:
         try:
             manager, token = spec["manager"], spec["token"]
             if spec["host"]:
-                self._manager = self._run(self._start_manager(spec["host"], token))
+                self._manager = self._run(self._start_manager(spec["host"], token, settings))
                 token = self._manager.token
             if spec["store"]:
                 master, port, key = spec["store"]
@@ -262,7 +255,7 @@ class SyncCommunicator:
                     token = token or published
             self.communicator = Communicator(self.address, manager=manager, token=token,
                                              connect_timeout=connect_timeout,
-                                             manager_host=spec.get("manager_host"))
+                                             manager_host=spec.get("manager_host"), settings=settings)
             self._run(self.communicator.start())
             self._group = self.communicator.group(self._addresses)
         except BaseException:
@@ -287,9 +280,9 @@ class SyncCommunicator:
         return self.world_size
 
     # -- plumbing ----------------------------------------------------------------------
-    async def _start_manager(self, bind: str, token: str | None) -> Manager:
+    async def _start_manager(self, bind: str, token: str | None, settings: Settings) -> Manager:
         try:
-            return await Manager(bind, token=token).start()
+            return await Manager(bind, token=token, settings=settings).start()
         except OSError as exc:
             raise OSError(f"rank 0 cannot host the rlinf manager at {bind} ({exc}); is MASTER_PORT free?") from exc
 

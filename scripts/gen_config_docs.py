@@ -23,9 +23,11 @@ Generated from `rlinf.config.Settings` by `scripts/gen_config_docs.py`; do not e
 
 Every `RLINF_*` environment variable is read once, when a process builds its settings
 (`rlinf.config.Settings.from_env()`), into one frozen object that is passed down; no other
-code reads the environment. A variable that is unset, empty or blank takes its default. A
-bad value fails at once, with a `ValueError` naming the variable and the value, e.g.
-`RLINF_SHM_CAP='4X': not a size (use bytes or 64K/16M/4G)`.
+code reads the environment. A communicator builds them when it is constructed (so a
+launcher may set variables after `import rlinf`), unless it is given its own:
+`rlinf.connect(..., settings=Settings(...))`. A variable that is unset, empty or blank
+takes its default. A bad value fails at once, with a `ValueError` naming the variable and
+the value, e.g. `RLINF_SHM_CAP='4X': not a size (use bytes or 64K/16M/4G)`.
 
 Kinds of value:
 
@@ -36,6 +38,10 @@ Kinds of value:
   must be finite and greater than 0, except where 0 turns the feature off.
 * **int**: a whole number. **names**: separated by commas or blanks, e.g. `shm,nccl`.
   **str**: text, blanks around it removed.
+
+Besides these, `rlinf.init()` reads what torchrun and Slurm set (`RANK`, `WORLD_SIZE`,
+`MASTER_ADDR`, `MASTER_PORT`, `TORCHELASTIC_*`, `SLURM_JOB_ID`: `rlinf.config.LaunchEnv`;
+see [deployment.md](deployment.md)), and device discovery looks at `CUDA_VISIBLE_DEVICES`.
 """
 
 

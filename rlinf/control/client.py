@@ -22,29 +22,17 @@ import msgpack
 import zmq
 import zmq.utils.monitor
 
+from ..config import DEFAULTS
 from ..util.procs import process_gone
 from ..errors import AddressInUseError, AuthenticationError, ClosedError, CommTimeoutError, ProtocolError
 from ..info import MembershipEvent, WorkerInfo
 from .security import ClusterKeys
 
-__all__ = ["ControlClient", "pack", "unpack", "machine_id", "run", "default_peer_timeout"]
+__all__ = ["ControlClient", "pack", "unpack", "machine_id", "run"]
 
 log = logging.getLogger("rlinf.control.client")
 
 _MAX_CONTROL = 16 << 20
-
-
-def default_peer_timeout() -> float:
-    """Seconds of silence before a remote peer is lost (``RLINF_PEER_TIMEOUT``, default 2.5).
-
-    Workers on the manager's own machine are judged by their process instead (see
-    ``Manager``), so a busy but live process is never declared lost.
-    """
-    return float(os.environ.get("RLINF_PEER_TIMEOUT", "2.5"))
-
-
-def heartbeat_interval() -> float:
-    return float(os.environ.get("RLINF_HEARTBEAT_INTERVAL", "0.25"))
 
 
 def pack(message: dict[str, Any]) -> bytes:
@@ -131,6 +119,9 @@ class ControlClient:
             re-registration never evicts it, so this incarnation should stop.
         manager_host: the address of the worker whose process also runs the manager (the
             facade's rank 0), if any.
+        peer_timeout: seconds of manager silence after which this client judges peers
+            alone (``RLINF_PEER_TIMEOUT``, the manager's timeout for remote peers).
+        heartbeat_interval: seconds between heartbeats (``RLINF_HEARTBEAT_INTERVAL``).
 
     While the manager is silent (no heartbeat answered for the peer timeout: it died,
     or its machine is cut off), nobody reports lost peers, so this client judges what it
@@ -142,9 +133,13 @@ class ControlClient:
     def __init__(self, context: zmq.Context, keys: ClusterKeys, manager: str, info: WorkerInfo,
                  on_event: Callable[[MembershipEvent], None],
                  stats: Callable[[], dict] | None = None, exclusive: bool = False,
-                 on_superseded: Callable[[str], None] | None = None, manager_host: str | None = None) -> None:
+                 on_superseded: Callable[[str], None] | None = None, manager_host: str | None = None,
+                 peer_timeout: float = DEFAULTS.peer_timeout,
+                 heartbeat_interval: float = DEFAULTS.heartbeat_interval) -> None:
         self.manager = manager
         self.manager_host = manager_host
+        self.peer_timeout = peer_timeout
+        self.heartbeat_interval = heartbeat_interval
         self.info = info
         self.exclusive = exclusive
         self._on_event = on_event
@@ -234,7 +229,7 @@ class ControlClient:
         self.manager_reachable = True
         roster = [WorkerInfo.from_wire(w) for w in reply["roster"]]
         if rebuilding:
-            grace = 2 * default_peer_timeout() + heartbeat_interval()
+            grace = 2 * self.peer_timeout + self.heartbeat_interval
             self._loop.call_later(grace, lambda: self._closed or self._loop.create_task(self._refresh()))
         if self._heartbeat is None:
             self._heartbeat = threading.Thread(target=self._heartbeat_thread, name="rlinf-heartbeat",
@@ -247,7 +242,7 @@ class ControlClient:
 
     async def _watch_loop(self) -> None:
         """While the manager is silent, report the peers we can judge alone (class doc)."""
-        timeout, interval = default_peer_timeout(), heartbeat_interval()
+        timeout, interval = self.peer_timeout, self.heartbeat_interval
         while True:
             await asyncio.sleep(interval)
             if time.monotonic() - self._heard > timeout:
@@ -392,7 +387,7 @@ class ControlClient:
         sock.routing_id = f"{self.info.address}|{self.info.incarnation}|hb".encode()
         keys.secure_client(sock)
         sock.connect(self.manager)
-        interval = heartbeat_interval()
+        interval = self.heartbeat_interval
         ident = {"op": "heartbeat", "address": self.info.address, "incarnation": self.info.incarnation}
         last_stats = 0.0
         poller = zmq.Poller()

@@ -44,10 +44,11 @@ _SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of one interface
 # --------------------------------------------------------------------------- identity
 
 
-def node_id() -> str:
+def node_id(override: str | None = None) -> str:
     """Return the identity of this host; equal ids mean "same node" to the router.
 
-    ``RLINF_NODE_ID`` wins when set (read on every call, so a launcher can set it late).
+    ``override`` wins when given and not blank (the communicator passes
+    ``RLINF_NODE_ID``, read when it is constructed, so a launcher can set it late).
     Otherwise the id is ``"<hostname>-<hash>"`` where the hash covers the machine id and
     the kernel boot id. The hostname separates containers on one kernel (each has its
     own ``/dev/shm`` and IPC namespace, so they must not count as one node); the boot id
@@ -56,9 +57,8 @@ def node_id() -> str:
     Returns:
         A non-empty string, stable for the life of the host's boot.
     """
-    override = os.environ.get("RLINF_NODE_ID", "").strip()
-    if override:
-        return override
+    if override is not None and override.strip():
+        return override.strip()
     return _host_identity()
 
 
@@ -82,29 +82,34 @@ def _read_first_line(path: str) -> str:
 # --------------------------------------------------------------------------- devices
 
 
-def discover_devices() -> tuple[DeviceInfo, ...]:
+def discover_devices(*, no_torch: bool = False, visible: str | None = None) -> tuple[DeviceInfo, ...]:
     """List the CUDA devices this process can use.
 
-    Tries torch first (skipped when ``RLINF_NO_TORCH=1`` or torch is not installed),
-    then cupy. Indices are the process's logical ones, so ``CUDA_VISIBLE_DEVICES`` is
-    honoured. Neither library is imported when ``CUDA_VISIBLE_DEVICES`` hides every GPU
-    (``""`` or ``"-1"``) or, on Linux, when no NVIDIA device node exists — so on a
-    CPU-only machine this costs a few ``stat`` calls. Device properties are read only
+    Tries torch first (skipped with ``no_torch``, ``RLINF_NO_TORCH``, or when torch is not
+    installed), then cupy. Indices are the process's logical ones, so
+    ``CUDA_VISIBLE_DEVICES`` is honoured (the CUDA runtime reads it). Neither library is
+    imported when ``visible`` (that variable's value, which the caller reads with
+    :func:`rlinf.config.visible_devices`) hides every GPU (``""`` or ``"-1"``) or, on
+    Linux, when no NVIDIA device node exists — so on a CPU-only machine this costs a few
+    ``stat`` calls. Device properties are read only
     after ``torch.cuda.is_available()`` (which creates no CUDA context) reports a GPU,
     so a CPU-only machine never initialises CUDA. Where a GPU exists, reading its
     properties does initialise the CUDA runtime in this process (torch's lazy init), so
     call this in the worker itself, not in a parent that later forks CUDA users.
 
+    Args:
+        no_torch: do not try torch (``RLINF_NO_TORCH``).
+        visible: ``CUDA_VISIBLE_DEVICES`` as set, ``None`` when unset.
+
     Returns:
         One :class:`~rlinf.info.DeviceInfo` per visible GPU, in index order; ``()`` when
         there is none or no library can see one.
     """
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return ()
     if not _gpu_may_exist():
         return ()
-    if os.environ.get("RLINF_NO_TORCH", "") != "1" and importlib.util.find_spec("torch") is not None:
+    if not no_torch and importlib.util.find_spec("torch") is not None:
         devices = _torch_devices()
         if devices is not None:
             return devices

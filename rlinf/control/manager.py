@@ -22,13 +22,13 @@ import argparse
 import asyncio
 import collections
 import logging
-import os
 import time
 from typing import Any
 
 import zmq
 
 from . import client as control
+from ..config import Settings
 from ..transports import leftovers
 from ..util.procs import process_gone
 from ..errors import ProtocolError
@@ -54,16 +54,22 @@ class Manager:
     Args:
         bind: ZeroMQ endpoint for requests, e.g. ``"tcp://127.0.0.1:0"`` (port 0 picks one).
         token: the cluster secret (generated when None; read it from ``.token``).
-        peer_timeout: seconds without a heartbeat before a worker is declared lost.
+        peer_timeout: seconds without a heartbeat before a worker is declared lost
+            (default: ``settings.peer_timeout``).
         check_interval: how often liveness is checked.
+        settings: where ``peer_timeout`` comes from when not given (default
+            ``Settings.from_env()``, read here: ``RLINF_PEER_TIMEOUT``).
     """
 
     def __init__(self, bind: str = "tcp://127.0.0.1:0", *, token: str | None = None,
-                 peer_timeout: float | None = None, check_interval: float = 0.1) -> None:
+                 peer_timeout: float | None = None, check_interval: float = 0.1,
+                 settings: Settings | None = None) -> None:
+        if peer_timeout is None:
+            peer_timeout = (settings if settings is not None else Settings.from_env()).peer_timeout
         self.token = token or generate_token()
         self._keys = ClusterKeys(self.token)
         self._bind = bind
-        self.peer_timeout = peer_timeout if peer_timeout is not None else control.default_peer_timeout()
+        self.peer_timeout = peer_timeout
         if not self.peer_timeout > 0 or not check_interval > 0:   # also refuses NaN
             raise ValueError(f"peer_timeout and check_interval must be > 0 seconds, got "
                              f"{self.peer_timeout!r} and {check_interval!r}")
@@ -375,8 +381,8 @@ class Manager:
                 self._sweep_gone()
 
 
-async def _serve(bind: str, token: str | None) -> None:
-    async with Manager(bind, token=token) as manager:
+async def _serve(bind: str, token: str | None, settings: Settings) -> None:
+    async with Manager(bind, token=token, settings=settings) as manager:
         print(f"rlinf manager listening on {manager.address}", flush=True)
         if token is None:
             print(f"token: {manager.token}", flush=True)
@@ -388,11 +394,15 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m rlinf.manager`` / ``rlinf manager``."""
     parser = argparse.ArgumentParser(prog="rlinf manager", description="Run a standalone rlinf manager.")
     parser.add_argument("--bind", default="tcp://0.0.0.0:5555", help="ZeroMQ endpoint to bind (default %(default)s)")
-    parser.add_argument("--token", default=os.environ.get("RLINF_TOKEN"),
+    parser.add_argument("--token", default=None,
                         help="cluster token (default $RLINF_TOKEN, else a new one is printed)")
     args = parser.parse_args(argv)
+    try:
+        settings = Settings.from_env()
+    except ValueError as exc:     # a bad RLINF_* variable: say which, without a traceback
+        parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    control.run(_serve(args.bind, args.token))
+    control.run(_serve(args.bind, args.token or settings.token, settings))
 
 
 if __name__ == "__main__":

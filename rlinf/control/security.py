@@ -25,13 +25,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
 import secrets
 
 import zmq
 from zmq.utils import z85
 
-__all__ = ["ClusterKeys", "generate_token", "ZapHandler", "tcp_encryption_enabled"]
+__all__ = ["ClusterKeys", "generate_token", "ZapHandler"]
 
 log = logging.getLogger("rlinf.control.security")
 
@@ -46,11 +45,6 @@ def generate_token() -> str:
     option when pasted after ``--token`` on a command line.
     """
     return secrets.token_hex(32)
-
-
-def tcp_encryption_enabled() -> bool:
-    """Whether TCP data links use CURVE encryption (``RLINF_TCP_ENCRYPTION``, default on)."""
-    return os.environ.get("RLINF_TCP_ENCRYPTION", "1").lower() not in ("0", "false", "no", "off")
 
 
 def _derive(token: str, label: str) -> bytes:

@@ -14,8 +14,8 @@ receives. Between loop passes the poller yields its CPU (``sched_yield``): a run
 process on the same CPU goes first. One receive per loop polls at a time; the others
 just wait.
 
-``RLINF_BUSY_POLL`` sets the maximum window in microseconds (default 1000; ``0`` turns
-polling off).
+``RLINF_BUSY_POLL`` (``Settings.busy_poll_us``) sets the maximum window in microseconds
+(default 1000; ``0`` turns polling off); the communicator passes it to :class:`BusyPoll`.
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ import os
 import time
 from typing import Any
 
+from ..config import DEFAULTS
+
 __all__ = ["BusyPoll", "DEFAULT_US"]
 
-#: The default maximum window, microseconds.
-DEFAULT_US = 1000
+#: The default maximum window, microseconds (``RLINF_BUSY_POLL``'s).
+DEFAULT_US = DEFAULTS.busy_poll_us
 #: A window that has shrunk below this turns off, and one that grows from off starts here.
 _FLOOR = 20e-6
 
@@ -59,17 +61,6 @@ class BusyPoll:
         self.caught = self.slept = 0
         self.polled = 0.0
         self._polling = False
-
-    @classmethod
-    def from_env(cls) -> BusyPoll:
-        """The policy ``RLINF_BUSY_POLL`` asks for (microseconds; default :data:`DEFAULT_US`)."""
-        raw = os.environ.get("RLINF_BUSY_POLL", "").strip()
-        if not raw:
-            return cls()
-        try:
-            return cls(float(raw))
-        except ValueError:
-            raise ValueError(f"RLINF_BUSY_POLL must be a number of microseconds >= 0, got {raw!r}") from None
 
     def __repr__(self) -> str:
         return f"<BusyPoll window={self.window * 1e6:.0f}us max={self.max * 1e6:.0f}us>"

@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 import zmq
 
+from ..config import Settings, visible_devices
 from ..control import client as control, devices
 from ..transports import leftovers
 from . import routing, wire
@@ -38,11 +39,11 @@ from ._inbound import FrameReader
 from ..info import MembershipEvent, WorkerInfo, check_plain, check_timeout, parse_address
 from ._mailbox import Mailbox, Message
 from ._outbox import SMALL_MESSAGE, OutMessage, Outbox, bulk_frames, split_frames
-from ..control.security import ClusterKeys, ZapHandler, tcp_encryption_enabled
+from ..control.security import ClusterKeys, ZapHandler
 from .stats import CommStats, Counters
 from ..transports.cuda import ipc as cuda_ipc
 from ..transports import shm, tcp_bulk
-from ..transports.shm._pull import PullSession, pull_threshold
+from ..transports.shm._pull import PullSession
 from ..transports.base import Received
 from ..transports.stream import StreamTransport
 from ..transports.zeromq import ZmqTransport
@@ -78,9 +79,8 @@ def _check_tag(tag: Any) -> None:
         raise ValueError(f"tag must lie in [-2**63, 2**64 - 1], got {tag}")
 
 
-def _tcp_host(manager: str) -> tuple[str, str]:
-    """(bind host, advertised host) for the data TCP listener."""
-    host = os.environ.get("RLINF_HOST")
+def _tcp_host(manager: str, host: str | None = None) -> tuple[str, str]:
+    """(bind host, advertised host) for the data TCP listener; ``host``: ``RLINF_HOST``."""
     if host:
         return host, host
     manager_host = manager.split("://", 1)[-1].rsplit(":", 1)[0]
@@ -97,7 +97,7 @@ class Communicator:
     loop that entered it, except ``blocking_*`` (any other thread).
 
     Args:
-        address: this worker's ``"group:rank"``.
+        address: this worker's ``"group:rank"`` (default ``$RLINF_ADDRESS``).
         manager: the manager's endpoint (default ``$RLINF_MANAGER``).
         token: the cluster token (default ``$RLINF_TOKEN``).
         codec: the codec to encode/decode messages with (default ``Codec()``).
@@ -129,21 +129,33 @@ class Communicator:
             process's shared memory then go by reference as they are, without first
             making this process's mapping copy-on-write (which guards their receiver
             from later writes here, at the cost of a remap per forwarded slot).
+        settings: every ``RLINF_*`` knob (:class:`rlinf.config.Settings`; see
+            ``docs/configuration.md``). Default ``Settings.from_env()``, read when the
+            communicator is constructed (a bad value raises ``ValueError`` naming the
+            variable). The ``$RLINF_*`` defaults above are its fields: ``address``,
+            ``manager``, ``token`` and ``shm_views`` given here win over them, and
+            ``disable`` adds to its ``disable_transports``.
     """
 
     def __init__(self, address: str | None = None, *, manager: str | None = None, token: str | None = None,
                  codec: Codec | None = None, connect_timeout: float = 30.0, meta: dict | None = None,
                  shm_views: bool | None = None, exclusive: bool = False,
                  manager_host: str | None = None, disable: Iterable[str] = (),
-                 forwards_unchanged: bool = False) -> None:
-        address = address or os.environ.get("RLINF_ADDRESS")
+                 forwards_unchanged: bool = False, settings: Settings | None = None) -> None:
+        if settings is None:
+            settings = Settings.from_env()     # here, not at import: launchers set variables late
+        elif not isinstance(settings, Settings):
+            raise TypeError(f"settings must be a rlinf.config.Settings, got {type(settings).__name__}")
+        self._settings = settings
+        self._visible_devices = visible_devices()   # CUDA_VISIBLE_DEVICES, for discover_devices
+        address = address or settings.address
         if not address:
             raise ValueError("no worker address: pass address='group:rank' or set RLINF_ADDRESS")
         parse_address(address)
-        self.manager_address = manager or os.environ.get("RLINF_MANAGER") or ""
+        self.manager_address = manager or settings.manager or ""
         if not self.manager_address:
             raise ValueError("no manager: pass manager='tcp://host:port' or set RLINF_MANAGER")
-        token = token or os.environ.get("RLINF_TOKEN")
+        token = token or settings.token
         if not token:
             raise ValueError("no cluster token: pass token=... or set RLINF_TOKEN")
         self.address = address
@@ -159,7 +171,7 @@ class Communicator:
         self._manager_host = manager_host if manager_host is None else str(manager_host)
         self._roster: dict[str, WorkerInfo] = {}
         self._outboxes: dict[str, Outbox] = {}
-        self._busy_poll = BusyPoll.from_env()
+        self._busy_poll = BusyPoll(settings.busy_poll_us)
         self._mailbox = Mailbox(self._busy_poll)
         self._dead = Recent()     # (address, incarnation) of peers known gone
         self._failed = Recent()   # addresses whose outbox failed (kept: sends to them fail at once)
@@ -177,11 +189,11 @@ class Communicator:
         self._context: zmq.Context | None = None
         self._closed: ClosedError | None = None
         self._started = False
-        self._routing = routing.RoutingConfig.from_env()
+        self._routing = routing.RoutingConfig.from_settings(settings)
         if disable:
             self._routing = self._routing.without(disable)
         if shm_views is None:
-            shm_views = os.environ.get("RLINF_SHM_VIEWS", "1").strip().lower() not in ("0", "false", "no")
+            shm_views = settings.shm_views
         elif not isinstance(shm_views, bool):
             raise TypeError(f"shm_views must be a bool, got {shm_views!r}")
         self._shm_views = shm_views
@@ -190,7 +202,7 @@ class Communicator:
         self._pull: PullSession | None = None      # single-copy pulls by copy-out receivers
         self._bulk: tcp_bulk.BulkTransport | None = None   # large payloads from/to other nodes
         self._stream: StreamTransport | None = None        # frame sets from/to this node's processes
-        self._recycler = shm.Recycler()   # receive-side private memory (chunk reassembly, copy-outs)
+        self._recycler = shm.Recycler(settings.shm_cap)   # receive-side private memory (chunk reassembly, copy-outs)
         self._shm_routes: dict[str, bool] = {}     # peer -> large CPU payloads go by shm
         self._gpu = GpuPaths(address, self._roster, self._routing, self._new_cuda_session)
 
@@ -232,9 +244,10 @@ class Communicator:
         try:
             self._zap = ZapHandler(self._context, self._keys)
             self._zap.attach(self._loop)
-            bind, advertise = _tcp_host(self.manager_address)
+            settings = self._settings
+            bind, advertise = _tcp_host(self.manager_address, settings.host)
             self._transport = ZmqTransport(self._context, self._keys, tcp_host=bind, advertise_host=advertise,
-                                           encrypt_tcp=tcp_encryption_enabled())
+                                           encrypt_tcp=settings.tcp_encryption)
             self._listener = await self._transport.listen()
             self._arrival = ArrivalOrder(self._on_frames, self._loop)   # ZeroMQ and bulk, in call order
             endpoints = dict(self._listener.endpoints)
@@ -243,12 +256,15 @@ class Communicator:
                 transports += await self._start_bulk(bind, advertise, endpoints)
             if routing.SHM not in self._routing.disabled and shm.available():
                 self._shm = shm.ShmSession(self._loop, self._send_notice, views=self._shm_views,
-                                           recycler=self._recycler, guard_relays=self._guard_relays)
+                                           recycler=self._recycler, guard_relays=self._guard_relays,
+                                           cap=settings.shm_cap, offload=settings.shm_offload,
+                                           fd_share=settings.shm_fd, fd_cache=settings.shm_fd_cache,
+                                           copy_threads=settings.copy_threads)
                 self.on_system("shm", self._shm.on_notice)
                 transports += (routing.SHM,)
                 self._pull = PullSession(self._loop, self.incarnation,
                                          functools.partial(self._send_notice, tag="pull"), self._recycler,
-                                         self._shm.copier, offload=self._shm.offload, threshold=pull_threshold(),
+                                         self._shm.copier, offload=self._shm.offload, threshold=settings.shm_pull,
                                          pid_of=self._pid_of)
                 self.on_system("pull", self._pull.on_notice)
                 self._stats_providers["pull"] = self._pull.report
@@ -257,13 +273,12 @@ class Communicator:
             self._listener.set_handler(self._arrival.zmq)
             if routing.STREAM not in self._routing.disabled and StreamTransport.available():
                 transports += await self._start_stream(endpoints)
-            gpus = devices.discover_devices()
+            gpus = devices.discover_devices(no_torch=settings.no_torch, visible=self._visible_devices)
             if gpus and routing.CUDA_IPC not in self._routing.disabled and cuda_ipc.available():
-                cuda_ipc.default_cap()          # a bad RLINF_CUDA_IPC_CAP fails here, not on a receive
                 transports += (routing.CUDA_IPC,)
                 self.on_system("cuda", self._gpu.on_notice)
             self.info = WorkerInfo(
-                address=self.address, incarnation=self.incarnation, node_id=devices.node_id(),
+                address=self.address, incarnation=self.incarnation, node_id=devices.node_id(settings.node_id),
                 host=socket.gethostname(), pid=os.getpid(), endpoints=endpoints,
                 devices=gpus, transports=transports,
                 meta={"machine": control.machine_id(), **self._meta},
@@ -272,7 +287,9 @@ class Communicator:
             self._control = control.ControlClient(self._context, self._keys, self.manager_address, self.info,
                                                   self._on_event, stats=self._heartbeat_stats,
                                                   exclusive=self._exclusive, on_superseded=self._superseded,
-                                                  manager_host=self._manager_host)
+                                                  manager_host=self._manager_host,
+                                                  peer_timeout=settings.peer_timeout,
+                                                  heartbeat_interval=settings.heartbeat_interval)
             await self._control.register(timeout=self._connect_timeout)
         except BaseException:
             await self._teardown(deregister=False)
@@ -285,7 +302,7 @@ class Communicator:
         this adds to what we advertise (none when it cannot run here)."""
         try:
             self._bulk = tcp_bulk.BulkTransport(self._keys.bulk_key, host=bind, advertise_host=advertise,
-                                                recycler=self._recycler, encrypt=tcp_encryption_enabled())
+                                                recycler=self._recycler, encrypt=self._settings.tcp_encryption)
             self._bulk_listener = await self._bulk.listen()
         except (TransportUnavailableError, OSError) as exc:
             log.warning("rlinf %s: no bulk TCP transport (%s); large payloads to other nodes go "
@@ -516,7 +533,7 @@ class Communicator:
 
     def _new_cuda_session(self) -> cuda_ipc.CudaIpcSession:
         return cuda_ipc.CudaIpcSession(self._loop, functools.partial(self._send_notice, tag="cuda"),
-                                       self.incarnation, views=self._shm_views)
+                                       self.incarnation, views=self._shm_views, cap=self._settings.cuda_ipc_cap)
 
     def _queue(self, outbox: Outbox, kind: int, tag: Any, codec_header: bytes, buffers: list,
                need_future: bool, gpu: list | None = None) -> asyncio.Future | None:

@@ -25,11 +25,11 @@ and ``nbytes >= RoutingConfig.bulk_threshold`` between nodes; "same node" means 
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..config import DEFAULTS, Settings
 from ..control.devices import BufferInfo, describe_buffer
 from ..info import WorkerInfo
 
@@ -76,8 +76,8 @@ TRANSPORTS: tuple[str, ...] = (INLINE, SHM, BULK, CUDA_IPC, NCCL, STAGED, STREAM
 ALWAYS_AVAILABLE: frozenset[str] = frozenset({INLINE, STAGED})
 """Transports every process has; they are the last resort of each row and cannot be disabled."""
 
-DEFAULT_SHM_THRESHOLD = 256 * 1024
-DEFAULT_BULK_THRESHOLD = 1 << 20
+DEFAULT_SHM_THRESHOLD = DEFAULTS.shm_threshold      # RLINF_SHM_THRESHOLD's default (256 KiB)
+DEFAULT_BULK_THRESHOLD = DEFAULTS.bulk_threshold    # RLINF_BULK_THRESHOLD's default (1 MiB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,34 +162,19 @@ class RoutingConfig:
         return replace(self, disabled=self.disabled | frozenset(names))
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> RoutingConfig:
-        """Build a config from the environment.
-
-        Reads ``RLINF_DISABLE_TRANSPORTS`` (comma- or space-separated names, e.g.
-        ``"nccl,cuda_ipc"``), ``RLINF_SHM_THRESHOLD`` and ``RLINF_BULK_THRESHOLD`` (bytes).
-
-        Args:
-            environ: the mapping to read; ``os.environ`` when ``None``.
-
-        Returns:
-            The config; defaults for unset variables.
+    def from_settings(cls, settings: Settings) -> RoutingConfig:
+        """The config of ``settings`` (``RLINF_SHM_THRESHOLD``, ``RLINF_BULK_THRESHOLD``,
+        ``RLINF_DISABLE_TRANSPORTS``; see ``docs/configuration.md``).
 
         Raises:
-            ValueError: a name is unknown or locked, or the threshold is not a
-                non-negative integer.
+            ValueError: a disabled name is unknown or cannot be disabled; the message
+                names the setting.
         """
-        env = os.environ if environ is None else environ
-        names = env.get("RLINF_DISABLE_TRANSPORTS", "").replace(",", " ").split()
-        thresholds = {}
-        for field_name, variable in (("shm_threshold", "RLINF_SHM_THRESHOLD"),
-                                     ("bulk_threshold", "RLINF_BULK_THRESHOLD")):
-            raw = env.get(variable, "").strip()
-            if raw:
-                try:
-                    thresholds[field_name] = int(raw)
-                except ValueError:
-                    raise ValueError(f"{variable} must be a byte count, got {raw!r}") from None
-        return cls(disabled=frozenset(n.strip().lower() for n in names), **thresholds)
+        try:
+            return cls(shm_threshold=settings.shm_threshold, bulk_threshold=settings.bulk_threshold,
+                       disabled=settings.disable_transports)
+        except ValueError as exc:
+            raise ValueError(f"RLINF_DISABLE_TRANSPORTS (Settings.disable_transports): {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,8 +222,8 @@ def select_transport(
 ) -> Route:
     """Choose how one buffer travels from ``src`` to ``dst``.
 
-    Pure: no I/O, and the environment is not read (build ``config`` once with
-    :meth:`RoutingConfig.from_env`). Never raises for a transport choice: when the
+    Pure: no I/O, and the environment is not read (build ``config`` once, e.g. with
+    :meth:`RoutingConfig.from_settings`). Never raises for a transport choice: when the
     preferred transports are missing or disabled it falls back, ending at ``zmq`` or
     ``staged``, which always work.
 

@@ -90,8 +90,8 @@ def init(**ray_init_kwargs: Any) -> str:
     """
     if not ray.is_initialized():
         ray.init(**ray_init_kwargs)
-    os.environ["RLINF_NODE_ID"] = node_id()
-    return os.environ["RLINF_NODE_ID"]
+    node = os.environ["RLINF_NODE_ID"] = node_id()   # read by Settings.from_env() of later communicators
+    return node
 
 
 # ------------------------------------------------------------------------ in the actor

@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
+
+from ..config import Settings
 
 __all__ = ["main", "build_parser"]
 
@@ -19,7 +20,7 @@ __all__ = ["main", "build_parser"]
 def _manager_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bind", default="tcp://0.0.0.0:5555",
                         help="ZeroMQ endpoint to listen on (default %(default)s; port 0 picks a free one)")
-    parser.add_argument("--token", default=os.environ.get("RLINF_TOKEN"),
+    parser.add_argument("--token", default=None,
                         help="cluster token (default $RLINF_TOKEN; when neither is given a new one is "
                              "generated and printed)")
     parser.add_argument("--peer-timeout", type=float, default=None,
@@ -42,10 +43,12 @@ def _join_addresses(address: str) -> list[str]:
 async def _serve_manager(args: argparse.Namespace) -> None:
     from ..control.manager import Manager
 
-    async with Manager(args.bind, token=args.token, peer_timeout=args.peer_timeout) as manager:
+    settings = Settings.from_env()    # here, not in the parser: --help works with a bad knob
+    token = args.token or settings.token
+    async with Manager(args.bind, token=token, peer_timeout=args.peer_timeout, settings=settings) as manager:
         joins = _join_addresses(manager.address)
         print(f"rlinf manager listening on {manager.address}", flush=True)
-        if args.token is None:
+        if token is None:
             print(f"generated cluster token: {manager.token}", flush=True)
             print("  (keep it secret; pass it with --token or RLINF_TOKEN next time to keep it)", flush=True)
         print("workers join with:", flush=True)
@@ -62,7 +65,7 @@ def _cmd_manager(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(message)s")
     try:
         control.run(_serve_manager(args))
-    except (OSError, ValueError) as exc:   # cannot bind; a bad --peer-timeout
+    except (OSError, ValueError) as exc:   # cannot bind; a bad --peer-timeout or RLINF_* variable
         print(f"rlinf manager: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

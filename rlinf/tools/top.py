@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from typing import Any
 import zmq
 import zmq.utils.monitor
 
+from ..config import DEFAULTS, Settings
 from ..control import client as control
 from ..channel.stats import ConsumerStats
 from ..errors import AuthenticationError, CommTimeoutError
@@ -307,8 +307,9 @@ class View:
         self.version = version
 
 
-def render(view: View, *, events: int = 8):
-    """A rich renderable of the current view."""
+def render(view: View, *, events: int = 8, heartbeat: float = DEFAULTS.heartbeat_interval):
+    """A rich renderable of the current view; ``heartbeat``: the workers' heartbeat
+    interval (``RLINF_HEARTBEAT_INTERVAL``), which tells a silent worker from a live one."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -316,7 +317,6 @@ def render(view: View, *, events: int = 8):
     snap = view.snapshot or {}
     rates = view.rates
     workers = sorted(snap.get("workers", []), key=lambda w: w.get("address", ""))
-    heartbeat = control.heartbeat_interval()
     title = Text.from_markup(
         f"[bold]rlinf top[/]  manager [cyan]{snap.get('manager', '?')}[/]  "
         f"{len(workers)} workers  {time.strftime('%H:%M:%S')}")
@@ -366,9 +366,9 @@ def render(view: View, *, events: int = 8):
 
 # ----------------------------------------------------------------------------- command
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--manager", default=os.environ.get("RLINF_MANAGER"),
+    parser.add_argument("--manager", default=None,
                         help="manager endpoint, e.g. tcp://10.0.0.5:5555 (default $RLINF_MANAGER)")
-    parser.add_argument("--token", default=os.environ.get("RLINF_TOKEN"),
+    parser.add_argument("--token", default=None,
                         help="cluster token (default $RLINF_TOKEN)")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     parser.add_argument("--timeout", type=float, default=3.0,
@@ -381,7 +381,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``rlinf top`` with parsed arguments; returns the exit status."""
     try:
-        client = SnapshotClient(args.manager, args.token)
+        settings = Settings.from_env()      # here, not in the parser: --help works with a bad knob
+        client = SnapshotClient(args.manager or settings.manager, args.token or settings.token)
     except ValueError as exc:
         print(f"rlinf top: {exc}", file=sys.stderr)
         return 2
@@ -399,17 +400,17 @@ def run(args: argparse.Namespace) -> int:
 
                 view = View()
                 view.update(snap)
-                Console().print(render(view, events=args.events))
+                Console().print(render(view, events=args.events, heartbeat=settings.heartbeat_interval))
             return 0
-        return _live(client, args)
+        return _live(client, args, settings.heartbeat_interval)
 
 
-def _live(client: SnapshotClient, args: argparse.Namespace) -> int:
+def _live(client: SnapshotClient, args: argparse.Namespace, heartbeat: float) -> int:
     from rich.live import Live
 
     view = View()
     try:
-        with Live(render(view), refresh_per_second=4, screen=False) as live:
+        with Live(render(view, heartbeat=heartbeat), refresh_per_second=4, screen=False) as live:
             while True:
                 started = time.monotonic()
                 try:
@@ -420,7 +421,7 @@ def _live(client: SnapshotClient, args: argparse.Namespace) -> int:
                     live.stop()
                     print(f"rlinf top: {exc}", file=sys.stderr)
                     return 1
-                live.update(render(view, events=args.events))
+                live.update(render(view, events=args.events, heartbeat=heartbeat))
                 time.sleep(max(0.0, args.interval - (time.monotonic() - started)))
     except KeyboardInterrupt:
         return 0

@@ -11,8 +11,9 @@ Where it runs: the sender's copy into a shared-memory slot and the receiver's co
 of one (``shm_views=False``). Both already run off the event loop for large payloads,
 and in both the peer is usually waiting, so the second CPU would otherwise idle.
 
-``RLINF_COPY_THREADS`` sets how many threads one copy uses in all, the caller included
-(default 2 on a machine with 2 CPUs or more, else 1; ``1`` turns splitting off).
+``RLINF_COPY_THREADS`` (``Settings.copy_threads``, passed in as ``threads``) sets how
+many threads one copy uses in all, the caller included (unset: :func:`default_threads`,
+2 on a machine with 2 CPUs or more, else 1; ``1`` turns splitting off).
 
 The same split serves other one-pass copies of ``(dst, src)`` pairs: :meth:`Copier.copy`
 takes the function that copies a list of pairs (reads from another process's memory,
@@ -45,17 +46,8 @@ Pair = tuple[np.ndarray, Any]
 
 
 def default_threads() -> int:
-    """Threads per copy, caller included: ``RLINF_COPY_THREADS`` or the default."""
-    raw = os.environ.get("RLINF_COPY_THREADS", "").strip()
-    if not raw:
-        return 2 if (os.cpu_count() or 1) >= 2 else 1
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"RLINF_COPY_THREADS must be a whole number >= 1, got {raw!r}")
-    return n
+    """Threads per copy, caller included, when none is set: 2, or 1 on a 1-CPU machine."""
+    return 2 if (os.cpu_count() or 1) >= 2 else 1
 
 
 def split(pairs: Sequence[Pair], parts: int) -> list[list[Pair]]:

@@ -18,6 +18,7 @@ import pytest
 
 import rlinf
 from rlinf import sync as facade
+from rlinf.config import LaunchEnv, Settings
 
 pytestmark = pytest.mark.multiproc
 
@@ -268,11 +269,17 @@ async def test_join_an_existing_manager_by_rlinf_env(cluster):
     await _run_ranks("_numpy_program", envs, timeout=60)
 
 
+def _rendezvous(env: dict[str, str]) -> dict:
+    """What ``SyncCommunicator(env)`` resolves ``env`` to."""
+    return facade._rendezvous(Settings.from_env(env), LaunchEnv.from_env(env))
+
+
 @pytest.mark.parametrize("env, words", [
     ({}, ["RANK"]),
     ({"RANK": "0"}, ["WORLD_SIZE"]),
     ({"RANK": "3", "WORLD_SIZE": "3"}, ["WORLD_SIZE > rank"]),
-    ({"RANK": "x", "WORLD_SIZE": "3"}, ["RANK must be an integer"]),
+    ({"RANK": "x", "WORLD_SIZE": "3"}, ["RANK='x'", "not a whole number"]),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "port"}, ["MASTER_PORT='port'"]),
     ({"RANK": "0", "WORLD_SIZE": "2"}, ["MASTER_ADDR"]),
     ({"RANK": "0", "WORLD_SIZE": "2", "RLINF_MANAGER": "tcp://h:1"}, ["RLINF_TOKEN"]),
     ({"RLINF_ADDRESS": "t:1", "RANK": "0", "WORLD_SIZE": "2"}, ["disagrees"]),
@@ -283,26 +290,26 @@ async def test_join_an_existing_manager_by_rlinf_env(cluster):
 ])
 def test_environment_errors(env, words):
     with pytest.raises(ValueError) as info:
-        facade._rendezvous(env)
+        _rendezvous(env)
     for word in words:
         assert word in str(info.value)
 
 
 def test_rendezvous_choices():
     base = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29500"}
-    plain = facade._rendezvous(base)
+    plain = _rendezvous(base)
     assert plain["manager"] == "tcp://10.0.0.5:29500" and plain["host"] is None and len(plain["token"]) == 64
     assert plain["manager_host"] == "rank:0"        # its death is reported without the manager
-    assert facade._rendezvous(base)["token"] == plain["token"]                       # same on every rank
-    assert facade._rendezvous({**base, "MASTER_PORT": "29501"})["token"] != plain["token"]
-    assert facade._rendezvous({**base, "RANK": "0"})["host"] == "tcp://10.0.0.5:29500"
-    assert facade._rendezvous({**base, "RANK": "0", "MASTER_ADDR": "node7"})["host"] == "tcp://0.0.0.0:29500"
-    assert facade._rendezvous({**base, "RLINF_TOKEN": "s3cret"})["token"] == "s3cret"
-    elastic = facade._rendezvous({**base, "RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
+    assert _rendezvous(base)["token"] == plain["token"]                       # same on every rank
+    assert _rendezvous({**base, "MASTER_PORT": "29501"})["token"] != plain["token"]
+    assert _rendezvous({**base, "RANK": "0"})["host"] == "tcp://10.0.0.5:29500"
+    assert _rendezvous({**base, "RANK": "0", "MASTER_ADDR": "node7"})["host"] == "tcp://0.0.0.0:29500"
+    assert _rendezvous({**base, "RLINF_TOKEN": "s3cret"})["token"] == "s3cret"
+    elastic = _rendezvous({**base, "RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
                                   "TORCHELASTIC_RUN_ID": "abc", "MASTER_ADDR": "localhost"})
     assert elastic["store"] == ("localhost", 29500, "rlinf/abc/0/rank/manager")
     assert elastic["host"] == "tcp://127.0.0.1:0" and elastic["manager"] is None
-    joined = facade._rendezvous({**base, "RLINF_MANAGER": "tcp://m:1", "RLINF_TOKEN": "t",
+    joined = _rendezvous({**base, "RLINF_MANAGER": "tcp://m:1", "RLINF_TOKEN": "t",
                                  "RLINF_ADDRESS": "trainer:1"})
     assert (joined["manager"], joined["prefix"], joined["rank"]) == ("tcp://m:1", "trainer", 1)
     assert joined.get("manager_host") is None       # no rank runs that manager

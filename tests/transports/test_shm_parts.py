@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 
+from rlinf.config import Settings
 from rlinf.core import wire
 from rlinf.errors import ProtocolError
 from rlinf.transports import shm
@@ -300,15 +301,17 @@ def test_recycled_memory_starts_on_a_page():
 
 
 def test_cap_parsing(monkeypatch):
-    monkeypatch.setenv("RLINF_SHM_CAP", "512M")
-    assert shm.default_cap() == 512 << 20
-    monkeypatch.setenv("RLINF_SHM_CAP", "1.5GiB")
-    assert shm.default_cap() == 3 << 29
-    monkeypatch.setenv("RLINF_SHM_CAP", "lots")
+    assert Settings.from_env({"RLINF_SHM_CAP": "512M"}).shm_cap == 512 << 20
+    assert Settings.from_env({"RLINF_SHM_CAP": "1.5GiB"}).shm_cap == 3 << 29
     with pytest.raises(ValueError, match="RLINF_SHM_CAP"):
-        shm.default_cap()
-    monkeypatch.delenv("RLINF_SHM_CAP")
+        Settings.from_env({"RLINF_SHM_CAP": "lots"})
+    assert Settings.from_env({}).shm_cap is None                   # unset: the rule below
+    monkeypatch.setenv("RLINF_SHM_CAP", "512M")                     # not read by the pool
     assert 0 < shm.default_cap() <= 4 << 30
+    default, given = shm.ShmPool(), shm.ShmPool(512 << 20)
+    assert default.cap == shm.default_cap() == shm.Recycler().limit and given.cap == 512 << 20
+    default.close()
+    given.close()
 
 
 async def test_a_dropped_multicast_message_releases_only_its_reader():

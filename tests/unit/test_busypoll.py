@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from rlinf.config import Settings
 from rlinf.core._busypoll import DEFAULT_US, BusyPoll
 from rlinf.errors import PeerLostError
 from rlinf.core._mailbox import Mailbox, Message
@@ -102,17 +103,18 @@ async def test_polling_off_just_waits():
     assert (poll.caught, poll.slept, poll.polled) == (0, 0, 0.0)
 
 
-def test_the_environment_sets_the_maximum(monkeypatch):
-    monkeypatch.delenv("RLINF_BUSY_POLL", raising=False)
-    assert BusyPoll.from_env().max == DEFAULT_US / 1e6
-    monkeypatch.setenv("RLINF_BUSY_POLL", "250")
-    assert BusyPoll.from_env().max == 250e-6
-    monkeypatch.setenv("RLINF_BUSY_POLL", "0")
-    assert BusyPoll.from_env().window == 0
+def test_the_environment_sets_the_maximum():
+    def from_env(env: dict[str, str]) -> BusyPoll:   # as the communicator builds it
+        return BusyPoll(Settings.from_env(env).busy_poll_us)
+
+    assert from_env({}).max == DEFAULT_US / 1e6 == BusyPoll().max
+    assert from_env({"RLINF_BUSY_POLL": "250"}).max == 250e-6
+    assert from_env({"RLINF_BUSY_POLL": "0"}).window == 0
     for bad in ("fast", "-5"):
-        monkeypatch.setenv("RLINF_BUSY_POLL", bad)
-        with pytest.raises(ValueError, match="RLINF_BUSY_POLL|>= 0"):
-            BusyPoll.from_env()
+        with pytest.raises(ValueError, match=f"RLINF_BUSY_POLL={bad!r}"):
+            from_env({"RLINF_BUSY_POLL": bad})
+    with pytest.raises(ValueError, match=">= 0"):
+        BusyPoll(-5)
 
 
 def test_the_report_is_plain_values():

@@ -3,6 +3,7 @@ from_env reading only what it is given, and docs/configuration.md kept current."
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import os
 import pathlib
@@ -13,8 +14,8 @@ import sys
 import pytest
 
 from rlinf import config
-from rlinf.config import (Settings, knobs, parse_bool, parse_duration, parse_int, parse_names, parse_size,
-                          parse_str)
+from rlinf.config import (DEFAULTS, LaunchEnv, Settings, knobs, parse_bool, parse_duration, parse_int, parse_names,
+                          parse_size, parse_str, visible_devices)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gen_config_docs.py"
@@ -271,6 +272,172 @@ def test_from_env_reads_only_the_mapping_it_is_given(monkeypatch):
     finally:
         config.os.environ = saved
     assert os.environ is saved
+
+
+def test_defaults_object():
+    assert DEFAULTS == Settings() == Settings.from_env({})
+
+
+# --------------------------------------------------------------------------- other launchers
+
+
+def test_launch_env():
+    assert LaunchEnv.from_env({}) == LaunchEnv()
+    env = LaunchEnv.from_env({"RANK": " 3 ", "WORLD_SIZE": "8", "MASTER_ADDR": "node7", "MASTER_PORT": "29500",
+                              "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "abc",
+                              "SLURM_JOB_ID": "42", "RLINF_SHM_CAP": "4X"})       # not a LaunchEnv variable
+    assert (env.rank, env.world_size, env.master_addr, env.master_port) == (3, 8, "node7", 29500)
+    assert (env.agent_store, env.run_id, env.restart_count, env.slurm_job_id) == (True, "abc", "0", "42")
+    blank = LaunchEnv.from_env({"RANK": "", "WORLD_SIZE": " ", "MASTER_ADDR": "", "TORCHELASTIC_USE_AGENT_STORE": ""})
+    assert blank == LaunchEnv()
+    assert LaunchEnv.from_env({"TORCHELASTIC_USE_AGENT_STORE": "False"}).agent_store is False
+    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT"):
+        with pytest.raises(ValueError, match=f"{name}='x': not a whole number"):
+            LaunchEnv.from_env({name: "x"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        env.rank = 1
+
+
+def test_visible_devices(monkeypatch):
+    assert visible_devices({}) is None
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": ""}) == ""          # blank hides every GPU (CUDA's rule)
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": "1,0"}) == "1,0"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    assert visible_devices() == "-1"
+
+
+# --------------------------------------------------------------------------- wiring
+
+#: Where the environment may be read: this module, and the launcher boundary (the local
+#: launcher saves and restores the variables it sets while a child process starts).
+ENV_READERS = {"rlinf/config.py", "rlinf/launch/cluster.py"}
+#: Methods of os.environ that only write it when their result is unused.
+_WRITERS = {"update", "pop", "setdefault", "clear", "__setitem__", "__delitem__"}
+_ENV_NAMES = {"environ", "environb", "getenv", "getenvb"}
+
+
+def _environment_reads(tree: ast.AST) -> list[int]:
+    """Lines of ``tree`` that read the environment: any use of ``os.environ``/``os.getenv``
+    (or an import of them from ``os``) that is not a plain write for child processes."""
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+    def writes(node: ast.Attribute) -> bool:
+        parent = parents[node]
+        if node.attr.startswith("getenv"):
+            return False
+        if isinstance(parent, ast.Subscript) and parent.value is node:      # os.environ[k] = v / del
+            return isinstance(parent.ctx, (ast.Store, ast.Del))
+        if isinstance(parent, ast.Attribute) and parent.attr in _WRITERS:   # os.environ.update(...)
+            call = parents.get(parent)
+            return isinstance(call, ast.Call) and call.func is parent and isinstance(parents.get(call), ast.Expr)
+        return False
+
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "os" \
+                and any(alias.name in _ENV_NAMES for alias in node.names):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Attribute) and node.attr in _ENV_NAMES and isinstance(node.value, ast.Name) \
+                and node.value.id == "os" and not writes(node):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_the_scan_tells_reads_from_writes():
+    code = """
+import os
+from os import getenv
+a = os.environ.get("X")
+b = os.getenv("X")
+c = dict(os.environ)
+d = os.environ["X"]
+e = os.environ.pop("X")
+f(env=os.environ)
+os.environ["X"] = "1"
+del os.environ["X"]
+os.environ.update({"X": "1"})
+os.environ.pop("X", None)
+os.environ.setdefault("X", "1")
+g = os.environ["X"] = "1"
+"""
+    assert _environment_reads(ast.parse(code)) == [3, 4, 5, 6, 7, 8, 9]
+
+
+def test_only_the_settings_module_and_the_launcher_boundary_read_the_environment():
+    readers = {}
+    for path in sorted((ROOT / "rlinf").rglob("*.py")):
+        lines = _environment_reads(ast.parse(path.read_text(), str(path)))
+        if lines:
+            readers[path.relative_to(ROOT).as_posix()] = lines
+    assert "rlinf/config.py" in readers, "found no read in rlinf/config.py: the scan is broken"
+    strays = {path: lines for path, lines in readers.items() if path not in ENV_READERS}
+    assert not strays, f"the environment is read outside rlinf.config (take a Settings instead): {strays}"
+
+
+def test_a_bad_knob_fails_communicator_construction(monkeypatch):
+    from rlinf.core.communicator import Communicator
+
+    monkeypatch.setenv("RLINF_SHM_CAP", "4X")
+    with pytest.raises(ValueError, match=re.escape("RLINF_SHM_CAP='4X': not a size")):
+        Communicator("a:0", manager="tcp://127.0.0.1:1", token="t")
+    monkeypatch.delenv("RLINF_SHM_CAP")
+    monkeypatch.setenv("RLINF_PEER_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="RLINF_PEER_TIMEOUT='soon'"):
+        Communicator("a:0", manager="tcp://127.0.0.1:1", token="t")
+    monkeypatch.setenv("RLINF_PEER_TIMEOUT", "2")
+    monkeypatch.setenv("RLINF_DISABLE_TRANSPORTS", "shm,pigeon")
+    with pytest.raises(ValueError, match=r"RLINF_DISABLE_TRANSPORTS.*unknown transport.*pigeon"):
+        Communicator("a:0", manager="tcp://127.0.0.1:1", token="t")
+
+
+def test_the_communicator_reads_the_environment_when_constructed(monkeypatch):
+    from rlinf.core.communicator import Communicator
+
+    monkeypatch.setenv("RLINF_ADDRESS", "late:3")          # set after import, as the Ray launcher does
+    monkeypatch.setenv("RLINF_MANAGER", "tcp://127.0.0.1:1")
+    monkeypatch.setenv("RLINF_TOKEN", "t")
+    comm = Communicator()
+    assert (comm.address, comm.manager_address) == ("late:3", "tcp://127.0.0.1:1")
+
+
+def test_given_settings_win_and_the_environment_is_not_parsed(monkeypatch):
+    from rlinf.core.communicator import Communicator
+
+    monkeypatch.setenv("RLINF_SHM_CAP", "4X")              # would fail if parsed
+    monkeypatch.setenv("RLINF_ADDRESS", "env:0")
+    settings = Settings(address="given:1", manager="tcp://127.0.0.1:1", token="t", shm_views=False)
+    comm = Communicator(settings=settings)
+    assert (comm.address, comm.manager_address) == ("given:1", "tcp://127.0.0.1:1")
+    assert Communicator("arg:2", settings=settings).address == "arg:2"        # arguments win over settings
+    with pytest.raises(TypeError, match="Settings"):
+        Communicator("a:0", manager="tcp://127.0.0.1:1", token="t", settings={"shm_views": False})
+
+
+def test_the_manager_takes_its_peer_timeout_from_settings(monkeypatch):
+    from rlinf.control.manager import Manager
+
+    monkeypatch.setenv("RLINF_PEER_TIMEOUT", "7")
+    assert Manager().peer_timeout == 7.0
+    assert Manager(settings=Settings(peer_timeout=3)).peer_timeout == 3.0
+    assert Manager(peer_timeout=4, settings=Settings(peer_timeout=3)).peer_timeout == 4
+    monkeypatch.setenv("RLINF_PEER_TIMEOUT", "nan")
+    with pytest.raises(ValueError, match="RLINF_PEER_TIMEOUT='nan'"):
+        Manager()
+
+
+def test_commands_read_the_environment_only_when_they_run(monkeypatch, capsys):
+    from rlinf.tools import cli
+
+    monkeypatch.setenv("RLINF_SHM_CAP", "4X")
+    for command in ("manager", "top"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main([command, "--help"])                    # an unrelated bad knob does not break --help
+        assert exit_info.value.code == 0
+    capsys.readouterr()
+    assert cli.main(["top", "--manager", "tcp://127.0.0.1:1", "--token", "t", "--once"]) == 2
+    assert "RLINF_SHM_CAP='4X'" in capsys.readouterr().err
+    assert cli.main(["manager", "--bind", "tcp://127.0.0.1:0", "--token", "t"]) == 1
+    assert "RLINF_SHM_CAP='4X'" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- docs

@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 
+from rlinf.config import Settings
 from rlinf.util.copier import Copier, default_threads, split
 
 
@@ -84,13 +85,13 @@ def test_closed_copier_still_copies_on_the_caller():
 
 
 def test_threads_setting(monkeypatch):
-    monkeypatch.setenv("RLINF_COPY_THREADS", "3")
-    assert default_threads() == 3 and Copier().threads == 3
+    threads = Settings.from_env({"RLINF_COPY_THREADS": "3"}).copy_threads
+    assert threads == 3 and Copier(threads).threads == 3
     for bad in ("0", "-1", "two", "1.5"):
-        monkeypatch.setenv("RLINF_COPY_THREADS", bad)
         with pytest.raises(ValueError, match="RLINF_COPY_THREADS"):
-            Copier()
-    monkeypatch.delenv("RLINF_COPY_THREADS")
-    assert default_threads() in (1, 2)
+            Settings.from_env({"RLINF_COPY_THREADS": bad})
+    assert Settings.from_env({}).copy_threads is None
+    monkeypatch.setenv("RLINF_COPY_THREADS", "3")          # the environment is not read here
+    assert default_threads() in (1, 2) and Copier().threads == default_threads() == Copier(None).threads
     with pytest.raises(ValueError):
         Copier(0)

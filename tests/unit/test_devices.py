@@ -14,6 +14,7 @@ import pytest
 
 from rlinf.control.devices import (BufferInfo, describe_buffer, discover_devices, host_addresses, node_id,
                                    preferred_address, preferred_peer_address)
+from rlinf.config import Settings, visible_devices
 from rlinf.info import DeviceInfo
 
 _GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg")
@@ -32,23 +33,23 @@ def _torch_cuda() -> bool:
 
 
 def test_node_id_env_override(monkeypatch):
-    monkeypatch.setenv("RLINF_NODE_ID", "rack7-node3")
-    assert node_id() == "rack7-node3"
+    assert node_id(Settings.from_env({"RLINF_NODE_ID": "rack7-node3"}).node_id) == "rack7-node3"
+    assert node_id(" rack7-node3 ") == "rack7-node3"
+    monkeypatch.setenv("RLINF_NODE_ID", "rack7-node3")     # read by Settings, not here
+    assert node_id() != "rack7-node3"
 
 
-def test_node_id_host_identity_is_stable(monkeypatch):
-    monkeypatch.delenv("RLINF_NODE_ID", raising=False)
+def test_node_id_host_identity_is_stable():
     first = node_id()
     assert first == node_id()
     assert first.startswith(socket.gethostname() or "localhost")
     assert len(first) > len(socket.gethostname())  # hostname plus the machine/boot hash
 
 
-def test_blank_node_id_env_is_ignored(monkeypatch):
-    monkeypatch.delenv("RLINF_NODE_ID", raising=False)
+def test_blank_node_id_env_is_ignored():
     host = node_id()
-    monkeypatch.setenv("RLINF_NODE_ID", "  ")
-    assert node_id() == host
+    assert node_id(Settings.from_env({"RLINF_NODE_ID": "  "}).node_id) == host
+    assert node_id("  ") == node_id("") == node_id(None) == host
 
 
 # ----------------------------------------------------------------- discovery
@@ -61,10 +62,10 @@ def test_discover_devices_returns_device_infos():
     assert [d.index for d in devices] == list(range(len(devices)))
 
 
-@pytest.mark.parametrize("value", ["", "-1"])
-def test_hidden_gpus_give_no_devices(monkeypatch, value):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
-    assert discover_devices() == ()
+@pytest.mark.parametrize("value", ["", "-1", " -1 "])
+def test_hidden_gpus_give_no_devices(value):
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": value}) == value
+    assert discover_devices(visible=value) == ()
 
 
 @pytest.mark.skipif(_torch_cuda(), reason="this machine has a GPU")
@@ -125,8 +126,9 @@ def test_no_torch_env_keeps_torch_out():
     out = _run_python(
         """
         import sys
+        from rlinf.config import Settings
         from rlinf.control.devices import discover_devices
-        devices = discover_devices()
+        devices = discover_devices(no_torch=Settings.from_env().no_torch)
         print("torch" in sys.modules, type(devices).__name__)
         """,
         RLINF_NO_TORCH="1",

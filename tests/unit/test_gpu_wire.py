@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from rlinf.config import Settings
 from rlinf.core import routing, wire
 from rlinf.core.communicator import Communicator
 from rlinf.errors import DecodeError, ProtocolError
@@ -107,11 +108,17 @@ def test_slot_layout_and_sizes():
 
 
 def test_cap_from_environment(monkeypatch):
-    monkeypatch.setenv("RLINF_CUDA_IPC_CAP", str(64 << 20))
-    assert cuda_ipc.default_cap() == 64 << 20
-    monkeypatch.setenv("RLINF_CUDA_IPC_CAP", "lots")
+    assert Settings.from_env({"RLINF_CUDA_IPC_CAP": str(64 << 20)}).cuda_ipc_cap == 64 << 20
+    assert Settings.from_env({"RLINF_CUDA_IPC_CAP": "64M"}).cuda_ipc_cap == 64 << 20
+    assert Settings.from_env({}).cuda_ipc_cap == cuda_ipc.DEFAULT_CAP == 2 << 30
     with pytest.raises(ValueError, match="RLINF_CUDA_IPC_CAP"):
-        cuda_ipc.default_cap()
+        Settings.from_env({"RLINF_CUDA_IPC_CAP": "lots"})
+    with pytest.raises(ValueError, match="RLINF_CUDA_IPC_CAP"):
+        Settings.from_env({"RLINF_CUDA_IPC_CAP": str(cuda_ipc.MIN_SLOT - 1)})
+    # a bad value fails when the communicator is constructed, not on the first GPU message
+    monkeypatch.setenv("RLINF_CUDA_IPC_CAP", "lots")
+    with pytest.raises(ValueError, match="RLINF_CUDA_IPC_CAP='lots'"):
+        Communicator("a:0", manager="tcp://127.0.0.1:1", token="t")
 
 
 # -- GPU entries through a real outbox (the CUDA IPC item survives coalescing) ----------

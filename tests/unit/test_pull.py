@@ -14,7 +14,8 @@ from rlinf.core import wire
 from rlinf.util.copier import Copier
 from rlinf.errors import ClosedError, DecodeError, PeerLostError, ProtocolError
 from rlinf.transports import cma
-from rlinf.transports.shm._pull import DEFAULT_PULL, PullSession, pull_threshold
+from rlinf.config import Settings
+from rlinf.transports.shm._pull import DEFAULT_PULL, PullSession
 from rlinf.transports.shm._pool import Recycler
 
 pytestmark = pytest.mark.skipif(not cma.available(), reason="no process_vm_readv / pidfd here")
@@ -265,10 +266,13 @@ async def test_a_sender_that_died_fails_the_receive_with_peer_lost(pair):
 
 
 def test_the_threshold_setting():
+    def pull_threshold(env: dict[str, str]) -> int:    # what the communicator passes as threshold=
+        return Settings.from_env(env).shm_pull
+
     assert pull_threshold({}) == DEFAULT_PULL
     assert pull_threshold({"RLINF_SHM_PULL": "0"}) == 0 == pull_threshold({"RLINF_SHM_PULL": "off"})
     assert pull_threshold({"RLINF_SHM_PULL": "4M"}) == 4 << 20
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="RLINF_SHM_PULL='lots'"):
         pull_threshold({"RLINF_SHM_PULL": "lots"})
 
 

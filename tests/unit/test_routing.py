@@ -7,6 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
+from rlinf.config import Settings
 from rlinf.control.devices import BufferInfo
 from rlinf.info import DeviceInfo, WorkerInfo
 from rlinf.core.routing import (ALWAYS_AVAILABLE, BULK, CUDA_IPC, DEFAULT_SHM_THRESHOLD, INLINE, NCCL, ROUTING_TABLE,
@@ -183,10 +184,8 @@ def test_nccl_disabled_across_nodes_is_staged():
     assert route.reason == "cuda, other node; nccl disabled"
 
 
-def test_disabled_via_env(monkeypatch):
-    monkeypatch.setenv("RLINF_DISABLE_TRANSPORTS", "nccl, CUDA_IPC")
-    monkeypatch.delenv("RLINF_SHM_THRESHOLD", raising=False)
-    config = RoutingConfig.from_env()
+def test_disabled_via_env():
+    config = RoutingConfig.from_settings(Settings.from_env({"RLINF_DISABLE_TRANSPORTS": "nccl, CUDA_IPC"}))
     assert config == RoutingConfig(disabled=frozenset({NCCL, CUDA_IPC}))
     route = select_transport(worker("a:0", devices=GPU), worker("b:0", devices=GPU), CUDA_BUF, config=config)
     assert (route.transport, route.fallback) == (STAGED, True)
@@ -201,37 +200,40 @@ def test_select_transport_does_not_read_env(monkeypatch):
 # ----------------------------------------------------------------- config
 
 
-def test_from_env_defaults(monkeypatch):
-    monkeypatch.delenv("RLINF_DISABLE_TRANSPORTS", raising=False)
-    monkeypatch.delenv("RLINF_SHM_THRESHOLD", raising=False)
-    monkeypatch.delenv("RLINF_BULK_THRESHOLD", raising=False)
-    assert RoutingConfig.from_env() == RoutingConfig()
+def _from(env: dict[str, str]) -> RoutingConfig:
+    return RoutingConfig.from_settings(Settings.from_env(env))
 
 
-def test_from_env_threshold(monkeypatch):
-    monkeypatch.setenv("RLINF_SHM_THRESHOLD", "4096")
-    assert RoutingConfig.from_env().shm_threshold == 4096
-    monkeypatch.setenv("RLINF_BULK_THRESHOLD", "123")
-    assert RoutingConfig.from_env().bulk_threshold == 123
-    monkeypatch.setenv("RLINF_BULK_THRESHOLD", "lots")
-    with pytest.raises(ValueError, match="RLINF_BULK_THRESHOLD"):
-        RoutingConfig.from_env()
-    monkeypatch.delenv("RLINF_BULK_THRESHOLD")
-    monkeypatch.setenv("RLINF_SHM_THRESHOLD", "4k")
-    with pytest.raises(ValueError, match="RLINF_SHM_THRESHOLD"):
-        RoutingConfig.from_env()
+def test_from_settings_defaults():
+    assert _from({}) == RoutingConfig() == RoutingConfig.from_settings(Settings())
 
 
-def test_from_env_accepts_a_mapping():
-    config = RoutingConfig.from_env({"RLINF_DISABLE_TRANSPORTS": "shm nccl", "RLINF_SHM_THRESHOLD": "7"})
+def test_from_settings_thresholds():
+    assert _from({"RLINF_SHM_THRESHOLD": "4096"}).shm_threshold == 4096
+    assert _from({"RLINF_BULK_THRESHOLD": "123"}).bulk_threshold == 123
+    assert _from({"RLINF_SHM_THRESHOLD": "4k"}).shm_threshold == 4 * KIB      # sizes take suffixes now
+    assert _from({"RLINF_BULK_THRESHOLD": "2M"}).bulk_threshold == 2 * MIB
+    with pytest.raises(ValueError, match="RLINF_BULK_THRESHOLD='lots'"):
+        _from({"RLINF_BULK_THRESHOLD": "lots"})
+    with pytest.raises(ValueError, match="RLINF_SHM_THRESHOLD='-1'"):
+        _from({"RLINF_SHM_THRESHOLD": "-1"})
+
+
+def test_from_settings_names():
+    config = _from({"RLINF_DISABLE_TRANSPORTS": "shm nccl", "RLINF_SHM_THRESHOLD": "7"})
     assert config == RoutingConfig(shm_threshold=7, disabled=frozenset({SHM, NCCL}))
 
 
 @pytest.mark.parametrize("value", ["nccl,bogus", "infiniband"])
-def test_from_env_rejects_unknown_names(monkeypatch, value):
-    monkeypatch.setenv("RLINF_DISABLE_TRANSPORTS", value)
-    with pytest.raises(ValueError, match="unknown transport"):
-        RoutingConfig.from_env()
+def test_from_settings_rejects_unknown_names(value):
+    with pytest.raises(ValueError, match="RLINF_DISABLE_TRANSPORTS.*unknown transport"):
+        _from({"RLINF_DISABLE_TRANSPORTS": value})
+
+
+@pytest.mark.parametrize("value", ["zmq", "staged,shm"])
+def test_from_settings_rejects_last_resort_names(value):
+    with pytest.raises(ValueError, match="RLINF_DISABLE_TRANSPORTS.*cannot be disabled"):
+        _from({"RLINF_DISABLE_TRANSPORTS": value})
 
 
 @pytest.mark.parametrize("name", [INLINE, STAGED])

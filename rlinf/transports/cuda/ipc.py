@@ -48,16 +48,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 from typing import Any, Callable, Sequence
 
+from ...config import DEFAULTS
 from ...core import wire
 from ...errors import ProtocolError
 
 log = logging.getLogger("rlinf.transports.cuda.ipc")
 
-__all__ = ["available", "default_cap", "CudaIpcSession"]
+__all__ = ["available", "CudaIpcSession", "DEFAULT_CAP"]
 
 #: torch's size of an IPC memory or event handle.
 HANDLE_SIZE = 64
@@ -66,7 +66,9 @@ HANDLE_SIZE = 64
 MIN_SLOT = 256 << 10
 #: Alignment of each buffer inside a slot (covers every dtype and vector loads).
 ALIGN = 256
-DEFAULT_CAP = 2 << 30
+#: Bytes of slots per receiver (``RLINF_CUDA_IPC_CAP``'s default, 2 GiB; the communicator
+#: passes the setting).
+DEFAULT_CAP = DEFAULTS.cuda_ipc_cap
 #: A receiver holding this many of our slots (or half the cap) is behind: a send to it
 #: waits for one back (at most :data:`STALL` seconds) before the pool grows further.
 WINDOW_SLOTS = 64
@@ -89,20 +91,6 @@ def available() -> bool:
         return bool(torch.cuda.is_available())
     except RuntimeError:
         return False
-
-
-def default_cap() -> int:
-    """``RLINF_CUDA_IPC_CAP`` (bytes of slots per receiver), else 2 GiB."""
-    raw = os.environ.get("RLINF_CUDA_IPC_CAP", "").strip()
-    if not raw:
-        return DEFAULT_CAP
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"RLINF_CUDA_IPC_CAP must be a byte count, got {raw!r}") from None
-    if value < MIN_SLOT:
-        raise ValueError(f"RLINF_CUDA_IPC_CAP must be at least {MIN_SLOT}, got {value}")
-    return value
 
 
 def _slot_size(nbytes: int) -> int:
@@ -153,7 +141,7 @@ class CudaIpcSender:
     """Slots per receiver: copy, announce, take back, retire (loop thread only).
 
     Args:
-        cap: bytes of slots per receiver (default :func:`default_cap`).
+        cap: bytes of slots per receiver (default :data:`DEFAULT_CAP`).
         torch: the torch module (the tests pass a fake one to check the bookkeeping
             without a GPU).
     """
@@ -163,7 +151,7 @@ class CudaIpcSender:
             import torch
 
         self._torch = torch
-        self.cap = default_cap() if cap is None else cap
+        self.cap = DEFAULT_CAP if cap is None else cap
         self._slots: dict[int, _Slot] = {}
         self._free: dict[tuple[str, int, int], list[_Slot]] = {}
         self._held: dict[str, int] = {}       # reader -> bytes of its slots
@@ -569,7 +557,7 @@ class CudaIpcSession:
             raise an :class:`~rlinf.errors.RlinfError` when ``dst`` is gone.
         incarnation: ours (releases name the incarnation whose slot they return).
         views: receivers keep zero-copy views (else owned copies).
-        cap: bytes of slots per receiver.
+        cap: bytes of slots per receiver (``RLINF_CUDA_IPC_CAP``; default :data:`DEFAULT_CAP`).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, send_notice: Callable[[str, Any], None],

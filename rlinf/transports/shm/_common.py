@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 
+from ...config import DEFAULTS
 from ..leftovers import SHM_DIR, owned_by, remove
 
 
@@ -16,8 +17,9 @@ log = logging.getLogger("rlinf.transports.shm")
 
 #: Smallest slot (smaller payloads are rounded up to it).
 MIN_SLOT = 64 << 10
-#: Copies of at least this many bytes run in an executor thread (``RLINF_SHM_OFFLOAD``).
-DEFAULT_OFFLOAD = 16 << 20
+#: Copies of at least this many bytes run in an executor thread (``RLINF_SHM_OFFLOAD``'s
+#: default, 16 MiB; the communicator passes the setting).
+DEFAULT_OFFLOAD = DEFAULTS.shm_offload
 _PAGE = mmap.PAGESIZE
 _MADV_POPULATE_WRITE = 23
 _U8 = np.uint8
@@ -30,34 +32,13 @@ def available(directory: str = SHM_DIR) -> bool:
     return sys.platform.startswith("linux") and os.path.isdir(directory) and os.access(directory, os.W_OK)
 
 
-def _parse_bytes(text: str, name: str) -> int:
-    text = text.strip().lower().removesuffix("b").removesuffix("i")
-    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}.get(text[-1:], 1)
-    try:
-        value = int(float(text[:-1] if scale > 1 else text) * scale)
-    except ValueError:
-        raise ValueError(f"{name} must be a byte count like 4294967296 or 4G, got {text!r}") from None
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {text!r}")
-    return value
-
-
 def default_cap(directory: str = SHM_DIR) -> int:
-    """``RLINF_SHM_CAP`` (bytes, or with a K/M/G suffix), else min(4 GiB, half of ``/dev/shm``)."""
-    raw = os.environ.get("RLINF_SHM_CAP", "").strip()
-    if raw:
-        return _parse_bytes(raw, "RLINF_SHM_CAP")
+    """The cap of a pool when ``RLINF_SHM_CAP`` is unset: min(4 GiB, half of ``directory``)."""
     try:
         st = os.statvfs(directory)
         return min(4 << 30, st.f_frsize * st.f_blocks // 2)
     except OSError:
         return 0
-
-
-def offload_threshold() -> int:
-    """Copies of this many bytes or more go to an executor (``RLINF_SHM_OFFLOAD``)."""
-    raw = os.environ.get("RLINF_SHM_OFFLOAD", "").strip()
-    return _parse_bytes(raw, "RLINF_SHM_OFFLOAD") if raw else DEFAULT_OFFLOAD
 
 
 def sweep(pid: int, directory: str = SHM_DIR) -> int:

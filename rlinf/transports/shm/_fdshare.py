@@ -20,13 +20,14 @@ Lifetimes:
 * **Receiver** (:class:`FdMaps`). Mappings are cached by file identity, so sending the
   same storage again costs no system call and no page fault: its pages are already in
   the receiver's page tables. The cache is bounded (``RLINF_SHM_FD_CACHE`` bytes,
-  default 2 GiB; least recently used goes first) and forgets a sender that leaves. A
+  default 2 GiB, passed in as ``cap``; least recently used goes first) and forgets a sender that leaves. A
   cached mapping keeps the file's memory alive after the sender freed the tensor; views
   handed out stay valid for as long as they (or tensors over them) are referenced, even
   after their mapping left the cache. An identity is unique while a mapping of it exists,
   so a cache hit always names the file the sender meant.
 
-``RLINF_SHM_FD=0`` turns the handle path off (every tensor is then copied).
+``RLINF_SHM_FD=0`` turns the handle path off (every tensor is then copied): the session
+then makes no :class:`FdShares`.
 """
 
 from __future__ import annotations
@@ -38,23 +39,19 @@ import os
 import stat
 from typing import Any, Hashable, Sequence
 
+from ...config import DEFAULTS
 from ...core import wire
 from ...errors import ProtocolError
-from ._common import _POPULATE_MAX, _parse_bytes
+from ._common import _POPULATE_MAX
 
-__all__ = ["FdShares", "FdMaps", "SharedStorage", "shared_storages", "enabled", "FD_RELEASE"]
+__all__ = ["FdShares", "FdMaps", "SharedStorage", "shared_storages", "FD_RELEASE"]
 
 log = logging.getLogger("rlinf.transports.shm")
 
 #: The segment name of a release that drops an :class:`FdShares` hold.
 FD_RELEASE = "fd"
-DEFAULT_FD_CACHE = 2 << 30
-
-
-def enabled(environ: Any = None) -> bool:
-    """Whether the handle path is on (``RLINF_SHM_FD``, default on)."""
-    env = os.environ if environ is None else environ
-    return env.get("RLINF_SHM_FD", "1").strip().lower() not in ("0", "false", "no", "off")
+#: Bytes of mappings a receiver keeps cached (``RLINF_SHM_FD_CACHE``'s default).
+DEFAULT_FD_CACHE = DEFAULTS.shm_fd_cache
 
 
 class SharedStorage:
@@ -146,13 +143,11 @@ class FdMaps:
     """The receiver's side: mappings of senders' shared files, cached by identity.
 
     Args:
-        cap: bytes of mappings kept cached (default ``RLINF_SHM_FD_CACHE`` or 2 GiB).
+        cap: bytes of mappings kept cached (``RLINF_SHM_FD_CACHE``; default
+            :data:`DEFAULT_FD_CACHE`, 2 GiB).
     """
 
-    def __init__(self, cap: int | None = None) -> None:
-        if cap is None:
-            raw = os.environ.get("RLINF_SHM_FD_CACHE", "").strip()
-            cap = _parse_bytes(raw, "RLINF_SHM_FD_CACHE") if raw else DEFAULT_FD_CACHE
+    def __init__(self, cap: int = DEFAULT_FD_CACHE) -> None:
         self.cap = cap
         self._maps: collections.OrderedDict[tuple[int, int], tuple[mmap.mmap, Hashable]] = \
             collections.OrderedDict()

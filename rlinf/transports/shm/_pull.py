@@ -59,26 +59,18 @@ import numpy as np
 from ...core import wire
 from ...util.copier import Copier
 from ...errors import ClosedError, DecodeError, PeerLostError, ProtocolError
+from ...config import DEFAULTS
 from .. import cma
-from ._common import _parse_bytes
 from ._pool import Recycler
 
-__all__ = ["PullSession", "pull_threshold", "DEFAULT_PULL"]
+__all__ = ["PullSession", "DEFAULT_PULL"]
 
 log = logging.getLogger("rlinf.transports.shm")
 
-#: Payloads from this many bytes are pulled by a copy-out receiver (``RLINF_SHM_PULL``).
-DEFAULT_PULL = 1 << 20
+#: Payloads from this many bytes are pulled by a copy-out receiver (``RLINF_SHM_PULL``'s
+#: default; the communicator passes the setting as ``threshold``).
+DEFAULT_PULL = DEFAULTS.shm_pull
 TAG = "pull"
-
-
-def pull_threshold(environ: Any = None) -> int:
-    """``RLINF_SHM_PULL`` in bytes (0: pulls off), else :data:`DEFAULT_PULL`."""
-    env = os.environ if environ is None else environ
-    raw = env.get("RLINF_SHM_PULL", "").strip()
-    if raw.lower() in ("off", "no", "false"):
-        return 0
-    return _parse_bytes(raw, "RLINF_SHM_PULL") if raw else DEFAULT_PULL
 
 
 class _SendFuture(asyncio.Future):

@@ -13,9 +13,9 @@ from ...codec import is_device_buffer
 from ...util.copier import Copier
 from ...util.procs import process_gone
 from ...errors import RlinfError
-from ._fdshare import FD_RELEASE, FdMaps, FdShares, enabled as fd_enabled
+from ._fdshare import DEFAULT_FD_CACHE, FD_RELEASE, FdMaps, FdShares
 from ._relay import Relay
-from ._common import offload_threshold, sweep
+from ._common import DEFAULT_OFFLOAD, sweep
 from ._pool import Recycler, ShmPool, _Slot
 from ._reader import ShmReader
 
@@ -49,7 +49,14 @@ class ShmSession:
         send_notice: ``send_notice(dst, obj)`` sends a SYSTEM ``"shm"`` message; it may
             raise an :class:`~rlinf.errors.RlinfError` when ``dst`` is gone.
         views: receivers keep zero-copy views (else :meth:`owned` copies out).
-        cap: the pool's cap (default :func:`default_cap`).
+        cap: the pool's cap (``RLINF_SHM_CAP``; default :func:`default_cap`).
+        offload: copies of at least this many bytes run in an executor thread
+            (``RLINF_SHM_OFFLOAD``).
+        fd_share: pass torch tensors already in shared memory by handle
+            (``RLINF_SHM_FD``; see :mod:`._fdshare`).
+        fd_cache: bytes of senders' shared files kept mapped (``RLINF_SHM_FD_CACHE``).
+        copy_threads: threads per large copy, the caller included
+            (``RLINF_COPY_THREADS``; default :func:`rlinf.util.copier.default_threads`).
         recycler: private memory for copy-outs (shared with the communicator's other
             receive paths; a new one by default).
         guard_relays: make a slot copy-on-write here before relaying views of it, so that
@@ -60,17 +67,18 @@ class ShmSession:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, send_notice: Callable[[str, Any], None], *,
                  views: bool = True, cap: int | None = None, recycler: Recycler | None = None,
-                 guard_relays: bool = True) -> None:
+                 guard_relays: bool = True, offload: int = DEFAULT_OFFLOAD, fd_share: bool = True,
+                 fd_cache: int = DEFAULT_FD_CACHE, copy_threads: int | None = None) -> None:
         self.pool = ShmPool(cap)
         self.reader = ShmReader(self._released, self._mapped)
-        self.fd_maps = FdMaps()
+        self.fd_maps = FdMaps(fd_cache)
         self.relay = Relay(self.reader.locate, self.pool, live=lambda: self.reader.relayable,
-                           fds=FdShares() if fd_enabled() else None,
+                           fds=FdShares() if fd_share else None,
                            privatize=self.reader.privatize if guard_relays else None)
         self.views = views
-        self._recycler = recycler if recycler is not None else Recycler()
-        self.copier = Copier()     # large copies into and out of slots, split across threads
-        self.offload = offload_threshold()
+        self._recycler = recycler if recycler is not None else Recycler(cap)
+        self.copier = Copier(copy_threads)     # large copies into and out of slots, split across threads
+        self.offload = offload
         self._loop = loop
         self._loop_thread = threading.get_ident()
         self._send_notice = send_notice

@@ -11,7 +11,7 @@ import msgpack
 
 from ...core import wire
 from ...errors import ClosedError, ProtocolError, TransportUnavailableError
-from ._common import available, offload_threshold, SHM_DIR
+from ._common import available, DEFAULT_OFFLOAD, SHM_DIR
 from ._pool import ShmPool
 from ._reader import ShmReader
 from ..base import Link, Listener, Received, Transport
@@ -140,7 +140,8 @@ class ShmTransport(Transport):
     Args:
         carrier: the transport that carries descriptors.
         cap: the pool's cap in bytes (default :func:`default_cap`).
-        offload: copies of this many bytes or more run in an executor.
+        offload: copies of this many bytes or more run in an executor (default
+            :data:`DEFAULT_OFFLOAD`).
     """
 
     name = "shm"
@@ -151,7 +152,7 @@ class ShmTransport(Transport):
         self._carrier = carrier
         self.pool = ShmPool(cap)
         self.reader = ShmReader(self._on_release_threadsafe)
-        self.offload = offload_threshold() if offload is None else offload
+        self.offload = DEFAULT_OFFLOAD if offload is None else offload
         self.reply_to = ""
         self._reply_listener: Listener | None = None
         self._reply_links: dict[str, Link] = {}
