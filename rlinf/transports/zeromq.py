@@ -230,7 +230,10 @@ class ReleaseWatcher:
             except zmq.NotDone:
                 done = False
             if done:
-                self._loop.call_soon_threadsafe(_resolve, fut)
+                try:
+                    self._loop.call_soon_threadsafe(_resolve, fut)
+                except RuntimeError:      # the loop is closed: no one waits any more
+                    return
             else:
                 items.append((tracker, fut))
 
