@@ -95,7 +95,12 @@ class WorkerFailedError(RlinfError):
 
 
 class WouldBlock(RlinfError):
-    """A ``*_nowait`` call could not complete at once (queue full or empty)."""
+    """A ``*_nowait`` call could not complete at once (queue full or empty).
+
+    Inside rlinf the same class says that a transport link cannot take a frame set now
+    (``Link.try_send``); the communicator waits for room then, so that one never reaches
+    its callers.
+    """
 
 
 class EndOfChannel(RlinfError):

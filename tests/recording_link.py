@@ -3,8 +3,10 @@ drive a real :class:`rlinf.core._outbox.Outbox` through it, with no sockets."""
 
 from __future__ import annotations
 
+from rlinf.transports.base import Link
 
-class RecordingLink:
+
+class RecordingLink(Link):
     """Accepts every frame set at once and keeps a copy of it (in ``sent``)."""
 
     def __init__(self) -> None:
@@ -12,6 +14,9 @@ class RecordingLink:
 
     def try_send(self, frames: list, *, track: bool = False) -> None:
         self.sent.append([bytes(f) for f in frames])
+
+    async def wait_writable(self) -> None:
+        pass
 
     async def released(self, tracker) -> None:
         pass

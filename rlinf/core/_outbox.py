@@ -32,12 +32,9 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
-import zmq
-
 from . import wire
 from ._arrival import bulk_header
-from ..transports.base import WouldBlock
-from ..errors import AuthenticationError, ClosedError, PeerLostError, TransportUnavailableError
+from ..errors import AuthenticationError, ClosedError, PeerLostError, TransportUnavailableError, WouldBlock
 from ..info import WorkerInfo
 from .routing import BULK
 from .stats import Counters
@@ -353,7 +350,7 @@ class Outbox:
             if msg.future is not None:
                 self._complete(msg)
 
-    def _transmit(self, link, frames: list, track: bool) -> tuple[bool, zmq.MessageTracker | None]:
+    def _transmit(self, link, frames: list, track: bool) -> tuple[bool, Any]:
         """Hand ``frames`` to ``link``: ``(True, tracker)``; ``(False, None)`` when the link
         pushed back (flushing resumes once it is writable) or broke (the queue fails)."""
         try:
@@ -361,10 +358,10 @@ class Outbox:
             self._zmq_sent += 1
             self._sent_at = self._clock()
             return True, tracker
-        except (zmq.Again, WouldBlock):
+        except WouldBlock:
             self._blocked = True
             asyncio.get_running_loop().create_task(self._wait_writable())
-        except PeerLostError as exc:
+        except (ClosedError, PeerLostError) as exc:
             self.fail(exc)
         return False, None
 

@@ -4,13 +4,33 @@ A transport offers three things:
 
 * ``available()`` — can it run in this process (packages, devices)? Never raises.
 * ``listen()`` — bind the receiving side; returns a :class:`Listener` with the endpoints
-  peers connect to, delivering every incoming frame set to a callback.
-* ``connect(endpoint)`` — a :class:`Link` to one peer's listener; ``send(header,
-  buffers)`` returns once the buffers may be reused by the caller.
+  peers connect to, delivering every incoming frame set whole, in order per link, to a
+  callback (or to ``recv()``).
+* ``connect(endpoint, identity=...)`` — a :class:`Link` to one peer's listener.
 
-The communicator never knows which transport it is using: :mod:`rlinf.routing` decides,
-per buffer. Each concrete transport states its buffer-lifetime rule in its docstring,
-and all of them pass the conformance suite in ``tests/transports/``.
+A :class:`Link` is what the session layer drives: :meth:`Link.try_send` (never waits;
+raises :class:`WouldBlock` when full), :meth:`Link.wait_writable`,
+:meth:`Link.released` (for frame sets sent zero-copy), :meth:`Link.close_gracefully`
+and :meth:`Link.close`; :meth:`Link.send` composes them. Each method states its
+buffer-lifetime rule; each concrete transport states, in its module docstring, how it
+keeps it. Received frames stay valid while referenced.
+
+Errors: transports raise only rlinf errors. A native error (``zmq.ZMQError``,
+``OSError``, a failed seal) is translated once, where it happens, into
+:class:`~rlinf.errors.PeerLostError` (the connection broke),
+:class:`~rlinf.errors.ClosedError` (we closed it) or
+:class:`~rlinf.errors.TransportUnavailableError` (cannot listen here), with ``raise ...
+from exc``. :class:`WouldBlock` is :class:`rlinf.errors.WouldBlock`, the one rlinf
+raises everywhere.
+
+Transports move bytes: they know headers only as opaque first frames. The buffer
+descriptors some of them put on the wire, and the size limits they check, are in
+:mod:`.descriptors`; the message format that embeds them (:mod:`rlinf.core.wire`) sits
+above and is never imported here.
+
+The communicator never knows which transport it is using: :mod:`rlinf.core.routing`
+decides, per buffer. Every link the communicator uses passes the conformance suite in
+``tests/transports/``.
 """
 
 from __future__ import annotations
@@ -19,16 +39,16 @@ import abc
 import asyncio
 import collections
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
-from ..errors import ClosedError
+from ..errors import ClosedError, WouldBlock
 
-__all__ = ["Received", "Link", "Listener", "Transport", "Inbox", "WouldBlock"]
+__all__ = ["Received", "Link", "Listener", "Transport", "Inbox", "Tracker", "WouldBlock"]
 
 
-class WouldBlock(Exception):
-    """A link's ``try_send`` cannot take the frame set now (its buffer is full); wait
-    for room with its ``wait_writable``. Never escapes the communicator."""
+#: What :meth:`Link.try_send` returns for a tracked frame set: opaque, only to be
+#: passed to the same link's :meth:`Link.released`.
+Tracker = Any
 
 
 @dataclass(slots=True)
@@ -96,22 +116,102 @@ class Inbox:
 
 
 class Link(abc.ABC):
-    """A one-way connection to one peer's :class:`Listener`."""
+    """A one-way connection to one peer's :class:`Listener`: the contract the session
+    layer (:class:`rlinf.core._outbox.Outbox`) drives.
+
+    Sending is split into a primitive that never waits and two waits, so one task can
+    queue, coalesce and order messages for a peer without a thread or a task per send:
+
+    * :meth:`try_send` hands one frame set over now, or raises :class:`WouldBlock`;
+    * :meth:`wait_writable` waits until it may take the next one;
+    * :meth:`released` waits until the link no longer reads the buffers of a tracked
+      frame set.
+
+    :meth:`send` composes the three. Frame sets handed to one link arrive whole and in
+    the order they were handed over, or not at all. Every method raises only rlinf
+    errors: :class:`WouldBlock` (the link is full), :class:`~rlinf.errors.ClosedError`
+    (we closed it) and :class:`~rlinf.errors.PeerLostError` (the connection broke; the
+    native error is its ``__cause__``). All methods run on the loop thread.
+    """
 
     @abc.abstractmethod
-    async def send(self, header: bytes, buffers: Sequence[Any]) -> None:
-        """Send one frame set: ``header`` then ``buffers`` (bytes-like).
+    def try_send(self, frames: Sequence[Any], *, track: bool = False) -> Tracker | None:
+        """Hand one frame set (``frames[0]`` is the header, bytes; the rest are
+        bytes-like buffers) to the link without waiting.
 
-        Returns when every buffer may be reused (or freed) by the caller.
+        Buffer lifetime: with ``track`` false the link is done with ``frames`` when
+        this returns (it copied or wrote them) and returns None. With ``track`` true it
+        may keep referencing them (zero-copy) and return a tracker: the caller keeps
+        every buffer alive and unchanged until :meth:`released` returned for it. A
+        tracked send may also return None when nothing stays referenced.
 
         Raises:
+            WouldBlock: the link cannot take it now (a full buffer, a frame set still in
+                flight); nothing was handed over. Wait with :meth:`wait_writable`.
             ClosedError: the link was closed by us.
             PeerLostError: the connection broke.
         """
 
     @abc.abstractmethod
-    def close(self) -> None:
-        """Close at once; pending sends fail with ``ClosedError``. Idempotent."""
+    async def wait_writable(self) -> None:
+        """Return once :meth:`try_send` may take a frame set again (it may still raise
+        :class:`WouldBlock` when another caller took the room first).
+
+        Raises:
+            ClosedError: the link was closed by us (also while waiting).
+            PeerLostError: the connection broke (also while waiting).
+        """
+
+    @abc.abstractmethod
+    async def released(self, tracker: Tracker | None) -> None:
+        """Return once the link no longer references the buffers of the frame set
+        :meth:`try_send` returned ``tracker`` for: from then on the caller may reuse
+        or free them. ``None`` returns at once. Cancelling the wait does not cancel
+        the send.
+
+        Raises:
+            ClosedError / PeerLostError: only links that learn it (bulk TCP, whose
+                receiver acknowledges): the frame set did not reach the peer because
+                the link was closed or broke meanwhile.
+        """
+
+    @abc.abstractmethod
+    def close_gracefully(self, linger_ms: int, exc: BaseException | None = None) -> Awaitable[None] | None:
+        """Close, still delivering what was handed over, for at most ``linger_ms``.
+
+        New sends and waiters fail with ``exc`` (default :class:`ClosedError`) at
+        once. Returns an awaitable when the frames still go out on this loop (await it
+        before the loop stops, or they are lost), or None when another thread delivers
+        them (ZeroMQ's I/O thread, until its context terminates). Idempotent.
+        """
+
+    @abc.abstractmethod
+    def close(self, exc: BaseException | None = None) -> None:
+        """Close at once, dropping what is not sent yet; waiters and later calls fail
+        with ``exc`` (default :class:`ClosedError`). Idempotent."""
+
+    async def send(self, header: bytes, buffers: Sequence[Any]) -> None:
+        """Send one frame set, ``header`` then ``buffers`` (bytes-like), waiting for
+        room as needed: the contract's primitives composed, for callers that send one
+        frame set at a time (tools, tests, the bulk path of the outbox).
+
+        Buffer lifetime: returns when every buffer may be reused or freed by the
+        caller. Cancelled before the frame set was handed over, nothing is sent;
+        after, it is still delivered whole and the buffers stay in use until the link
+        released them.
+
+        Raises:
+            ClosedError: the link was closed by us.
+            PeerLostError: the connection broke.
+        """
+        frames = [header, *buffers]
+        while True:
+            try:
+                tracker = self.try_send(frames, track=True)
+                break
+            except WouldBlock:
+                await self.wait_writable()
+        await self.released(tracker)
 
 
 class Listener(abc.ABC):

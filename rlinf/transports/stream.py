@@ -33,7 +33,8 @@ enough (:meth:`StreamLink.wait_writable`). Nothing is dropped.
 Buffer lifetime: :meth:`StreamLink.try_send` hands the frames to the kernel, and what
 the kernel does not take at once is copied into the transport's buffer (by us: uvloop
 would keep a reference instead), so the caller may reuse its buffers as soon as it
-returns. Received frames are read-only memoryviews
+returns, tracked or not (nothing is ever tracked). :meth:`StreamLink.close_gracefully`
+returns a future: the loop writes what is buffered until it is done. Received frames are read-only memoryviews
 of recycled receive blocks owned by the receiver (the codec aliases them writably,
 copying those of 4 KiB or less, as for ZeroMQ frames); a block is reused once no frame
 of it is referenced, so a kept frame keeps its whole block (64 KiB) alive.
@@ -49,11 +50,11 @@ import socket
 import struct
 from typing import Any, Callable, Sequence
 
-from ..core import wire
 from ..errors import AuthenticationError, ClosedError, PeerLostError, TransportUnavailableError
 from ._proof import MAC, NONCE, mac, nonce, same
-from .shm._pool import Recycler
 from .base import Inbox, Link, Listener, Received, Transport, WouldBlock
+from .descriptors import MAX_FRAMES, MAX_HEADER
+from .shm import Recycler
 
 __all__ = ["StreamTransport", "StreamLink", "StreamListener", "SCHEME"]
 
@@ -64,8 +65,7 @@ SCHEME = "stream"
 _MAGIC = b"RLINFST1"
 _MAX_IDENTITY = 1024
 #: The header and every payload frame the wire format allows (a large message: one per buffer).
-_MAX_FRAMES = wire.MAX_FRAMES + 1
-_MAX_HEADER = 64 << 20
+_MAX_FRAMES = MAX_FRAMES + 1
 _MAX_FRAME = 1 << 32
 _ACK = b"\x01"
 _COUNT = struct.Struct("<I")
@@ -234,7 +234,7 @@ class _Server(asyncio.BufferedProtocol):
             if end - at < table:
                 break
             sizes = struct.unpack_from(f"<{count}Q", block, at + 4)
-            if sizes[0] > _MAX_HEADER or max(sizes) > _MAX_FRAME:
+            if sizes[0] > MAX_HEADER or max(sizes) > _MAX_FRAME:
                 raise ValueError("frame too large")
             total = table + sum(sizes)
             if end - at < total:
@@ -345,11 +345,11 @@ class _Client(asyncio.Protocol):
 
 
 class StreamLink(Link):
-    """A connection to one peer's :class:`StreamListener`; see the module docstring.
+    """A connection to one peer's :class:`StreamListener` (the :class:`~.base.Link`
+    contract); see the module docstring.
 
-    The primitive is :meth:`try_send` (never blocks: raises
-    :class:`~.base.WouldBlock` when the write buffer is full); :meth:`wait_writable`
-    waits for room. :meth:`send` composes them (the transport contract).
+    :meth:`try_send` raises :class:`~.base.WouldBlock` when the write buffer is full;
+    :meth:`wait_writable` waits until the transport drained it below its low mark.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport, protocol: _Client,
@@ -371,9 +371,9 @@ class StreamLink(Link):
     def __repr__(self) -> str:
         return f"<StreamLink {self.endpoint}{' closed' if self._closed else ''}>"
 
-    def try_send(self, frames: list, *, track: bool = False) -> None:
-        """Write ``frames`` as one frame set without blocking (``track`` is accepted for
-        the ZeroMQ link's signature; nothing needs tracking here).
+    def try_send(self, frames: Sequence[Any], *, track: bool = False) -> None:
+        """Write ``frames`` as one frame set without blocking; the caller may reuse them
+        at once, so nothing is tracked (see :meth:`.base.Link.try_send`).
 
         Raises:
             WouldBlock: the write buffer is full; wait with :meth:`wait_writable`.
@@ -382,7 +382,7 @@ class StreamLink(Link):
         if self._closed is not None:
             raise self._closed
         if self._paused:
-            raise WouldBlock()
+            raise WouldBlock(f"link to {self.endpoint} is full")
         table, views = _pack_table(frames)
         if len(views) <= 2 and views[-1].nbytes <= 1 << 16:
             self._write(b"".join((table, *views)))      # one write: one syscall
@@ -420,13 +420,6 @@ class StreamLink(Link):
     async def released(self, tracker: None) -> None:
         """Nothing to wait for: written frames were taken or copied by the transport."""
 
-    async def send(self, header: bytes, buffers: Sequence[Any]) -> None:
-        while True:
-            try:
-                return self.try_send([header, *buffers])
-            except WouldBlock:
-                await self.wait_writable()
-
     def _resume(self) -> None:
         self._paused = False
         if self._writable is not None and not self._writable.done():
@@ -442,7 +435,7 @@ class StreamLink(Link):
     def close(self, exc: BaseException | None = None) -> None:
         """Close now, dropping what is still buffered; waiters fail with ``exc``."""
         self._broke(exc or ClosedError(f"link to {self.endpoint} is closed"))
-        self._transport.abort()
+        self._abort()
 
     def close_gracefully(self, linger_ms: int, exc: BaseException | None = None) -> asyncio.Future:
         """Close once what is buffered is written (the loop keeps writing it, for at most
@@ -450,8 +443,14 @@ class StreamLink(Link):
         before the loop stops, or buffered frames are lost."""
         self._broke(exc or ClosedError(f"link to {self.endpoint} is closed"))
         self._transport.close()
-        self._loop.call_later(max(0, linger_ms) / 1000, self._transport.abort)
+        self._loop.call_later(max(0, linger_ms) / 1000, self._abort)
         return self._protocol.closed
+
+    def _abort(self) -> None:
+        # Not once the connection is gone: asyncio's transport, closed gracefully and
+        # drained, would fail in abort() (it already let go of its loop).
+        if not self._protocol.closed.done():
+            self._transport.abort()
 
 
 class StreamTransport(Transport):
@@ -478,7 +477,10 @@ class StreamTransport(Transport):
 
         if not self.available():
             raise TransportUnavailableError("Unix sockets are not available here")
-        directory = make_ipc_dir()
+        try:
+            directory = make_ipc_dir()
+        except OSError as exc:
+            raise TransportUnavailableError(f"cannot make a socket directory: {exc}") from exc
         listener = StreamListener(asyncio.get_running_loop(), self._key, directory, self._recycler)
         try:
             await listener._start()

@@ -37,8 +37,9 @@ link sends from a thread of its own, so the kernel copies run without the GIL an
 event loop never waits on a socket (it only writes the acknowledgements, a few bytes
 that always fit the socket's buffer).
 
-Buffer lifetime: :meth:`BulkLink.send` returns once the receiver has the bytes, so the
-caller may reuse its buffers. Received frames (after the header) are writable views of
+Buffer lifetime: a tracked :meth:`BulkLink.try_send` reads the buffers in place, and
+:meth:`BulkLink.released` (so :meth:`BulkLink.send`) returns once the receiver has the
+bytes: then the caller may reuse them. An untracked one copies them first. Received frames (after the header) are writable views of
 recycled private memory, reused once nothing references them.
 """
 
@@ -54,12 +55,12 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from ..core import wire
-from ..errors import AuthenticationError, ClosedError, PeerLostError, TransportUnavailableError
+from ..errors import AuthenticationError, ClosedError, PeerLostError, TransportUnavailableError, WouldBlock
 from . import _aead
 from ._proof import MAC as _MAC, NONCE as _NONCE, mac as _mac, nonce as _new_nonce, same as _same
 from .base import Inbox, Link, Listener, Received, Transport
-from .shm._pool import Recycler
+from .descriptors import MAX_FRAMES, MAX_HEADER
+from .shm import Recycler
 
 __all__ = ["BulkTransport", "BulkLink", "BulkListener", "SCHEME"]
 
@@ -70,8 +71,7 @@ SCHEME = "bulk"
 _MAGIC = b"RLINFBK2"
 _MAX_IDENTITY = 1024
 #: The header and every payload frame the wire format allows (a large message: one per buffer).
-_MAX_FRAMES = wire.MAX_FRAMES + 1
-_MAX_HEADER = 64 << 20
+_MAX_FRAMES = MAX_FRAMES + 1
 _MAX_FRAME = 1 << 40
 _ACK = b"\x01"
 _EMPTY = memoryview(b"")
@@ -173,11 +173,11 @@ class _Stream:
             if not 1 <= count <= _MAX_FRAMES:
                 raise ValueError(f"bad bulk frame count {count}")
             sizes = struct.unpack(f"!{count}Q", _recv_exact(self.sock, 8 * count))
-            if sizes[0] > _MAX_HEADER:
+            if sizes[0] > MAX_HEADER:
                 raise ValueError("bulk header too large")
             header = _recv_exact(self.sock, sizes[0])
         else:
-            if not 12 <= n <= 4 + 8 * _MAX_FRAMES + _MAX_HEADER:
+            if not 12 <= n <= 4 + 8 * _MAX_FRAMES + MAX_HEADER:
                 raise ValueError(f"bad sealed bulk table of {n} bytes")
             head = memoryview(bytearray(_recv_exact(self.sock, n)))
             self.into.open(head, _recv_exact(self.sock, self.into.tag_bytes))
@@ -417,54 +417,125 @@ class BulkListener(Listener):
 
 
 class BulkLink(Link):
-    """A connection to one peer's :class:`BulkListener`; one frame set at a time."""
+    """A connection to one peer's :class:`BulkListener` (the :class:`~.base.Link`
+    contract): one frame set at a time, sent from a thread of its own.
+
+    :meth:`try_send` starts sending and returns a tracker that :meth:`released`
+    resolves once the receiver acknowledged the frame set; until then further frame
+    sets raise :class:`~.base.WouldBlock` (:meth:`wait_writable` waits for the
+    acknowledgement). A send that fails closes the link: :meth:`released` raises
+    :class:`~rlinf.errors.PeerLostError` (:class:`~rlinf.errors.ClosedError` when we
+    closed it meanwhile), and later calls :class:`~rlinf.errors.ClosedError`.
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, stream: _Stream, endpoint: str) -> None:
         self.endpoint = endpoint
         self._loop = loop
         self._stream = stream
         self._sock = stream.sock
-        self._lock = asyncio.Lock()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlinf-bulk-send")
-        self._closed = False
+        self._in_flight: asyncio.Future | None = None
+        self._closing: asyncio.Task | None = None
+        self._closed: BaseException | None = None    # why new sends are refused
+        self._shut = False                           # the socket is shut down
 
     def __repr__(self) -> str:
         return f"<BulkLink {self.endpoint}{' closed' if self._closed else ''}>"
-
-    async def send(self, header: bytes, buffers: Sequence[Any]) -> None:
-        async with self._lock:
-            if self._closed:
-                raise ClosedError("bulk link is closed")
-            try:
-                await self._loop.run_in_executor(self._executor, self._send, header, buffers)
-            except (OSError, ConnectionError, _aead.AuthenticationFailed) as exc:
-                if self._closed:
-                    raise ClosedError("bulk link is closed") from None
-                self.close()
-                raise PeerLostError(f"bulk connection to {self.endpoint} broke: {exc}") from exc
 
     @property
     def encrypted(self) -> bool:
         return self._stream.encrypted
 
-    def _send(self, header: bytes, buffers: Sequence[Any]) -> None:
-        views = []
-        for b in buffers:
-            v = b if type(b) is memoryview else memoryview(b)
-            views.append(v if v.format == "B" and v.ndim == 1 else v.cast("B"))
-        self._stream.send_frames(header, views)
-        self._stream.read_ack()
+    def try_send(self, frames: Sequence[Any], *, track: bool = False) -> asyncio.Future | None:
+        """Start sending ``frames`` (see :meth:`.base.Link.try_send`).
 
-    def close(self) -> None:
-        if self._closed:
+        Buffer lifetime: with ``track`` the buffers are read in place until the
+        receiver acknowledged them (the returned tracker); without, they are copied
+        first and None is returned.
+
+        Raises:
+            WouldBlock: a frame set is still in flight; wait with :meth:`wait_writable`.
+            ClosedError / PeerLostError: the link is closed or broke.
+        """
+        if self._closed is not None:
+            raise self._closed
+        if self._in_flight is not None:
+            raise WouldBlock(f"bulk link to {self.endpoint} is busy")
+        views = []
+        for b in frames[1:]:
+            v = b if type(b) is memoryview else memoryview(b)
+            v = v if v.format == "B" and v.ndim == 1 else v.cast("B")
+            views.append(v if track else memoryview(bytes(v)))
+        sent = asyncio.wrap_future(self._executor.submit(self._send, bytes(frames[0]), views), loop=self._loop)
+        self._in_flight = sent
+        sent.add_done_callback(self._sent)
+        return sent if track else None
+
+    def _send(self, header: bytes, views: list[memoryview]) -> None:
+        """The send thread: the frame set, then the receiver's acknowledgement."""
+        try:
+            self._stream.send_frames(header, views)
+            self._stream.read_ack()
+        except (OSError, ConnectionError, _aead.AuthenticationFailed) as exc:
+            if self._shut:
+                raise ClosedError(f"bulk link to {self.endpoint} is closed") from None
+            raise PeerLostError(f"bulk connection to {self.endpoint} broke: {exc}") from exc
+
+    def _sent(self, sent: asyncio.Future) -> None:
+        self._in_flight = None
+        if sent.cancelled():
             return
-        self._closed = True
+        if sent.exception() is not None:   # retrieved here; released() raises it to its caller
+            self.close()                   # later calls: ClosedError
+
+    async def wait_writable(self) -> None:
+        """Wait until the frame set in flight was acknowledged (or the link closed)."""
+        if self._in_flight is not None and self._closed is None:
+            await asyncio.wait([self._in_flight])
+        if self._closed is not None:
+            raise self._closed
+
+    async def released(self, tracker: asyncio.Future | None) -> None:
+        """Wait until the receiver acknowledged the frame set of ``tracker``.
+
+        Raises:
+            PeerLostError: the connection broke before it did.
+            ClosedError: we closed the link before it did.
+        """
+        if tracker is not None:
+            await asyncio.shield(tracker)
+
+    def close(self, exc: BaseException | None = None) -> None:
+        """Close now: a frame set in flight fails (:meth:`released` raises)."""
+        if self._closed is None:
+            self._closed = exc or ClosedError(f"bulk link to {self.endpoint} is closed")
+        if self._shut:
+            return
+        self._shut = True
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._sock.close()
         self._executor.shutdown(wait=False)
+
+    def close_gracefully(self, linger_ms: int, exc: BaseException | None = None) -> asyncio.Task | None:
+        """Refuse new sends now; close once the frame set in flight was acknowledged,
+        or after ``linger_ms``. Returns a task done once closed (None: closed at once)."""
+        if self._closed is None:
+            self._closed = exc or ClosedError(f"bulk link to {self.endpoint} is closed")
+        if self._in_flight is None:
+            self.close()
+            return None
+        if self._closing is None:
+            self._closing = self._loop.create_task(self._close_after(self._in_flight, linger_ms))
+        return self._closing
+
+    async def _close_after(self, in_flight: asyncio.Future, linger_ms: int) -> None:
+        try:
+            await asyncio.wait([in_flight], timeout=max(0, linger_ms) / 1000)
+        finally:
+            self.close()
 
 
 class BulkTransport(Transport):
@@ -502,15 +573,23 @@ class BulkTransport(Transport):
         return self._encrypt
 
     async def listen(self) -> BulkListener:
+        """Bind and accept bulk connections.
+
+        Raises:
+            TransportUnavailableError: no socket can be bound on the host.
+        """
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as exc:
+            raise TransportUnavailableError(f"cannot make a bulk TCP socket: {exc}") from exc
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((self._host, 0))
             sock.listen(64)
-        except OSError:
+        except OSError as exc:
             sock.close()
-            raise
+            raise TransportUnavailableError(f"cannot listen for bulk TCP on {self._host}: {exc}") from exc
         port = sock.getsockname()[1]
         host = f"[{self._advertise}]" if ":" in self._advertise else self._advertise
         return BulkListener(asyncio.get_running_loop(), sock, f"tcp://{host}:{port}", self._key, self._recycler,

@@ -8,10 +8,15 @@ Listener: one ROUTER per scheme (the ``ipc`` one authenticated by PLAIN in a ``0
 directory, the ``tcp`` one by CURVE, encrypted unless ``RLINF_TCP_ENCRYPTION=0``).
 Link: one DEALER per peer whose routing id is the sender's identity.
 
-Buffer lifetime: frames under ``zmq.COPY_THRESHOLD`` (64 KiB) are copied at once; larger
-frames are sent zero-copy and :meth:`ZmqLink.send` returns only once libzmq released
-them (ZeroMQ message tracking). Received frames are ``zmq.Frame`` buffers owned by the
-receiver (writable), valid while referenced.
+Buffer lifetime: an untracked :meth:`ZmqLink.try_send` copies every frame. A tracked
+one sends frames of ``zmq.COPY_THRESHOLD`` (64 KiB) and more zero-copy and returns a
+ZeroMQ message tracker: :meth:`ZmqLink.released` returns once libzmq let go of them
+(smaller frames are copied; with no large frame, nothing is tracked). Received frames
+are ``zmq.Frame`` buffers owned by the receiver (writable), valid while referenced.
+
+Errors: ``zmq.Again`` becomes :class:`~rlinf.errors.WouldBlock`; any other
+``zmq.ZMQError`` becomes :class:`~rlinf.errors.PeerLostError`, or
+:class:`~rlinf.errors.ClosedError` when we terminated the context (see :func:`_lost`).
 """
 
 from __future__ import annotations
@@ -24,17 +29,16 @@ import os
 import shutil
 import tempfile
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import zmq
 from zmq.backend import Socket as _BackendSocket
 
 from . import leftovers
-from ..errors import ClosedError, PeerLostError, TransportUnavailableError
-from ..control.security import ClusterKeys
+from ..errors import ClosedError, PeerLostError, TransportUnavailableError, WouldBlock
 from .base import Inbox, Link, Listener, Received, Transport
 
-__all__ = ["ZmqTransport", "ZmqLink", "ZmqListener", "make_ipc_dir"]
+__all__ = ["ZmqTransport", "ZmqLink", "ZmqListener", "SocketSecurity", "make_ipc_dir"]
 
 log = logging.getLogger("rlinf.transports.zeromq")
 
@@ -53,6 +57,7 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
+_COPY_THRESHOLD = zmq.COPY_THRESHOLD
 
 
 #: Socket directories this process made, removed at exit if still there (a program that
@@ -225,7 +230,10 @@ class ReleaseWatcher:
             except zmq.NotDone:
                 done = False
             if done:
-                self._loop.call_soon_threadsafe(_resolve, fut)
+                try:
+                    self._loop.call_soon_threadsafe(_resolve, fut)
+                except RuntimeError:      # the loop is closed: no one waits any more
+                    return
             else:
                 items.append((tracker, fut))
 
@@ -242,12 +250,22 @@ def _resolve(fut: asyncio.Future) -> None:
         fut.set_result(None)
 
 
-class ZmqLink(Link):
-    """A DEALER connected to one peer; see the module docstring for buffer lifetimes.
+def _lost(exc: zmq.ZMQError, what: str) -> ClosedError | PeerLostError:
+    """The rlinf error for a ZeroMQ error met while doing ``what`` (raise it ``from
+    exc``): our context terminated (we closed) or our socket gone is a
+    :class:`ClosedError`, anything else a :class:`PeerLostError`."""
+    if exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
+        return ClosedError(f"{what}: closed ({exc})")
+    return PeerLostError(f"{what} failed: {exc}")
 
-    The primitive is :meth:`try_send` (never blocks: raises ``zmq.Again`` at the
-    high-water mark); :meth:`wait_writable` and :meth:`released` let a caller queue and
-    track without threads. :meth:`send` composes them (the transport contract).
+
+class ZmqLink(Link):
+    """A DEALER connected to one peer (the :class:`~.base.Link` contract); see the
+    module docstring for buffer lifetimes.
+
+    :meth:`try_send` raises :class:`~.base.WouldBlock` at the high-water mark (4096
+    frame sets queued); :meth:`wait_writable` waits on the socket's descriptor, and
+    :meth:`released` on a helper thread shared by the transport's links.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket, endpoint: str,
@@ -262,21 +280,22 @@ class ZmqLink(Link):
     def __repr__(self) -> str:
         return f"<ZmqLink {self.endpoint}{' closed' if self._closed else ''}>"
 
-    def try_send(self, frames: list, *, track: bool = False) -> zmq.MessageTracker | None:
-        """Queue ``frames`` as one multipart message without blocking.
+    def try_send(self, frames: Sequence[Any], *, track: bool = False) -> zmq.MessageTracker | None:
+        """Queue ``frames`` as one multipart message without blocking (see
+        :meth:`.base.Link.try_send`).
 
-        Frames of 64 KiB and more are sent zero-copy when ``track`` is true: keep them
+        With ``track``, frames of 64 KiB and more are sent zero-copy: keep them
         unchanged until :meth:`released` returns for the returned tracker.
 
         Raises:
-            zmq.Again: the high-water mark is reached; wait with :meth:`wait_writable`.
+            WouldBlock: the high-water mark is reached; wait with :meth:`wait_writable`.
             ClosedError / PeerLostError: the link is closed or broke.
         """
         if self._closed is not None:
             raise self._closed
         sock = self._sock
         try:
-            if track:
+            if track and any(_nbytes(f) >= _COPY_THRESHOLD for f in frames):
                 return sock.send_multipart(frames, zmq.NOBLOCK, copy=False, track=True)
             # Copied frames, part by part (a multipart message is atomic: only its first
             # part can meet the high-water mark).
@@ -285,17 +304,20 @@ class ZmqLink(Link):
                 _send(sock, frames[i], _SNDMORE_NOBLOCK)
             _send(sock, frames[last], _NOBLOCK)
             return None
-        except zmq.Again:
-            raise
+        except zmq.Again as exc:
+            raise WouldBlock(f"link to {self.endpoint} is full") from exc
         except zmq.ZMQError as exc:
-            raise PeerLostError(f"send to {self.endpoint} failed: {exc}") from exc
+            raise _lost(exc, f"send to {self.endpoint}") from exc
 
     async def wait_writable(self) -> None:
-        """Wait until the socket accepts another message (or the link closes)."""
+        """Wait until the socket accepts another message (see :meth:`.base.Link.wait_writable`)."""
         if self._closed is not None:
             raise self._closed
-        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
-            return
+        try:
+            if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+                return
+        except zmq.ZMQError as exc:
+            raise _lost(exc, f"link to {self.endpoint}") from exc
         if self._writable is None or self._writable.done():
             self._writable = self._loop.create_future()
             self._loop.add_reader(self._sock.FD, self._check_writable)
@@ -319,32 +341,30 @@ class ZmqLink(Link):
         fut = self._writable
         if fut is None or fut.done() or self._sock.closed:
             return
-        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+        try:
+            writable = self._sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT
+        except zmq.ZMQError as exc:
+            error = _lost(exc, f"link to {self.endpoint}")
+            error.__cause__ = exc
+            fut.set_exception(error)
+            return
+        if writable:
             fut.set_result(None)
 
     async def released(self, tracker: zmq.MessageTracker | None) -> None:
-        """Wait until libzmq released the zero-copy frames of ``tracker``."""
+        """Wait until libzmq released the zero-copy frames of ``tracker`` (also when
+        the link closes: then they are dropped)."""
         if tracker is None or tracker.done:
             return
         await self._watcher.watch(tracker)
-
-    async def send(self, header: bytes, buffers: Sequence[Any]) -> None:
-        frames = [header, *buffers]
-        track = any(_nbytes(f) >= zmq.COPY_THRESHOLD for f in buffers)
-        while True:
-            try:
-                tracker = self.try_send(frames, track=track)
-                break
-            except zmq.Again:
-                await self.wait_writable()
-        await self.released(tracker)
 
     def close(self, exc: BaseException | None = None) -> None:
         """Close now (linger 0); waiters fail with ``exc`` (default ``ClosedError``)."""
         self.close_gracefully(0, exc)
 
     def close_gracefully(self, linger_ms: int, exc: BaseException | None = None) -> None:
-        """Close, letting already queued frames go out for up to ``linger_ms``."""
+        """Close, letting already queued frames go out for up to ``linger_ms``: libzmq's
+        I/O thread sends them until the context terminates (so this returns None)."""
         if self._closed is None:
             self._closed = exc or ClosedError(f"link to {self.endpoint} is closed")
         if self._writable is not None and not self._writable.done():
@@ -358,12 +378,24 @@ class ZmqLink(Link):
             self._sock.close(linger_ms)
 
 
+class SocketSecurity(Protocol):
+    """What :class:`ZmqTransport` needs of the cluster's keys (in rlinf:
+    :class:`rlinf.control.security.ClusterKeys`): set a socket's authentication up."""
+
+    def secure_server(self, sock: zmq.Socket, *, encrypt: bool) -> None:
+        """Make ``sock`` (a ROUTER about to bind) accept only the cluster's peers;
+        ``encrypt``: CURVE, else PLAIN authentication only."""
+
+    def secure_client(self, sock: zmq.Socket, *, encrypt: bool) -> None:
+        """Make ``sock`` (a DEALER about to connect) present the cluster's credentials."""
+
+
 class ZmqTransport(Transport):
     """Factory for ZeroMQ listeners and links sharing one context and one key set.
 
     Args:
         context: the process's (communicator's) ZeroMQ context.
-        keys: the cluster's derived keys.
+        keys: sets the sockets' authentication up (the cluster's derived keys).
         tcp_host: interface to bind the TCP listener on (``None``: no TCP listener).
         advertise_host: address peers should dial for TCP (default ``tcp_host``).
         ipc: bind an ``ipc://`` listener too.
@@ -372,7 +404,7 @@ class ZmqTransport(Transport):
 
     name = "zmq"
 
-    def __init__(self, context: zmq.Context, keys: ClusterKeys, *, tcp_host: str | None = "127.0.0.1",
+    def __init__(self, context: zmq.Context, keys: SocketSecurity, *, tcp_host: str | None = "127.0.0.1",
                  advertise_host: str | None = None, ipc: bool = True, encrypt_tcp: bool = True) -> None:
         self._context = context
         self._keys = keys
@@ -386,8 +418,9 @@ class ZmqTransport(Transport):
     def available(cls) -> bool:
         return True
 
-    def _router(self, encrypt: bool) -> zmq.Socket:
+    def _router(self, sockets: list[zmq.Socket], encrypt: bool) -> zmq.Socket:
         sock = self._context.socket(zmq.ROUTER)
+        sockets.append(sock)      # closed by listen() if anything below fails
         sock.linger = 0
         sock.rcvhwm = _RCVHWM
         sock.rcvbuf = _SOCKET_BUFFER
@@ -395,22 +428,24 @@ class ZmqTransport(Transport):
         return sock
 
     async def listen(self) -> ZmqListener:
+        """Bind the ``ipc://`` and/or ``tcp://`` listeners.
+
+        Raises:
+            TransportUnavailableError: a socket cannot be made or bound here.
+        """
         loop = asyncio.get_running_loop()
         sockets, endpoints, ipc_dir = [], {}, None
         try:
             if self._ipc:
                 ipc_dir = make_ipc_dir()
-                sock = self._router(encrypt=False)
-                sockets.append(sock)
-                sock.bind(f"ipc://{ipc_dir}/d")
+                self._router(sockets, encrypt=False).bind(f"ipc://{ipc_dir}/d")
                 endpoints["ipc"] = f"ipc://{ipc_dir}/d"
             if self._tcp_host:
-                sock = self._router(encrypt=self._encrypt_tcp)
-                sockets.append(sock)
+                sock = self._router(sockets, encrypt=self._encrypt_tcp)
                 sock.bind(f"tcp://{self._tcp_host}:0")
                 port = sock.last_endpoint.decode().rsplit(":", 1)[1]
                 endpoints["tcp"] = f"tcp://{self._advertise}:{port}"
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, OSError) as exc:
             for sock in sockets:
                 sock.close(0)
             if ipc_dir:
@@ -422,20 +457,27 @@ class ZmqTransport(Transport):
         return self.connect_now(endpoint, identity=identity)
 
     def connect_now(self, endpoint: str, *, identity: bytes) -> ZmqLink:
-        """Synchronous :meth:`connect` (ZeroMQ connects in the background anyway)."""
-        sock = self._context.socket(zmq.DEALER)
-        sock.linger = 0
-        sock.sndhwm = _SNDHWM
-        sock.sndbuf = _SOCKET_BUFFER
-        sock.routing_id = identity
-        sock.immediate = False
-        encrypt = endpoint.startswith("tcp://") and self._encrypt_tcp
-        self._keys.secure_client(sock, encrypt=encrypt)
+        """Synchronous :meth:`connect` (ZeroMQ connects in the background anyway).
+
+        Raises:
+            PeerLostError: ``endpoint`` cannot be connected to (a bad address).
+            ClosedError: the context was terminated.
+        """
         try:
+            sock = self._context.socket(zmq.DEALER)
+        except zmq.ZMQError as exc:
+            raise _lost(exc, f"connect to {endpoint}") from exc
+        try:
+            sock.linger = 0
+            sock.sndhwm = _SNDHWM
+            sock.sndbuf = _SOCKET_BUFFER
+            sock.routing_id = identity
+            sock.immediate = False
+            self._keys.secure_client(sock, encrypt=endpoint.startswith("tcp://") and self._encrypt_tcp)
             sock.connect(endpoint)
         except zmq.ZMQError as exc:
             sock.close(0)
-            raise PeerLostError(f"cannot connect to {endpoint}: {exc}") from exc
+            raise _lost(exc, f"connect to {endpoint}") from exc
         if self._watcher is None:
             self._watcher = ReleaseWatcher(asyncio.get_running_loop())
         return ZmqLink(asyncio.get_running_loop(), sock, endpoint, self._watcher)

@@ -14,8 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-import zmq
-
 import rlinf
 from rlinf.core import wire
 from rlinf.core._outbox import IN_FLIGHT, OutMessage, Outbox, bulk_frames
@@ -428,7 +426,7 @@ async def test_message_behind_a_pushed_back_link_waits_in_order():
 
         def try_send(self, frames: list, *, track: bool = False) -> None:
             if self.full:
-                raise zmq.Again()
+                raise rlinf.WouldBlock()
             super().try_send(frames, track=track)
 
         async def wait_writable(self) -> None:

@@ -1,7 +1,9 @@
 """Fixtures of the transport conformance suite: one sender/receiver pair per transport.
 
 Every transport in ``rlinf/transports/`` joins the ``pair`` fixture's parameters and so
-runs the whole suite in ``test_conformance.py``. GPU transports join with the ``cuda``
+runs the whole suite in ``test_conformance.py`` and ``test_link_contract.py``: the
+links the communicator uses (ZeroMQ ``ipc://`` and ``tcp://``, stream, bulk TCP, set up
+with the cluster's keys as it does) and the shared-memory link. GPU transports join with the ``cuda``
 marker (see ``_TRANSPORTS``); they are skipped where no GPU exists.
 """
 
@@ -76,7 +78,9 @@ async def _shm_pair(name: str, cap: int | None) -> Pair:
         pytest.skip("shared memory needs Linux and a writable /dev/shm")
     keys = ClusterKeys(secrets.token_hex(16))
     rx, tx = _Zmq(keys, "ipc"), _Zmq(keys, "ipc")
-    receiver, sender = ShmTransport(rx.transport), ShmTransport(tx.transport, cap=cap)
+    # copies of 1 MiB or more run in an executor thread: the suite's large frame sets
+    # take that path too
+    receiver, sender = ShmTransport(rx.transport), ShmTransport(tx.transport, cap=cap, offload=1 << 20)
     listener = await receiver.listen()
     endpoint = listener.endpoints["ipc"]
 

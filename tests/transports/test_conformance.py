@@ -1,9 +1,11 @@
 """The transport conformance suite: every transport must pass every test here.
 
-The contract (``rlinf/transports/base.py``): ``Link.send(header, buffers)`` returns when
-the buffers may be reused; the listener delivers each frame set whole, in order per
-link; received frames stay valid while referenced; closing fails what waits with
-``ClosedError``; native errors surface as rlinf errors.
+The contract (``rlinf/transports/base.py``): the listener delivers each frame set
+whole, in order per link; received frames stay valid while referenced; closing fails
+what waits with ``ClosedError``; native errors surface as rlinf errors. These tests
+send through ``Link.send(header, buffers)`` (returns when the buffers may be reused);
+``test_link_contract.py`` drives the primitives it composes as the outbox does
+(``try_send`` / ``WouldBlock`` / ``wait_writable`` / ``released`` / ``close_gracefully``).
 """
 
 from __future__ import annotations

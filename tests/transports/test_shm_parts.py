@@ -11,6 +11,7 @@ import pytest
 
 from rlinf.config import Settings
 from rlinf.core import wire
+from rlinf.transports import descriptors
 from rlinf.errors import ProtocolError
 from rlinf.transports import shm
 
@@ -38,16 +39,16 @@ def reader(released):
 
 def _export(pool, data: list[bytes], readers=None, private=False):
     sizes = [len(d) for d in data]
-    offsets, end = wire.slot_layout(sizes)
+    offsets, end = descriptors.slot_layout(sizes)
     slot = pool.acquire(end, readers or {"r:0": 1}, private=private)
     pool.fill(slot, [memoryview(d) for d in data], offsets)
     return slot, sizes
 
 
 def test_slot_layout_aligns_every_buffer():
-    offsets, end = wire.slot_layout([1, 64, 65, 0, 7])
+    offsets, end = descriptors.slot_layout([1, 64, 65, 0, 7])
     assert offsets == [0, 64, 128, 256, 256] and end == 320
-    assert all(o % wire.SLOT_ALIGN == 0 for o in offsets)
+    assert all(o % descriptors.SLOT_ALIGN == 0 for o in offsets)
 
 
 def test_size_classes_waste_at_most_an_eighth():
@@ -241,11 +242,11 @@ def test_reader_refuses_foreign_missing_or_short_segments(pool, reader):
     slot, sizes = _export(pool, [b"x" * 10])
     with pytest.raises(ProtocolError, match="another process"):
         reader.open("s:0", slot.ref(), sizes, pid=os.getpid() + 1)
-    missing = wire.SlotRef(f"rlinf-{os.getpid()}-00-424242", os.getpid(), 0, 4096, 1, False)
+    missing = descriptors.SlotRef(f"rlinf-{os.getpid()}-00-424242", os.getpid(), 0, 4096, 1, False)
     with pytest.raises(ProtocolError, match="cannot open"):
         reader.open("s:0", missing, [10])
     ref = slot.ref()
-    beyond = wire.SlotRef(ref.segment, ref.pid, 0, ref.size + 4096, ref.generation, False)
+    beyond = descriptors.SlotRef(ref.segment, ref.pid, 0, ref.size + 4096, ref.generation, False)
     with pytest.raises(ProtocolError, match="beyond the end"):
         reader.open("t:0", beyond, [10])
 
@@ -351,7 +352,7 @@ def test_a_relay_link_outlives_the_owners_name_and_goes_when_released(released):
         owner.close()                                         # the owner's name is gone
         link_name = relays[0][0]
         assert link_name.startswith(f"rlinf-{os.getpid()}-") and os.path.exists(f"/dev/shm/{link_name}")
-        ref = wire.SlotRef(link_name, os.getpid(), relays[0][1], relays[0][2], relays[0][3], True)
+        ref = descriptors.SlotRef(link_name, os.getpid(), relays[0][1], relays[0][2], relays[0][3], True)
         got = receiver.open_at("middle:0", ref, [(p[1], p[2]) for p in places.values()])
         assert bytes(got[0][:3]) == b"\x05\x05\x05" and bytes(got[1][-2:]) == b"\x06\x06"
         del got
@@ -501,7 +502,7 @@ def test_fd_maps_map_once_share_writes_and_check_identity():
     (places, relays), fds, _ = _planned(t)
     ref = wire.unpack_header(wire.pack_header("x:0", "i", [[0, 0, b"", [[0, *places[0][1:]]], None, relays]],
                                               True), [])[2][0].relays[0]
-    assert isinstance(ref, wire.FdRef)
+    assert isinstance(ref, descriptors.FdRef)
     maps = FdMaps(cap=1 << 30)
     (view,) = maps.open("x:0", ref, [(4, 8)], os.getpid())
     assert np.frombuffer(view, np.float32).tolist() == [1.0, 2.0]
@@ -512,23 +513,23 @@ def test_fd_maps_map_once_share_writes_and_check_identity():
     maps.peer_gone("x:0")
     with pytest.raises(ProtocolError, match="pid is unknown"):
         maps.open("x:0", ref, [(0, 4)], None)
-    forged = wire.FdRef(ref.fd, ref.dev, ref.ino + 1, ref.size, 1)    # another file's identity
+    forged = descriptors.FdRef(ref.fd, ref.dev, ref.ino + 1, ref.size, 1)    # another file's identity
     with pytest.raises(ProtocolError, match="is not"):
         maps.open("x:0", forged, [(0, 4)], os.getpid())
     with pytest.raises(ProtocolError, match="cannot open"):
-        maps.open("x:0", wire.FdRef(1 << 30, 1, 1, 4096, 1), [(0, 4)], os.getpid())
+        maps.open("x:0", descriptors.FdRef(1 << 30, 1, 1, 4096, 1), [(0, 4)], os.getpid())
     small = FdMaps(cap=ref.size)                            # bounded: the oldest goes first
     small.open("x:0", ref, [(0, 4)], os.getpid())
     other = _shared_tensor(1 << 10)
     (_, relays2), _, _ = _planned(other)
-    small.open("x:0", wire.FdRef(*relays2[0]), [(0, 4)], os.getpid())
+    small.open("x:0", descriptors.FdRef(*relays2[0]), [(0, 4)], os.getpid())
     assert len(small._maps) == 1 and small._bytes <= small.cap
 
 
 def test_fd_references_are_validated():
     good = [3, 27, 1234, 8192, 1]
     entry = wire.unpack_header(wire.pack_header("x:0", "i", [[0, 0, b"", [[0, 0, 10]], None, [good]]], True), [])
-    assert entry[2][0].relays[0] == wire.FdRef(3, 27, 1234, 8192, 1)
+    assert entry[2][0].relays[0] == descriptors.FdRef(3, 27, 1234, 8192, 1)
     for bad in ([3, 27, 1234, 0, 1], [-1, 27, 1234, 8192, 1], [3, 27, 1234, 8192, "x"],
                 [1 << 31, 27, 1234, 8192, 1], [3, 27, 1234, 1 << 41, 1]):
         with pytest.raises(ProtocolError):

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import rlinf
-from rlinf.transports.base import WouldBlock
 from rlinf.transports.stream import StreamTransport
 
 from ..integration.wait import until
@@ -106,7 +105,7 @@ async def test_a_full_buffer_pushes_back_and_nothing_is_lost(listener):
             conn._transport.pause_reading()
         chunk = np.ones(1 << 20, np.uint8)
         sent = 0
-        with pytest.raises(WouldBlock):
+        with pytest.raises(rlinf.WouldBlock):
             for sent in range(1000):
                 link.try_send([str(sent).encode(), chunk])
         for conn in listener._conns:

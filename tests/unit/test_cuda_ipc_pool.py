@@ -362,8 +362,8 @@ SHARE = (0, b"\x02c" + b"h" * 64, cuda_ipc.MIN_SLOT, 0, b"/torch_1_2_3", 4, b"e"
 
 
 def _ref(slot=1, generation=1, share=SHARE, places=((0, 0, 8),)):
-    from rlinf.core import wire
-    return wire.GpuRef(slot, generation, 0, share, b"e" * 64 if share else None, places,
+    from rlinf.transports import descriptors
+    return descriptors.GpuRef(slot, generation, 0, share, b"e" * 64 if share else None, places,
                        max(o + n for _i, o, n in places))
 
 

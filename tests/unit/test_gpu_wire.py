@@ -8,6 +8,7 @@ import pytest
 
 from rlinf.config import Settings
 from rlinf.core import routing, wire
+from rlinf.transports import descriptors
 from rlinf.core.communicator import Communicator
 from rlinf.errors import DecodeError, ProtocolError
 from rlinf.core._inbound import FrameReader
@@ -102,7 +103,7 @@ def test_communicator_refuses_unknown_disabled_transports():
 
 
 def test_slot_layout_and_sizes():
-    assert wire.slot_layout([1, 256, 257, 0], cuda_ipc.ALIGN) == ([0, 256, 512, 1024], 1024)
+    assert descriptors.slot_layout([1, 256, 257, 0], cuda_ipc.ALIGN) == ([0, 256, 512, 1024], 1024)
     assert cuda_ipc._slot_size(1) == cuda_ipc.MIN_SLOT
     assert cuda_ipc._slot_size(cuda_ipc.MIN_SLOT + 1) == 2 * cuda_ipc.MIN_SLOT
 

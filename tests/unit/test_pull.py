@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from rlinf.core import wire
+from rlinf.transports import descriptors
 from rlinf.util.copier import Copier
 from rlinf.errors import ClosedError, DecodeError, PeerLostError, ProtocolError
 from rlinf.transports import cma
@@ -147,11 +148,11 @@ async def test_a_sender_that_cannot_be_verified_keeps_using_slots(caplog):
 
 async def test_an_entry_that_cannot_be_read_is_refused_and_its_sender_told(pair):
     with pytest.raises(ProtocolError):
-        pair.r.open("s:0", "S1", wire.PullRef(0, (8,), 8, 1), [8])
+        pair.r.open("s:0", "S1", descriptors.PullRef(0, (8,), 8, 1), [8])
     assert pair.deliver() == ["done"]                        # each refusal tells the sender
     pair.agree()
     with pytest.raises(ProtocolError):   # another incarnation of it
-        pair.r.open("s:0", "S0", wire.PullRef(0, (8,), 8, 1), [8])
+        pair.r.open("s:0", "S0", descriptors.PullRef(0, (8,), 8, 1), [8])
     entry, sending = _offer(pair, [np.ones(16)])
 
     def no_memory(n):
@@ -159,7 +160,7 @@ async def test_an_entry_that_cannot_be_read_is_refused_and_its_sender_told(pair)
 
     pair.r._recycler.take = no_memory      # more than this process can allocate
     with pytest.raises(ProtocolError, match="cannot hold"):
-        pair.r.open("s:0", "S1", entry.pull, [wire.MAX_SLOT])
+        pair.r.open("s:0", "S1", entry.pull, [descriptors.MAX_SLOT])
     assert pair.deliver() == ["done", "done"]
     assert sending.done() and not pair.s._held                # its hold is over
 
@@ -168,7 +169,7 @@ async def test_a_bad_address_fails_that_receive_and_still_frees_the_send(pair):
     pair.agree()
     entry, sending = _offer(pair, [np.ones(16)])
     ref = entry.pull
-    got, reading = pair.r.open("s:0", "S1", wire.PullRef(ref.pull_id, (8,), ref.token_address, ref.token), [128])
+    got, reading = pair.r.open("s:0", "S1", descriptors.PullRef(ref.pull_id, (8,), ref.token_address, ref.token), [128])
     with pytest.raises(DecodeError, match="cannot be read"):
         await reading
     pair.deliver()
@@ -288,7 +289,7 @@ def test_the_threshold_setting():
     [0, 0, b"", [-8], None, None, None, "x"],
     [0, 0, b"", [3], None, None, None, [0, [], 64, 1]],             # nothing to pull
     [0, 0, b"", [-8], ["rlinf-1-x-0-0", 0, 4096, 0, False], None, None, [0, [4096], 64, 1]],   # and a slot
-    [0, 0, b"", [-(wire.MAX_SLOT + 1)], None, None, None, [0, [4096], 64, 1]],
+    [0, 0, b"", [-(descriptors.MAX_SLOT + 1)], None, None, None, [0, [4096], 64, 1]],
     [0, 0, b"", [-8, "a"], None, None, None, [0, [4096], 64, 1]],
 ])
 def test_malformed_pull_descriptors_are_protocol_errors(entry):
@@ -301,7 +302,7 @@ def test_a_pull_descriptor_round_trips():
     header = wire.pack_header("s:0", "S1", [[0, 5, b"h", [-8, 3, 0, -100], None, None, None,
                                              [7, [4096, 1 << 47], 8192, 5]]], packed=True)
     _src, _inc, [entry], _packed = wire.unpack_header(header, [b"abc"])
-    assert entry.pull == wire.PullRef(7, (4096, 1 << 47), 8192, 5) and entry.slot is None
+    assert entry.pull == descriptors.PullRef(7, (4096, 1 << 47), 8192, 5) and entry.slot is None
 
 
 async def test_the_collectives_abort_check_leaves_pulled_data_queued_in_order():

@@ -52,7 +52,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 from ...config import DEFAULTS
-from ...core import wire
+from .. import descriptors
 from ...errors import ProtocolError
 
 log = logging.getLogger("rlinf.transports.cuda.ipc")
@@ -177,7 +177,7 @@ class CudaIpcSender:
 
     def export(self, buffers: Sequence[Any], places: Sequence[int], reader: str, peer_device: int) -> list | None:
         """Copy the device buffers ``buffers[i]`` for ``i`` in ``places`` into one slot
-        for ``reader`` and return the entry's GPU descriptor (see :mod:`rlinf.core.wire`), or
+        for ``reader`` and return the wire form of its :class:`~rlinf.transports.descriptors.GpuRef`, or
         None when they can't go by CUDA IPC (several devices, or ``reader`` at its cap).
 
         ``peer_device``: the buffers' device in ``reader``'s numbering.
@@ -186,7 +186,7 @@ class CudaIpcSender:
         if any(device_of(buffers[i]) != device for i in places[1:]):
             return None
         sizes = [buffers[i].nbytes for i in places]
-        offsets, total = wire.slot_layout(sizes, ALIGN)
+        offsets, total = descriptors.slot_layout(sizes, ALIGN)
         slot = self._acquire(reader, device, peer_device, max(total, 1))
         if slot is None:
             return None
@@ -401,7 +401,7 @@ class CudaIpcReader:
     def __repr__(self) -> str:
         return f"<CudaIpcReader mapped={len(self._mapped)}>"
 
-    def open(self, src: str, incarnation: str, gpu: wire.GpuRef) -> tuple[list[tuple[int, Any]], Callable]:
+    def open(self, src: str, incarnation: str, gpu: descriptors.GpuRef) -> tuple[list[tuple[int, Any]], Callable]:
         """The device buffers ``(index, tensor)`` of one received entry, and ``ready()``,
         which orders the caller's current stream after their copy (call it before use).
 
@@ -430,7 +430,7 @@ class CudaIpcReader:
                 raise
             raise ProtocolError(f"cannot read the CUDA IPC slot of {src}: {exc!r}") from exc
 
-    def refuse(self, src: str, incarnation: str, gpu: wire.GpuRef) -> None:
+    def refuse(self, src: str, incarnation: str, gpu: descriptors.GpuRef) -> None:
         """An entry whose other buffers could not be read: give its slot back unread."""
         key = (src, incarnation, gpu.slot)
         mapped = self._mapped.get(key)
@@ -443,7 +443,7 @@ class CudaIpcReader:
         self._mapped.pop(key, None)
         self._on_release(key[0], ["reject", key[2], generation, key[1]])
 
-    def _map(self, src: str, gpu: wire.GpuRef) -> _Mapped:
+    def _map(self, src: str, gpu: descriptors.GpuRef) -> _Mapped:
         torch = self._torch
         try:
             storage = torch.UntypedStorage._new_shared_cuda(*gpu.share)
@@ -453,7 +453,7 @@ class CudaIpcReader:
             raise ProtocolError(f"cannot open a CUDA IPC slot of {src}: {exc!r}") from exc
         return _Mapped(whole, gpu.device, ready)
 
-    def _views_of(self, key: tuple, mapped: _Mapped, gpu: wire.GpuRef) -> tuple[list, Callable]:
+    def _views_of(self, key: tuple, mapped: _Mapped, gpu: descriptors.GpuRef) -> tuple[list, Callable]:
         torch = self._torch
         here = torch.cuda.current_device()
         generation = gpu.generation

@@ -12,8 +12,8 @@ Design (see ``docs/transports.md`` for the whole picture):
   evicting free slots first; past the cap :meth:`ShmPool.acquire` returns None and the
   caller sends inline (ZeroMQ) instead. Nothing fails for lack of shared memory.
 * **Export.** The sender copies the message's buffers once into a free slot (placed by
-  :func:`rlinf.core.wire.slot_layout`) and sends only a small descriptor
-  (:class:`rlinf.core.wire.SlotRef`). The slot is *busy* until every reader released it.
+  :func:`rlinf.transports.descriptors.slot_layout`) and sends only a small descriptor
+  (:class:`rlinf.transports.descriptors.SlotRef`). The slot is *busy* until every reader released it.
 * **Views** (:class:`ShmReader`, the receiver's side). The receiver maps each sender
   segment once (cached, pre-faulted) and gets writable zero-copy views. A weak
   reference to the object that exports them fires when the last view is

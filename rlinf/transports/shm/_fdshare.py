@@ -5,7 +5,7 @@ A CPU tensor whose storage torch placed in shared memory with its default
 ``torch.multiprocessing``) is backed by an unlinked file that its process holds open.
 rlinf sends such a buffer by reference: the message names the sender's file descriptor,
 the file's identity (device and inode) and size, and the buffer's place in the file
-(a :class:`rlinf.core.wire.FdRef`). The receiver opens ``/proc/<sender pid>/fd/<fd>``, checks
+(a :class:`rlinf.transports.descriptors.FdRef`). The receiver opens ``/proc/<sender pid>/fd/<fd>``, checks
 that it is that regular file, maps it shared and hands out views. No byte is copied.
 
 Semantics: as with ``torch.multiprocessing``, sender and receiver then share the
@@ -40,7 +40,7 @@ import stat
 from typing import Any, Hashable, Sequence
 
 from ...config import DEFAULTS
-from ...core import wire
+from .. import descriptors
 from ...errors import ProtocolError
 from ._common import _POPULATE_MAX
 
@@ -110,7 +110,7 @@ class FdShares:
         return len(self._holds)
 
     def reference(self, shared: SharedStorage, dst: str) -> list:
-        """The wire form of ``shared`` for ``dst`` (see :class:`rlinf.core.wire.FdRef`),
+        """The wire form of ``shared`` for ``dst`` (see :class:`rlinf.transports.descriptors.FdRef`),
         holding the storage until ``dst`` releases it.
 
         Raises:
@@ -156,7 +156,7 @@ class FdMaps:
     def __repr__(self) -> str:
         return f"<FdMaps cached={len(self._maps)} bytes={self._bytes}>"
 
-    def open(self, src: Hashable, ref: wire.FdRef, places: Sequence[tuple[int, int]],
+    def open(self, src: Hashable, ref: descriptors.FdRef, places: Sequence[tuple[int, int]],
              pid: int | None) -> list[memoryview]:
         """Writable views of ``places`` (``(offset, nbytes)``) in the file ``ref`` names.
 
@@ -174,7 +174,7 @@ class FdMaps:
         whole = memoryview(mm)
         return [whole[o:o + n] for o, n in places]
 
-    def _map(self, src: Hashable, ref: wire.FdRef, pid: int | None) -> mmap.mmap:
+    def _map(self, src: Hashable, ref: descriptors.FdRef, pid: int | None) -> mmap.mmap:
         if pid is None:
             raise ProtocolError(f"cannot open a shared tensor of {src}: its pid is unknown")
         path = f"/proc/{pid}/fd/{ref.fd}"

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import leftovers
-from ...core import wire
+from .. import descriptors
 from ...util.copier import Copier
 from ...util.memory import page_aligned
 from ._common import default_cap, SHM_DIR, _NUMPY_COPY, _prefault, _slot_size, _U8
@@ -74,7 +74,7 @@ class Recycler:
         large ones by ``copier`` when given (see :func:`copy_into`)."""
         views = [b if type(b) is memoryview else memoryview(b) for b in buffers]
         sizes = [v.nbytes for v in views]
-        offsets, end = wire.slot_layout(sizes)
+        offsets, end = descriptors.slot_layout(sizes)
         dst = self.take(end)
         copy_into(dst, views, offsets, copier)
         whole = memoryview(dst)
@@ -119,8 +119,8 @@ class _Slot:
         self.private = False
         self.confirmed: set[str] = set()      # readers known to have mapped the file
 
-    def ref(self) -> wire.SlotRef:
-        return wire.SlotRef(self.name, os.getpid(), 0, self.size, self.generation, self.private)
+    def ref(self) -> descriptors.SlotRef:
+        return descriptors.SlotRef(self.name, os.getpid(), 0, self.size, self.generation, self.private)
 
     def to_wire(self) -> list:
         """``self.ref().to_wire()``, without building the record (hot path)."""

@@ -3,7 +3,7 @@
 A receiver that asked for owned copies (``shm_views=False``) would get a large
 same-node message with two copies: the sender's into a shared-memory slot, then its own
 out of the slot. With a pull there is one: the sender sends only the addresses of its
-buffers (a :class:`rlinf.core.wire.PullRef`), keeps them alive and unchanged, and the receiver
+buffers (a :class:`rlinf.transports.descriptors.PullRef`), keeps them alive and unchanged, and the receiver
 copies them straight into its own recycled memory with ``process_vm_readv``
 (:mod:`.cma`), then tells the sender, whose send completes then.
 
@@ -56,7 +56,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ...core import wire
+from .. import descriptors
 from ...util.copier import Copier
 from ...errors import ClosedError, DecodeError, PeerLostError, ProtocolError
 from ...config import DEFAULTS
@@ -231,7 +231,8 @@ class PullSession:
         self._asked.add(key)
         self._notify(src, ["ask", self._incarnation])
 
-    def open(self, src: str, incarnation: str, ref: wire.PullRef, sizes: Sequence[int]) -> tuple[list, asyncio.Future]:
+    def open(self, src: str, incarnation: str, ref: descriptors.PullRef,
+             sizes: Sequence[int]) -> tuple[list, asyncio.Future]:
         """Start reading a pulled entry's buffers (``sizes``, in order) into our memory:
         ``(buffers, future)``; the buffers hold the data once the future is done (it
         raises ``PeerLostError`` or ``DecodeError`` if they cannot be read). The sender
@@ -243,7 +244,7 @@ class PullSession:
         """
         self.pulled += 1
         process = self._sources.get((src, incarnation))
-        offsets, end = wire.slot_layout(list(sizes))
+        offsets, end = descriptors.slot_layout(list(sizes))
         try:
             if process is None:
                 raise ProtocolError(f"{src} sent a pull descriptor, but no pull was agreed with it")

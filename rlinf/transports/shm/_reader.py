@@ -14,7 +14,7 @@ from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
-from ...core import wire
+from .. import descriptors
 from ...util.bounded import Doubling
 from ...errors import ClosedError, ProtocolError
 from ._pagemap import written_runs
@@ -81,7 +81,7 @@ class ShmReader:
         self._private: dict[str, mmap.mmap] = {}
         self._by_peer: dict[str, set[str]] = collections.defaultdict(set)
         #: slots with live views, for :meth:`locate`: key -> (start address, SlotRef)
-        self._live: dict[int, tuple[int, wire.SlotRef]] = {}
+        self._live: dict[int, tuple[int, descriptors.SlotRef]] = {}
         self._bases: dict[str, int] = {}     # shared segment -> address of its mapping
         #: id(weak reference to a slot's exporter) -> (that reference, _released's arguments)
         self._watched: dict[int, tuple] = {}
@@ -102,7 +102,8 @@ class ShmReader:
         except ValueError:   # closed meanwhile
             return 0
 
-    def open(self, src: Hashable, slot: wire.SlotRef, sizes: Sequence[int], pid: int | None = None) -> list[memoryview]:
+    def open(self, src: Hashable, slot: descriptors.SlotRef, sizes: Sequence[int],
+             pid: int | None = None) -> list[memoryview]:
         """Writable views of the buffers of ``sizes`` bytes in ``slot``, from ``src``.
 
         Args:
@@ -111,13 +112,13 @@ class ShmReader:
         Raises:
             ProtocolError: the slot is not ``src``'s, missing, or outside its segment.
         """
-        offsets, end = wire.slot_layout(sizes)
+        offsets, end = descriptors.slot_layout(sizes)
         if end > slot.size:
             raise ProtocolError("buffers do not fit their slot")
         whole = self._export(src, slot, pid)
         return [whole[o:o + n] for o, n in zip(offsets, sizes)]
 
-    def open_at(self, src: Hashable, slot: wire.SlotRef, places: Sequence[tuple[int, int]],
+    def open_at(self, src: Hashable, slot: descriptors.SlotRef, places: Sequence[tuple[int, int]],
                 pid: int | None = None) -> list[memoryview]:
         """Like :meth:`open`, for buffers at explicit ``(offset, nbytes)`` places in the
         slot (a relayed slot: see :mod:`._relay`)."""
@@ -127,7 +128,7 @@ class ShmReader:
         whole = self._export(src, slot, pid)
         return [whole[o:o + n] for o, n in places]
 
-    def _export(self, src: Hashable, slot: wire.SlotRef, pid: int | None) -> memoryview:
+    def _export(self, src: Hashable, slot: descriptors.SlotRef, pid: int | None) -> memoryview:
         """A view of the whole slot; when the last view derived from it is gone, the
         slot is released to ``src``."""
         if self.closed:
@@ -217,7 +218,7 @@ class ShmReader:
             del self._live[key]
         return True
 
-    def locate(self, address: int, nbytes: int) -> tuple[wire.SlotRef, int] | None:
+    def locate(self, address: int, nbytes: int) -> tuple[descriptors.SlotRef, int] | None:
         """The shared (not copy-on-write) slot with live views that holds the ``nbytes``
         at ``address``, and their offset in it; None if no such slot does."""
         for start, slot in list(self._live.values()):
@@ -225,7 +226,7 @@ class ShmReader:
                 return slot, address - start
         return None
 
-    def _map(self, slot: wire.SlotRef) -> mmap.mmap:
+    def _map(self, slot: descriptors.SlotRef) -> mmap.mmap:
         path = os.path.join(self._dir, slot.segment)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -246,7 +247,7 @@ class ShmReader:
         finally:
             os.close(fd)
 
-    def _released(self, src: str, slot: wire.SlotRef, private_map: mmap.mmap | None, key: int) -> None:
+    def _released(self, src: str, slot: descriptors.SlotRef, private_map: mmap.mmap | None, key: int) -> None:
         self._live.pop(key, None)
         if private_map is not None:
             try:   # drop this reader's copy-on-write pages: the next use reads fresh data
@@ -272,7 +273,7 @@ class ShmReader:
             self._shared.pop(name, None)
             self._private.pop(name, None)
             self._bases.pop(name, None)
-        return {wire.parse_segment_name(name) for name in names}
+        return {descriptors.parse_segment_name(name) for name in names}
 
     def close(self) -> None:
         """Stop reporting releases and drop the mappings' cache. Idempotent."""

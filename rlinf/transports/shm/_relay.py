@@ -35,7 +35,7 @@ How it stays safe:
 
 On the wire, a relayed buffer's layout item is ``[r, offset, nbytes]``: the place in the
 entry's relay ``r``, ``[segment, slot_offset, slot_size, relay_id]``
-(see :mod:`rlinf.core.wire`). The receiver's release names ``[segment, relay_id]``.
+(see :func:`rlinf.transports.descriptors.unpack_relays`). The receiver's release names ``[segment, relay_id]``.
 
 The same plan sends torch tensors that already live in shared memory by handle (see
 :mod:`._fdshare`): their relay is ``[fd, dev, ino, size, hold_id]``.

@@ -8,7 +8,7 @@ import os
 import threading
 from typing import Any, Callable, Sequence
 
-from ...core import wire
+from .. import descriptors
 from ...codec import is_device_buffer
 from ...util.copier import Copier
 from ...util.procs import process_gone
@@ -105,7 +105,7 @@ class ShmSession:
             done), else None. None when the pool cannot serve it: send inline.
         """
         full = [b for b, n in zip(buffers, sizes) if n]
-        offsets, end = wire.slot_layout([n for n in sizes if n])
+        offsets, end = descriptors.slot_layout([n for n in sizes if n])
         slot = self.pool.acquire(end, readers, private=private)
         if slot is None:
             return None
@@ -158,15 +158,15 @@ class ShmSession:
             copying.add_done_callback(lambda _: self.pool.release(reader, name, generation))
 
     # -- receiving -------------------------------------------------------------------------
-    def open(self, src: str, slot: wire.SlotRef, counts: Sequence[Any], pid: int | None) -> list[memoryview]:
+    def open(self, src: str, slot: descriptors.SlotRef, counts: Sequence[Any], pid: int | None) -> list[memoryview]:
         """Views of an entry's slot buffers (``counts``: its layout); see :meth:`ShmReader.open`."""
         return self.reader.open(src, slot, [-c for c in counts if type(c) is int and c < 0], pid)
 
-    def open_relayed(self, src: str, relays: list[wire.SlotRef | wire.FdRef], counts: Sequence[Any],
+    def open_relayed(self, src: str, relays: list[descriptors.SlotRef | descriptors.FdRef], counts: Sequence[Any],
                      pid: int | None) -> list[memoryview]:
         """Views of an entry's relayed buffers (its ``[r, offset, nbytes]`` layout items),
         in layout order. A relayed slot is released once all of its views are gone; a
-        shared file (:class:`~rlinf.core.wire.FdRef`) as soon as it is mapped."""
+        shared file (:class:`~rlinf.transports.descriptors.FdRef`) as soon as it is mapped."""
         places: dict[int, list[tuple[int, int]]] = {}
         order = []
         for c in counts:
@@ -176,7 +176,7 @@ class ShmSession:
         views = {}
         for r, p in places.items():
             relay = relays[r]
-            if type(relay) is wire.FdRef:
+            if type(relay) is descriptors.FdRef:
                 views[r] = iter(self.fd_maps.open(src, relay, p, pid))
                 self._note(src, FD_RELEASE, relay.hold_id)
             else:

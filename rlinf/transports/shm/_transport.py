@@ -1,20 +1,28 @@
-"""The shared-memory transport behind the :mod:`.base` contract (see :mod:`.shm`)."""
+"""The shared-memory transport behind the :mod:`..base` contract (see :mod:`rlinf.transports.shm`).
+
+Framing, its own: a frame set goes over the carrier link as ``[header, descriptor]``
+(the slot's buffers) or ``[header, descriptor, *buffers]`` (inline, past the pool's
+cap), where ``descriptor`` is the msgpack array ``[reply_to, reader_key, slot_or_nil,
+sizes]``: where to send the slot back, the key the receiver is known by, the slot
+(:class:`~rlinf.transports.descriptors.SlotRef` in its wire form) and each buffer's size.
+The header is the caller's, carried as is.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import msgpack
 
-from ...core import wire
-from ...errors import ClosedError, ProtocolError, TransportUnavailableError
+from ...errors import ClosedError, ProtocolError, RlinfError, TransportUnavailableError, WouldBlock
 from ._common import available, DEFAULT_OFFLOAD, SHM_DIR
 from ._pool import ShmPool
 from ._reader import ShmReader
-from ..base import Link, Listener, Received, Transport
+from ..base import Link, Listener, Received, Tracker, Transport
+from ..descriptors import MAX_SLOT, slot_layout, unpack_slot
 
 log = logging.getLogger("rlinf.transports.shm")
 
@@ -22,55 +30,136 @@ _RELEASE = b"rlinf.shm.release"
 
 
 class ShmLink(Link):
-    """Sends frame sets whose buffers travel in a shared-memory slot.
+    """Sends frame sets whose buffers travel in a shared-memory slot (the
+    :class:`~..base.Link` contract, over a ``carrier`` link that moves the header and
+    the slot's descriptor).
 
-    Buffer lifetime: :meth:`send` copies the buffers into a slot, so it returns as soon
-    as the carrier accepted the descriptor and the caller may reuse its buffers at once.
-    Past the pool's cap the buffers go inline on the carrier link (its own rule applies).
+    Buffer lifetime: :meth:`try_send` copies the buffers into a slot, so the caller may
+    reuse them once it returns; except a tracked send of :attr:`ShmTransport.offload`
+    bytes or more, copied in an executor thread: keep its buffers until
+    :meth:`released` returned for the tracker it gave (meanwhile later frame sets raise
+    :class:`~..base.WouldBlock`, so the order holds). Past the pool's cap the buffers go
+    inline on the carrier link, whose rule then applies (its tracker is passed on).
     """
 
     def __init__(self, transport: ShmTransport, carrier: Link, endpoint: str) -> None:
         self._transport = transport
         self._carrier = carrier
         self.endpoint = endpoint
-        self._closed: ClosedError | None = None
+        self._closed: BaseException | None = None
+        self._copying: asyncio.Task | None = None      # the offloaded frame set in flight
+        self._closing: asyncio.Task | None = None
 
     def __repr__(self) -> str:
         return f"<ShmLink {self.endpoint}{' closed' if self._closed else ''}>"
 
-    async def send(self, header: bytes, buffers: Sequence[Any]) -> None:
+    def try_send(self, frames: Sequence[Any], *, track: bool = False) -> Tracker | None:
         if self._closed is not None:
             raise self._closed
-        pool = self._transport.pool
-        views = [b if type(b) is memoryview else memoryview(b) for b in buffers]
+        if self._copying is not None:
+            raise WouldBlock(f"link to {self.endpoint}: a copy into shared memory is in flight")
+        transport, header = self._transport, frames[0]
+        views = [b if type(b) is memoryview else memoryview(b) for b in frames[1:]]
         sizes = [v.nbytes for v in views]
-        offsets, end = wire.slot_layout(sizes)
-        slot = pool.acquire(end, {self.endpoint: 1}) if end else None
+        offsets, end = slot_layout(sizes)
+        slot = transport.pool.acquire(end, {self.endpoint: 1}) if end else None
         if slot is None:
-            control = msgpack.packb([self._transport.reply_to, self.endpoint, None, sizes])
-            await self._carrier.send(header, [control, *views])
-            return
-        copying = None
+            control = msgpack.packb([transport.reply_to, self.endpoint, None, sizes])
+            return self._carrier.try_send([header, control, *views], track=track)
+        if track and end >= transport.offload:
+            copying = asyncio.get_running_loop().run_in_executor(None, transport.pool.fill, slot, views, offsets)
+            self._copying = asyncio.get_running_loop().create_task(self._hand_over(copying, header, slot, sizes))
+            self._copying.add_done_callback(self._handed_over)
+            return self._copying
         try:
-            if end >= self._transport.offload:
-                copying = asyncio.get_running_loop().run_in_executor(None, pool.fill, slot, views, offsets)
-                await asyncio.shield(copying)     # a cancelled send must not free a slot mid-copy
-            else:
-                pool.fill(slot, views, offsets)
-            control = msgpack.packb([self._transport.reply_to, self.endpoint, slot.ref().to_wire(), sizes])
-            await self._carrier.send(header, [control])
+            transport.pool.fill(slot, views, offsets)
+            self._carrier.try_send([header, self._descriptor(slot, sizes)])
+        except BaseException:
+            transport.pool.cancel(slot)     # never reached the peer: reusable at once
+            raise
+        return None
+
+    def _descriptor(self, slot, sizes: list[int]) -> bytes:
+        return msgpack.packb([self._transport.reply_to, self.endpoint, slot.ref().to_wire(), sizes])
+
+    async def _hand_over(self, copying: asyncio.Future, header: bytes, slot, sizes: list[int]) -> None:
+        """Once the slot is filled, hand its descriptor to the carrier (waiting for room)."""
+        try:
+            await asyncio.shield(copying)     # cancelled, the slot must not be freed mid-copy
+            control = self._descriptor(slot, sizes)
+            while True:       # not carrier.send(): once the carrier took it, the slot is the reader's
+                try:
+                    self._carrier.try_send([header, control])
+                    return
+                except WouldBlock:
+                    await self._carrier.wait_writable()
         except BaseException:
             # never reached the peer: reusable once nothing writes into it any more
-            if copying is None or copying.done():
+            pool = self._transport.pool
+            if copying.done():
                 pool.cancel(slot)
             else:
                 copying.add_done_callback(lambda _: pool.cancel(slot))
             raise
 
-    def close(self) -> None:
+    def _handed_over(self, task: asyncio.Task) -> None:
+        self._copying = None
+        if not task.cancelled():
+            task.exception()      # retrieved here; released() raises it to its caller
+
+    async def wait_writable(self) -> None:
+        if self._closed is not None:
+            raise self._closed
+        if self._copying is not None:
+            await asyncio.wait([self._copying])
+        else:
+            await self._carrier.wait_writable()
+        if self._closed is not None:
+            raise self._closed
+
+    async def released(self, tracker: Tracker | None) -> None:
+        """Wait until the buffers of ``tracker`` were copied into the slot and its
+        descriptor handed to the carrier (or, sent inline, until the carrier released them).
+
+        Raises:
+            ClosedError / PeerLostError: the descriptor never reached the carrier.
+        """
+        if isinstance(tracker, asyncio.Future):
+            await asyncio.wait([tracker])       # our cancellation does not cancel the send
+            if tracker.cancelled():             # by close()
+                raise self._closed or ClosedError(f"link to {self.endpoint} is closed")
+            tracker.result()
+        elif tracker is not None:
+            await self._carrier.released(tracker)
+
+    def close(self, exc: BaseException | None = None) -> None:
         if self._closed is None:
-            self._closed = ClosedError(f"link to {self.endpoint} is closed")
-            self._carrier.close()
+            self._closed = exc or ClosedError(f"link to {self.endpoint} is closed")
+        if self._copying is not None:
+            self._copying.cancel()
+        self._carrier.close(exc)
+
+    def close_gracefully(self, linger_ms: int, exc: BaseException | None = None) -> Awaitable[None] | None:
+        """Refuse new sends now; the frame set being copied still goes out (within
+        ``linger_ms``), then the carrier closes gracefully with what is left of it."""
+        if self._closed is None:
+            self._closed = exc or ClosedError(f"link to {self.endpoint} is closed")
+        if self._copying is None:
+            return self._carrier.close_gracefully(linger_ms, exc)
+        if self._closing is None:
+            self._closing = asyncio.get_running_loop().create_task(self._close_after(linger_ms, exc))
+        return self._closing
+
+    async def _close_after(self, linger_ms: int, exc: BaseException | None) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0, linger_ms) / 1000
+        copying = self._copying
+        if copying is not None:
+            await asyncio.wait([copying], timeout=max(0.0, deadline - loop.time()))
+            copying.cancel()
+        flushed = self._carrier.close_gracefully(int(max(0.0, deadline - loop.time()) * 1000), exc)
+        if flushed is not None:
+            await flushed
 
 
 class ShmListener(Listener):
@@ -186,16 +275,17 @@ class ShmTransport(Transport):
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
             raise ProtocolError(f"bad shared-memory descriptor: {exc}") from exc
         if not isinstance(reply_to, str) or not isinstance(reader_key, str) or not isinstance(sizes, list) \
-                or not all(type(n) is int and 0 <= n <= wire.MAX_SLOT for n in sizes):
+                or not all(type(n) is int and 0 <= n <= MAX_SLOT for n in sizes):
             raise ProtocolError("bad shared-memory descriptor")
         if raw_slot is None:
             if len(received.frames) != 1 + len(sizes):
                 raise ProtocolError("inline buffers do not match the descriptor")
             return list(received.frames[1:])
-        # wire.py validates every bound of the slot and of the sizes it must hold
-        layout = [-n if n else 0 for n in sizes]
-        entry = wire.unpack_header(wire.pack_header("x:0", "x", [[0, 0, b"", layout, raw_slot]], True), [b""])[2][0]
-        views = iter(self.reader.open((reply_to, reader_key), entry.slot, [n for n in sizes if n]))
+        slot = unpack_slot(raw_slot)
+        filled = [n for n in sizes if n]
+        if not 0 < slot_layout(filled)[1] <= slot.size:
+            raise ProtocolError(f"slot of {slot.size} bytes cannot hold the {sum(filled)} bytes announced")
+        views = iter(self.reader.open((reply_to, reader_key), slot, filled))
         return [next(views) if n else memoryview(b"") for n in sizes]
 
     def _on_release_threadsafe(self, src: Any, segment: str, generation: int) -> None:
@@ -230,7 +320,7 @@ class ShmTransport(Transport):
             if link is None:   # presenting the key the sender knows us by
                 link = self._reply_links[src] = await self._carrier.connect(reply_to, identity=reader_key.encode())
             await link.send(_RELEASE, [msgpack.packb(items)])
-        except Exception as exc:   # the sender is gone: it retires its slots itself
+        except RlinfError as exc:   # the sender is gone: it retires its slots itself
             log.debug("rlinf: could not return shared-memory slots to %s: %r", reply_to, exc)
 
     def _on_release_frames(self, received: Received) -> None:
