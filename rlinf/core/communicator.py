@@ -20,7 +20,7 @@ import os
 import secrets
 import socket
 import threading
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Self
 
 import zmq
 
@@ -42,13 +42,15 @@ from ..control.security import ClusterKeys, ZapHandler, tcp_encryption_enabled
 from .stats import CommStats, Counters
 from ..transports.cuda import ipc as cuda_ipc
 from ..transports import shm, tcp_bulk
-from ..transports.shm._pull import PullSession, pull_threshold
+from ..transports.shm import PullSession, pull_threshold
 from ..transports.base import Received
 from ..transports.stream import StreamTransport
 from ..transports.zeromq import ZmqTransport
 from .work import Work
+from ._access import CoreAccess
+from .interface import Core
 
-__all__ = ["Communicator", "connect"]
+__all__ = ["CoreCommunicator"]
 
 log = logging.getLogger("rlinf.core.communicator")
 
@@ -90,45 +92,13 @@ def _tcp_host(manager: str) -> tuple[str, str]:
     return "0.0.0.0", local
 
 
-class Communicator:
-    """A worker's endpoint: point-to-point messaging, membership, groups and channels.
+class CoreCommunicator:
+    """The messaging core of a :class:`rlinf.Communicator` (which adds groups, resharding
+    and channels on top; see it for the arguments): point-to-point messaging, membership,
+    the per-peer sessions, the mailbox, start and close. A channel server process runs
+    on this class alone.
 
-    Use it as an async context manager (see :func:`connect`). All methods run on the
-    loop that entered it, except ``blocking_*`` (any other thread).
-
-    Args:
-        address: this worker's ``"group:rank"``.
-        manager: the manager's endpoint (default ``$RLINF_MANAGER``).
-        token: the cluster token (default ``$RLINF_TOKEN``).
-        codec: the codec to encode/decode messages with (default ``Codec()``).
-        connect_timeout: seconds to wait for the manager at start.
-        meta: extra registration data (shown by ``rlinf top``): plain data (None, bool,
-            numbers, str, bytes, and lists and maps of them, at most 16 deep).
-        shm_views: arrays received through shared memory are zero-copy views of the
-            sender's slot (True, the default; the slot returns to the sender when they are
-            garbage-collected), or owned copies (False: nothing of the sender's is held;
-            a large same-node message is then read straight from the sender's memory
-            when it arrives, one copy, where the kernel allows it, else copied out of
-            the slot at receive time: see ``RLINF_SHM_PULL`` in ``docs/transports.md``).
-            Default ``$RLINF_SHM_VIEWS`` (``0`` for copies), else True. The same holds for
-            GPU tensors received through CUDA IPC (views of the sender's device slot, or
-            owned copies).
-        exclusive: join only if no live worker holds ``address`` (else ``start``
-            raises :class:`~rlinf.AddressInUseError`). By default a second worker under
-            a live address replaces the first, as a restarted worker does.
-        manager_host: the address of the worker whose process also runs the manager, if
-            one does (``rlinf.init`` passes rank 0's). Lost peers are reported by the
-            manager; while it is silent for the peer timeout, this communicator reports
-            lost, by itself, that worker and the peers on its own machine whose process
-            is gone (operations on them fail with ``PeerLostError`` instead of waiting
-            for a manager that may never come back).
-        disable: transports this communicator never uses, added to
-            ``$RLINF_DISABLE_TRANSPORTS`` (names of :data:`rlinf.routing.TRANSPORTS`).
-        forwards_unchanged: this process never writes into arrays it received and then
-            forwards (a relay such as the channel process). Forwarded views of another
-            process's shared memory then go by reference as they are, without first
-            making this process's mapping copy-on-write (which guards their receiver
-            from later writes here, at the cost of a remap per forwarded slot).
+    Subsystems use :attr:`internal` (:class:`rlinf.core.interface.Core`).
     """
 
     def __init__(self, address: str | None = None, *, manager: str | None = None, token: str | None = None,
@@ -193,6 +163,7 @@ class Communicator:
         self._recycler = shm.Recycler()   # receive-side private memory (chunk reassembly, copy-outs)
         self._shm_routes: dict[str, bool] = {}     # peer -> large CPU payloads go by shm
         self._gpu = GpuPaths(address, self._roster, self._routing, self._new_cuda_session)
+        self._internal = CoreAccess(self, token, self._codec)
 
     def __repr__(self) -> str:
         pending = sum(len(o.queue) for o in self._outboxes.values())
@@ -202,20 +173,26 @@ class Communicator:
                 f"pending_sends={pending} queued_recvs={len(self._mailbox)}>")
 
     @property
+    def internal(self) -> Core:
+        """The core's interface for rlinf's own subsystems (collectives, channels, the
+        launcher): see :mod:`rlinf.core.interface`. Not for applications."""
+        return self._internal
+
+    @property
     def closed(self) -> bool:
         """True once closed (:meth:`aclose`) or failed to start: every operation raises
         :class:`~rlinf.errors.ClosedError` from then on."""
         return self._closed is not None
 
     # -- lifecycle ---------------------------------------------------------------------
-    async def __aenter__(self) -> Communicator:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
     async def __aexit__(self, *exc_info) -> None:
         await self.aclose()
 
-    async def start(self) -> Communicator:
+    async def start(self) -> Self:
         """Bind data sockets and register with the manager.
 
         Raises:
@@ -1018,36 +995,6 @@ class Communicator:
             if old is not None and old.error is not None:
                 del self._outboxes[forgotten]   # bounded: a send there now waits for it to join
 
-    # -- subsystems (each lives in its own module) ---------------------------------------
-    def group(self, addresses: list[str], *, name: str = ""):
-        """A collective group over ``addresses`` (same list, any order, on every member),
-        and ``name`` (the same on every member: after a member restarted, use a new one).
-
-        See :class:`rlinf.collectives.group.Group`. No setup call is needed on the other members.
-        """
-        from ..collectives.group import Group
-
-        return Group(self, addresses, name)
-
-    async def reshard(self, shard: Any, *, src: list[str], dst: list[str], dim: int = 0,
-                      timeout: float | None = None) -> Any:
-        """M->N batch resharding; see :func:`rlinf.collectives.reshard.reshard`."""
-        from ..collectives.reshard import reshard
-
-        return await reshard(self, shard, src=src, dst=dst, dim=dim, timeout=timeout)
-
-    async def create_channel(self, name: str, *, maxsize: int = 0, policy: Any = "fifo", **options: Any):
-        """Start a channel server process named ``name`` and return a handle to it."""
-        from ..channel.client import create_channel
-
-        return await create_channel(self, name, maxsize=maxsize, policy=policy, **options)
-
-    async def channel(self, name: str, **options: Any):
-        """A handle to the existing channel ``name`` (waits for it to appear)."""
-        from ..channel.client import open_channel
-
-        return await open_channel(self, name, **options)
-
     async def peers(self) -> list[WorkerInfo]:
         """The workers this communicator knows (its cached roster, without itself)."""
         self._check_open()
@@ -1074,29 +1021,19 @@ class Communicator:
 
     # -- internal API for rlinf's own subsystems (collectives, channels, transports) ---
     # Internal traffic uses str tags, so it can never match a user's int tag.
-    async def _send_internal(self, obj: Any, dst: str, tag: str, timeout: float | None = None) -> None:
-        future = self._enqueue(obj, dst, tag, wire.USER, need_future=False)
-        if future is not None:
-            await self._wait(future, timeout, f"send to {dst}")
-        if self._shm is not None and self._shm.behind(dst):
-            await self._room(dst)
-
-    def _async_send_internal(self, obj: Any, dst: str, tag: str) -> asyncio.Future:
-        return self._enqueue(obj, dst, tag, wire.USER, need_future=True)
-
-    async def _recv_internal(self, src: str, tag: str, timeout: float | None = None) -> Any:
+    async def _recv_tagged(self, src: str, tag: str, timeout: float | None = None) -> Any:
         msg = await self._get(src, tag, timeout)
         if msg.shm and not self._shm_views:
             return await self._decode_owned(msg)
         return self._decode(msg)
 
-    async def _recv_any_internal(self, tag: str, timeout: float | None = None) -> tuple[Any, str]:
+    async def _recv_any_tagged(self, tag: str, timeout: float | None = None) -> tuple[Any, str]:
         msg = await self._get(None, tag, timeout)
         if msg.shm and not self._shm_views:
             return await self._decode_owned(msg), msg.src
         return self._decode(msg), msg.src
 
-    async def _multicast_internal(self, obj: Any, dsts: list[str], tag: str) -> None:
+    async def _multicast(self, obj: Any, dsts: list[str], tag: str) -> None:
         """Send ``obj`` to every address of ``dsts``, encoded once.
 
         Same-node destinations that take shared memory share ONE slot (copied once, with
@@ -1143,10 +1080,6 @@ class Communicator:
             else:
                 futures.append(self._queue(outboxes[dst], wire.USER, tag, codec_header, buffers, True))
         await asyncio.gather(*futures)
-
-    def _send_system(self, obj: Any, dst: str, tag: str) -> None:
-        """Fire-and-forget rlinf-internal message, handled by ``on_system(tag, ...)``."""
-        self._enqueue(obj, dst, tag, wire.SYSTEM, need_future=False)
 
     def on_system(self, tag: str, handler: Callable[[str, Any], None]) -> None:
         """Register ``handler(src, obj)`` for SYSTEM messages with ``tag`` (loop thread)."""
@@ -1226,13 +1159,3 @@ class Communicator:
             future.cancel()
             raise
 
-
-
-
-def connect(address: str | None = None, manager: str | None = None, token: str | None = None,
-            **options: Any) -> Communicator:
-    """A communicator for ``address``; use it as ``async with rlinf.connect(...) as comm``.
-
-    Defaults come from ``RLINF_ADDRESS``, ``RLINF_MANAGER`` and ``RLINF_TOKEN``.
-    """
-    return Communicator(address, manager=manager, token=token, **options)

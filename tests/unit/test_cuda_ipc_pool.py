@@ -498,7 +498,7 @@ class _DeviceBuf(_Buf):
 
 
 def _comm_with(peer_devices, peer_transports=("zmq", "cuda_ipc")):
-    from rlinf.core.communicator import Communicator
+    from rlinf import Communicator
     from rlinf.info import DeviceInfo, WorkerInfo
 
     comm = Communicator("me:0", manager="tcp://127.0.0.1:1", token="t")

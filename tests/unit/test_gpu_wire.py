@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rlinf.core import routing, wire
-from rlinf.core.communicator import Communicator
+from rlinf import Communicator
 from rlinf.errors import DecodeError, ProtocolError
 from rlinf.core._inbound import FrameReader
 from rlinf.transports.cuda import ipc as cuda_ipc

@@ -303,7 +303,7 @@ def test_a_pull_descriptor_round_trips():
 async def test_the_collectives_abort_check_leaves_pulled_data_queued_in_order():
     """Aborts are small, never pulled: a pulled message (still being read) is data, and
     the abort check must neither decode it half-read nor lose it."""
-    from rlinf.collectives._engine import Call
+    from rlinf.core._access import CoreAccess
     from rlinf.core._mailbox import Mailbox, Message
 
     mailbox = Mailbox()
@@ -313,14 +313,13 @@ async def test_the_collectives_abort_check_leaves_pulled_data_queued_in_order():
         mailbox.deliver(msg)
 
     class Comm:
+        address = incarnation = manager_address = "me:0"
         _mailbox = mailbox
 
         def _decode(self, msg):
             raise AssertionError("a pulled message was decoded")
 
-    call = Call.__new__(Call)
-    call.comm, call.tag = Comm(), "t"
-    call.check_aborted()
+    CoreAccess(Comm(), "token", None).take_queued("t", lambda obj, src: None)
     assert [mailbox.get_nowait("a:0", "t"), mailbox.get_nowait("a:0", "t")] == pulled
     reading.cancel()
 
@@ -351,7 +350,7 @@ async def test_a_late_goodbye_of_an_old_incarnation_keeps_the_new_ones_agreement
 async def test_an_outbox_that_refuses_the_entry_leaves_no_hold(pair):
     import types
 
-    from rlinf.core.communicator import Communicator
+    from rlinf.core.communicator import CoreCommunicator as Communicator
 
     pair.agree()
 
