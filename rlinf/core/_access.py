@@ -3,23 +3,42 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
-from . import wire
 from ..codec import Codec
 from ..info import WorkerInfo
+from . import wire
+from ._mailbox import Mailbox
+from ._receive import ReceivePath
+from ._send import SendPath
 
 __all__ = ["CoreAccess"]
 
 
 class CoreAccess:
     """The core's interface for rlinf's subsystems (see :mod:`rlinf.core.interface`),
-    over one communicator."""
+    over one communicator: its public members, its send and receive paths, and the few
+    checks of its own it is given.
 
-    __slots__ = ("_comm", "address", "incarnation", "manager_address", "token", "codec", "__weakref__")
+    Args:
+        comm: the communicator. token, codec: its cluster token and codec.
+        send, receive: its send and receive paths. mailbox: its mailbox.
+        roster: its peers by address.
+        check_open: raises unless it is started and open.
+        guard: that, and that this is its loop thread.
+        lookup: ``lookup(address, wait=, timeout=)``: asks its manager.
+    """
 
-    def __init__(self, comm: Any, token: str, codec: Codec) -> None:
+    __slots__ = ("_comm", "_send", "_receive", "_mailbox", "_roster", "_guard", "_lookup", "check_open",
+                 "address", "incarnation", "manager_address", "token", "codec", "__weakref__")
+
+    def __init__(self, comm: Any, token: str, codec: Codec, send: SendPath, receive: ReceivePath, mailbox: Mailbox,
+                 roster: dict[str, WorkerInfo], *, check_open: Callable[[], None], guard: Callable[[], None],
+                 lookup: Callable[..., Awaitable[WorkerInfo | None]]) -> None:
         self._comm = comm
+        self._send, self._receive, self._mailbox, self._roster = send, receive, mailbox, roster
+        self._guard, self._lookup = guard, lookup
+        self.check_open = check_open
         self.address = comm.address
         self.incarnation = comm.incarnation
         self.manager_address = comm.manager_address
@@ -33,50 +52,41 @@ class CoreAccess:
     def info(self) -> WorkerInfo | None:
         return self._comm.info
 
-    def check_open(self) -> None:
-        self._comm._check_open()
-
     def start_send(self, obj: Any, dst: str, tag: str) -> asyncio.Future:
-        return self._comm._enqueue(obj, dst, tag, wire.USER, need_future=True)
+        self._guard()
+        return self._send.enqueue(obj, dst, tag, wire.USER, need_future=True)
 
     async def multicast(self, obj: Any, dsts: list[str], tag: str) -> None:
-        await self._comm._multicast(obj, dsts, tag)
+        self._guard()
+        await self._send.multicast(obj, dsts, tag)
 
     async def recv(self, src: str, tag: str, timeout: float | None = None) -> Any:
-        return await self._comm._recv_tagged(src, tag, timeout)
+        receive = self._receive
+        return await receive.finish(await receive.get(src, tag, timeout))
 
     async def recv_any(self, tag: str, timeout: float | None = None) -> tuple[Any, str]:
-        return await self._comm._recv_any_tagged(tag, timeout)
+        receive = self._receive
+        msg = await receive.get(None, tag, timeout)
+        return await receive.finish(msg), msg.src
 
     def take_queued(self, tag: str, visit: Callable[[Any, str], None]) -> None:
-        comm = self._comm
-        mailbox = comm._mailbox
-        pulled = []    # still being read from its sender's memory: left queued
-        try:
-            while (msg := mailbox.get_nowait(None, tag)) is not None:
-                if msg.pulling is not None:
-                    pulled.append(msg)
-                    continue
-                visit(comm._decode(msg), msg.src)
-        finally:
-            for msg in reversed(pulled):
-                mailbox.put_back(msg)
+        self._receive.take_queued(tag, visit)
 
     def retire(self, tag: str) -> None:
-        self._comm._mailbox.retire(tag)
+        self._mailbox.retire(tag)
 
     def is_lost(self, address: str) -> bool:
-        return self._comm._mailbox.is_lost(address) is not None
+        return self._mailbox.is_lost(address) is not None
 
     def roster(self) -> list[WorkerInfo]:
-        return list(self._comm._roster.values())
+        return list(self._roster.values())
 
     async def lookup(self, address: str, *, wait: bool, timeout: float | None) -> WorkerInfo | None:
         self.check_open()
-        return await self._comm._control.lookup(address, wait=wait, timeout=timeout)
+        return await self._lookup(address, wait=wait, timeout=timeout)
 
     def on_system(self, tag: str, handler: Callable[[str, Any], None]) -> None:
-        self._comm.on_system(tag, handler)
+        self._receive.on_system(tag, handler)
 
     def on_peer_gone(self, hook: Callable[[str, str], None]) -> None:
         self._comm.on_peer_gone(hook)

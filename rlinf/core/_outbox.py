@@ -155,7 +155,6 @@ class Outbox:
         self.link = None
         self.queue: collections.deque[OutMessage] = collections.deque()
         self.error: BaseException | None = None
-        self.resolving: asyncio.Task | None = None
         self._header = header if isinstance(header, wire.HeaderPacker) else wire.HeaderPacker(*header)
         self._counters = counters
         self._scheduled = False
@@ -213,7 +212,7 @@ class Outbox:
 
     def attach(self, link, info: WorkerInfo) -> None:
         """Use ``link`` from now on and send what waited for it."""
-        self.link, self.info, self.resolving = link, info, None
+        self.link, self.info = link, info
         self.flush()
 
     def flush(self) -> None:
@@ -420,9 +419,6 @@ class Outbox:
                 msg.future.set_exception(exc)
             if msg.discard is not None:
                 msg.discard()
-        if self.resolving is not None:
-            self.resolving.cancel()
-            self.resolving = None
         if self.link is not None:
             self.link.close(exc if isinstance(exc, PeerLostError) else None)
             self.link = None

@@ -20,7 +20,7 @@ import logging
 import os
 import select
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol
 
 from ..control.cleanup import remove_leftovers
 from ..errors import CommTimeoutError, WorkerFailedError

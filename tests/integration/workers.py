@@ -69,4 +69,4 @@ async def return_tensor(comm):
 async def link_kind(comm, peer: str):
     """Send one message to ``peer``; return the class name of the link it went over."""
     await comm.send("hi", peer, timeout=30)
-    return type(comm._outboxes[peer].link).__name__
+    return type(comm._sessions.get(peer).outbox.link).__name__

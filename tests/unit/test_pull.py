@@ -303,8 +303,11 @@ def test_a_pull_descriptor_round_trips():
 async def test_the_collectives_abort_check_leaves_pulled_data_queued_in_order():
     """Aborts are small, never pulled: a pulled message (still being read) is data, and
     the abort check must neither decode it half-read nor lose it."""
-    from rlinf.core._access import CoreAccess
+    import types
+
     from rlinf.core._mailbox import Mailbox, Message
+    from rlinf.core._receive import ReceivePath
+    from rlinf.util.bounded import Recent
 
     mailbox = Mailbox()
     reading = asyncio.get_running_loop().create_future()
@@ -312,14 +315,13 @@ async def test_the_collectives_abort_check_leaves_pulled_data_queued_in_order():
     for msg in pulled:
         mailbox.deliver(msg)
 
-    class Comm:
-        address = incarnation = manager_address = "me:0"
-        _mailbox = mailbox
-
-        def _decode(self, msg):
+    class Codec:
+        def decode(self, header, buffers):
             raise AssertionError("a pulled message was decoded")
 
-    CoreAccess(Comm(), "token", None).take_queued("t", lambda obj, src: None)
+    receive = ReceivePath("me:0", Codec(), mailbox, None, Recent(), True, types.SimpleNamespace(valid=set()),
+                          guard=lambda: None, on_bye=lambda src, incarnation: None)
+    receive.take_queued("t", lambda obj, src: None)
     assert [mailbox.get_nowait("a:0", "t"), mailbox.get_nowait("a:0", "t")] == pulled
     reading.cancel()
 
@@ -350,7 +352,7 @@ async def test_a_late_goodbye_of_an_old_incarnation_keeps_the_new_ones_agreement
 async def test_an_outbox_that_refuses_the_entry_leaves_no_hold(pair):
     import types
 
-    from rlinf.core.communicator import CoreCommunicator as Communicator
+    from rlinf.core._send import SendPath
 
     pair.agree()
 
@@ -363,5 +365,5 @@ async def test_an_outbox_that_refuses_the_entry_leaves_no_hold(pair):
 
     me = types.SimpleNamespace(_pull=pair.s, _loop=asyncio.get_running_loop())
     with pytest.raises(PeerLostError):
-        Communicator._queue_pull(me, Refusing(), 0, b"", [np.ones(16)], [128], 128)
+        SendPath._queue_pull(me, Refusing(), 0, b"", [np.ones(16)], [128], 128)
     assert not pair.s._held
