@@ -504,18 +504,14 @@ async def create_channel(comm: HasCore, name: str, *, maxsize: int = 0, policy: 
         except AddressInUseError as exc:
             raise AddressInUseError(f"a channel named {name!r} already exists ({exc})") from None
         core.add_closer(server.aclose)
-        watcher = asyncio.get_running_loop().create_task(_close_when_done(server))
-        _watchers.add(watcher)
-        watcher.add_done_callback(_watchers.discard)
+        # closes it once drained; cancelled when the communicator closes (which stops it)
+        core.add_closer(asyncio.get_running_loop().create_task(_close_when_done(server)).cancel)
     else:
         process = ServerProcess(name, manager=core.manager_address, token=core.token, config=config)
         core.add_closer(process.stop)
         await process.wait_ready(timeout)
     return await open_channel(comm, name, timeout=timeout, prefetch=prefetch, free_memory=free_memory,
                               decode_ahead=decode_ahead)
-
-
-_watchers: set[asyncio.Task] = set()
 
 
 async def _close_when_done(server: ChannelServer) -> None:

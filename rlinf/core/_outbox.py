@@ -30,7 +30,7 @@ import asyncio
 import collections
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Coroutine
 
 import zmq
 
@@ -168,6 +168,7 @@ class Outbox:
         self._bulk_link = None
         self._zmq_sent = 0        # frame sets handed to the ZeroMQ link (see rlinf.core._arrival)
         self._sent_at = -IN_FLIGHT  # clock() at the last send to the link
+        self._tasks: set[asyncio.Task] = set()   # releases, bulk sends and writability awaited
 
     def __repr__(self) -> str:
         state = "lost" if self.error else ("connected" if self.link else "resolving")
@@ -278,14 +279,14 @@ class Outbox:
                 elif msg.discard is not None:     # cancelled while queued
                     msg.discard()
             if head.large:
-                asyncio.get_running_loop().create_task(self._await_release(link, tracker, head))
+                self._spawn(self._await_release(link, tracker, head))
 
     def _send_bulk(self, msg: OutMessage) -> None:
         """Hand the head to the bulk stream; the queue waits until the receiver has it
         (its acknowledgement), so nothing sent later through ZeroMQ can overtake it."""
         self.queue.popleft()     # with the transport now: a failing peer no longer fails it here
         self._held = True
-        asyncio.get_running_loop().create_task(self._bulk_send(msg))
+        self._spawn(self._bulk_send(msg))
 
     async def _bulk_send(self, msg: OutMessage) -> None:
         """The bulk send of the head. A stream that cannot be opened is not an error:
@@ -313,6 +314,9 @@ class Outbox:
                 self._drop_bulk()
             if msg.future is not None and not msg.future.done():
                 msg.future.set_exception(self.error or exc)
+        except asyncio.CancelledError:    # the communicator closed under it
+            self._fail_sent(msg)
+            raise
         else:
             self._sent_at = self._clock()
             self._counters.sent(self.address, msg.nbytes, msg.transport)
@@ -362,7 +366,7 @@ class Outbox:
             return True, tracker
         except (zmq.Again, WouldBlock):
             self._blocked = True
-            asyncio.get_running_loop().create_task(self._wait_writable())
+            self._spawn(self._wait_writable())
         except PeerLostError as exc:
             self.fail(exc)
         return False, None
@@ -390,8 +394,28 @@ class Outbox:
                 msg.future.set_result(None)
             self._counters.latency(self.address, time.perf_counter() - msg.started)
 
+    def _spawn(self, coro: Coroutine) -> None:
+        """Run ``coro`` as a task of this outbox (kept until done; see :meth:`cancel_tasks`)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def cancel_tasks(self) -> None:
+        """Cancel what is still awaited: once the communicator closed and its transports
+        let go of every buffer (a send still waiting then fails)."""
+        for task in list(self._tasks):
+            task.cancel()
+
+    def _fail_sent(self, msg: OutMessage) -> None:
+        if msg.future is not None and not msg.future.done():
+            msg.future.set_exception(self.error or ClosedError(f"the link to {self.address} is closed"))
+
     async def _await_release(self, link, tracker, msg: OutMessage) -> None:
-        await link.released(tracker)
+        try:
+            await link.released(tracker)
+        except asyncio.CancelledError:
+            self._fail_sent(msg)
+            raise
         msg.frames = []
         if link is not self.link and self.error is not None:
             # the link was closed under the message (its peer was lost): the transport

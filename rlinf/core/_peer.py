@@ -152,9 +152,6 @@ class PeerSessions:
     def __iter__(self) -> Iterator[PeerSession]:
         return iter(self._sessions.values())
 
-    def __len__(self) -> int:
-        return len(self._sessions)
-
     def check_address(self, address: str) -> None:
         """Raise ``ValueError``/``TypeError`` unless ``address`` is ``"group:rank"``."""
         if address not in self.valid:
@@ -305,6 +302,8 @@ class PeerSessions:
         whose own loop writes what they buffered (stream links)."""
         flushing = []
         for session in self._sessions.values():
+            if session.closed:     # failed its sends already
+                continue
             outbox = session.outbox
             outbox.flush()
             session.closed = True
@@ -315,3 +314,9 @@ class PeerSessions:
             if flushed is not None:
                 flushing.append(flushed)
         return flushing
+
+    def cancel_tasks(self) -> None:
+        """After :meth:`close_all` and the transports closed: cancel what the outboxes
+        still await (nothing, normally: the transports released every buffer)."""
+        for session in self._sessions.values():
+            session.outbox.cancel_tasks()

@@ -370,6 +370,7 @@ class CoreCommunicator:
                 context, self._context = self._context, None
                 # term() waits for lingering frames; keep the loop free meanwhile.
                 await asyncio.get_running_loop().run_in_executor(None, context.term)
+            self._sessions.cancel_tasks()
         if cancelled is not None:
             raise cancelled
 
