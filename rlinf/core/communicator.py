@@ -110,7 +110,6 @@ class CoreCommunicator:
         self.incarnation = secrets.token_hex(8)
         self.info: WorkerInfo | None = None
         self._keys = ClusterKeys(token)
-        self._token = token            # subsystems that start processes (channels) pass it on
         self._codec = codec or Codec()
         self._connect_timeout = connect_timeout
         self._meta = dict(meta or {})
