@@ -1,4 +1,4 @@
-"""Per-peer sessions: everything this communicator knows about one remote incarnation.
+"""Per-peer sessions: what this communicator keeps for one remote incarnation it sends to.
 
 A :class:`PeerSession` is the unit of per-peer state: the link(s) to the peer and its
 :class:`~rlinf.core._outbox.Outbox` (ordering, coalescing, backpressure), the lookup or
@@ -64,10 +64,17 @@ class PeerSession:
     * ``task`` (the lookup, or the dial of a stream link) is cancelled when the session
       fails; it is None once the outbox has its link.
 
+    Not here yet: the receive side of the peer (its messages queued in the mailbox, its
+    arrival order) and the per-peer bookkeeping the shared-memory, pull and CUDA IPC
+    sessions keep by address (slots it holds, releases we owe it, mappings of its
+    slots). :meth:`PeerSessions.peer_gone` is the one place they learn that a peer
+    incarnation is gone, and the send path reaches them with the session's address.
+
     This is where the next steps of the delivery protocol go: per-peer sequence numbers
     (stamped in the order messages enter the outbox), acknowledgements and resends
     (kept here until acknowledged, sent again on a new link of the same incarnation),
-    and the credit window the receiver grants (waited for before the outbox).
+    the credit window the receiver grants (waited for before the outbox), and with
+    them the receive side (a session then opens on the first frame set received too).
     """
 
     __slots__ = ("address", "outbox", "shm_route", "task", "closed")
