@@ -11,7 +11,7 @@ from .channel.client import Channel
 from .channel.policies import ConsumerInfo, ItemInfo, LoadBalancePolicy
 from .channel.stats import ChannelStats
 from .launch.cluster import Cluster, WorkerGroup
-from .core.communicator import Communicator, connect
+from .communicator import Communicator, connect
 from .sync import SyncCommunicator, init, shutdown
 from .errors import (AddressInUseError, AuthenticationError, ClosedError, CommTimeoutError, DecodeError, EncodeError,
                      EndOfChannel, PeerLostError, ProtocolError, RlinfError, TransportUnavailableError,

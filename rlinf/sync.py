@@ -47,7 +47,7 @@ from typing import Any, Coroutine
 
 from .codec import into
 from .config import LaunchEnv, Settings
-from .core.communicator import Communicator
+from .communicator import Communicator
 from .errors import ClosedError, CommTimeoutError
 from .info import parse_address
 from .control.manager import Manager

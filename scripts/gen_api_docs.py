@@ -29,8 +29,14 @@ def _doc(obj) -> str:
 
 
 def _members(cls) -> list[tuple[str, object]]:
+    """The public members of ``cls``, with those it inherits from rlinf's own classes
+    (base classes first, in definition order; an override keeps the base's place)."""
+    merged: dict[str, object] = {}
+    for klass in reversed(cls.__mro__):
+        if klass.__module__.split(".")[0] == "rlinf":
+            merged.update(vars(klass))
     out = []
-    for name, member in vars(cls).items():
+    for name, member in merged.items():
         if name.startswith("_") and name not in ("__aenter__", "__await__"):
             continue
         if isinstance(member, (staticmethod, classmethod)):

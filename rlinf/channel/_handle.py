@@ -19,13 +19,15 @@ import time
 from typing import Any, Callable
 
 from ..core import wire
+from ..core.interface import Core
 from ..errors import (ClosedError, CommTimeoutError, DecodeError, EndOfChannel, PeerLostError, ProtocolError,
                       RlinfError)
+from ..util.futures import retrieve
 from ._payload import decoded, unpack
 from ._wire import decode_ops, encode_ops
 from .server import REQUEST_TAG, check_name, reply_tag, server_address
 
-__all__ = ["HandleBase", "default_free_memory"]
+__all__ = ["HandleBase", "MAX_COUNT", "chain", "check_key", "check_weight", "default_free_memory"]
 
 log = logging.getLogger("rlinf.channel")
 
@@ -35,10 +37,11 @@ _MEMORY_PERIOD = 0.1
 _MAX_BATCH = 1024      # ops per message before a tight loop flushes (and put yields once)
 
 
-def _check_key(key: Any) -> None:
+def check_key(key: Any) -> None:
+    """Raise TypeError / ValueError unless ``key`` can name a sub-queue."""
     if isinstance(key, tuple):
         for part in key:
-            _check_key(part)
+            check_key(part)
     elif not isinstance(key, _KEY_TYPES):
         raise TypeError(f"a channel key must be None, str, int, bytes or a tuple of them, got {type(key).__name__}")
     elif isinstance(key, int):
@@ -50,12 +53,14 @@ def _check_key(key: Any) -> None:
         except UnicodeEncodeError as exc:       # lone surrogates
             raise ValueError(f"a channel key str must be valid Unicode text: {exc}") from None
 
+
 #: A count no channel reaches: larger ``max_items``/``prefetch`` mean the same (and must
 #: fit the wire's integers).
 MAX_COUNT = 1 << 31
 
 
-def _check_weight(weight: Any) -> float:
+def check_weight(weight: Any) -> float:
+    """``weight`` as a float; TypeError / ValueError unless it is a finite real >= 0."""
     kind = type(weight)
     if kind is not float and kind is not int and (isinstance(weight, bool) or not isinstance(weight, numbers.Real)):
         raise TypeError(f"weight must be a real number, got {kind.__name__}")
@@ -79,14 +84,12 @@ def default_free_memory() -> int | None:
         return None
     return int(free)
 
-def _retrieve(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()
 
-def _chain(source: asyncio.Future, target: asyncio.Future) -> None:
+def chain(source: asyncio.Future, target: asyncio.Future) -> None:
+    """Complete ``target`` as ``source`` completes (unless it is done already)."""
     def done(f: asyncio.Future) -> None:
         if target.done():
-            _retrieve(f)
+            retrieve(f)
         elif f.cancelled():
             target.cancel()
         elif f.exception() is not None:
@@ -95,6 +98,7 @@ def _chain(source: asyncio.Future, target: asyncio.Future) -> None:
             target.set_result(None)
 
     source.add_done_callback(done)
+
 
 def _error_factory(exc: BaseException, ch: HandleBase) -> Callable[[], BaseException]:
     if isinstance(exc, PeerLostError):
@@ -124,11 +128,11 @@ class HandleBase:
             raise ValueError("decode_ahead needs prefetch > 0 (only prefetched items arrive ahead of get)")
         self._decode_ahead = decode_ahead
         self.name = check_name(name)
-        self._comm = comm
+        self._core: Core = comm.internal
         self._server = server_address(name)
         self._hid = next(_hids)
         self._tag = reply_tag(self._hid)
-        self._codec = comm._codec
+        self._codec = self._core.codec
         self._prefetch = min(prefetch, MAX_COUNT)
         self._free_memory = free_memory or default_free_memory
         self._memory: tuple[float, int | None] = (-1.0, None)
@@ -200,7 +204,7 @@ class HandleBase:
             self._must_yield = True
             future = self._flush()
             if not future.done():
-                future.add_done_callback(_retrieve)
+                future.add_done_callback(retrieve)
             return None
         self._schedule_flush()
         return None
@@ -217,7 +221,7 @@ class HandleBase:
             if sent is None:
                 future.set_result(None)
             else:
-                _chain(sent, future)
+                chain(sent, future)
 
     def _withdraw(self, entry: list) -> bool:
         try:
@@ -363,7 +367,7 @@ class HandleBase:
             self._fail(_error_factory(exc, self))
             return
         if future is not None and not future.done():
-            future.add_done_callback(_retrieve)
+            future.add_done_callback(retrieve)
 
     def _flush(self) -> asyncio.Future | None:
         """Send the queued ops now, as one message. Returns the send's future."""
@@ -383,7 +387,7 @@ class HandleBase:
         self._ops = []
         large, self._large = self._large, False
         blob, buffers = encode_ops(ops, large)
-        return self._comm._async_send_internal([self._hid, blob, buffers], self._server, REQUEST_TAG)
+        return self._core.start_send([self._hid, blob, buffers], self._server, REQUEST_TAG)
 
     def _call_start(self, kind: str, *args: Any) -> tuple[int, asyncio.Future]:
         self._check_usable()
@@ -405,10 +409,10 @@ class HandleBase:
             self._calls.pop(rid, None)
 
     async def _read(self) -> None:
-        comm = self._comm
+        core = self._core
         while True:
             try:
-                ops = decode_ops(await comm._recv_internal(self._server, self._tag))
+                ops = decode_ops(await core.recv(self._server, self._tag))
             except (DecodeError, ProtocolError) as exc:
                 log.warning("channel %s: dropped an undecodable message: %r", self.name, exc)
                 continue

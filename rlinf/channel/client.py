@@ -17,9 +17,10 @@ from typing import Any, Callable
 
 from ..errors import AddressInUseError, ClosedError, CommTimeoutError, EndOfChannel, RlinfError, WouldBlock
 from ..info import check_timeout as _check_timeout
-from ..core._outbox import SMALL_MESSAGE
+from ..core.interface import SMALL_MESSAGE, Core, HasCore
 from ..core.work import Work
-from ._handle import MAX_COUNT, HandleBase, _chain, _check_key, _check_weight, _retrieve, default_free_memory
+from ..util.futures import retrieve
+from ._handle import MAX_COUNT, HandleBase, chain, check_key, check_weight, default_free_memory
 from ._payload import pack
 from .policies import make_policy
 from .server import ChannelServer, ServerProcess, check_name, server_address
@@ -53,24 +54,24 @@ class Channel(HandleBase):
         state = ("failed" if self._error else "drained" if self._drained else "closed" if self._remote_closed
                  else "detached" if self._detached else "open")
         buffered = sum(len(b) for b in self._buffers.values())
-        return (f"<Channel {self.name!r} {state} via {self._comm.address} gets={len(self._gets)} "
+        return (f"<Channel {self.name!r} {state} via {self._core.address} gets={len(self._gets)} "
                 f"blocked_puts={len(self._blocked)} buffered={buffered} unacked={self.unacked}>")
 
     # -- opening ---------------------------------------------------------------------------
     async def _open(self, timeout: float | None) -> Channel:
-        comm = self._comm
-        comm._check_open()
+        core = self._core
+        core.check_open()
         self._loop = asyncio.get_running_loop()
         try:
-            info = await comm._control.lookup(self._server, wait=True, timeout=timeout)
+            info = await core.lookup(self._server, wait=True, timeout=timeout)
         except CommTimeoutError:
             raise CommTimeoutError(f"no channel named {self.name!r} appeared within {timeout} s") from None
         if info is not None and info.meta.get("kind") != "channel":
             raise ValueError(f"{self._server} is not a channel server")
-        _track(comm, self)
+        _track(core, self)
         self._reader = self._loop.create_task(self._read(), name=f"rlinf-channel-{self.name}-{self._hid}")
-        node = comm.info.node_id if comm.info is not None else ""
-        reply = self._call_start("hello", comm.incarnation, node, self._consumer_name())
+        node = core.info.node_id if core.info is not None else ""
+        reply = self._call_start("hello", core.incarnation, node, self._consumer_name())
         self.info = await self._await_call(reply, timeout, "open")
         self._maxsize = self.info["maxsize"]
         self._credits += self.info["lease"]
@@ -78,8 +79,8 @@ class Channel(HandleBase):
         return self
 
     def _consumer_name(self) -> str:
-        same = sum(1 for h in _registry.get(self._comm, ()) if h.name == self.name and h is not self)
-        return self._comm.address if same == 0 else f"{self._comm.address}#{same}"
+        same = sum(1 for h in _registry.get(self._core, ()) if h.name == self.name and h is not self)
+        return self._core.address if same == 0 else f"{self._core.address}#{same}"
 
     # -- producing -------------------------------------------------------------------------
     async def put(self, item: Any, weight: float = 1.0, key: Any = None, *, timeout: float | None = None) -> None:
@@ -127,8 +128,8 @@ class Channel(HandleBase):
                 lease of free space; one is requested, so a later call may succeed).
             Same as :meth:`put` otherwise.
         """
-        weight = _check_weight(weight)
-        _check_key(key)
+        weight = check_weight(weight)
+        check_key(key)
         self._check_producer()
         if self._maxsize and (self._blocked or self._credits <= 0):
             self._op(("want", 1, True))
@@ -138,7 +139,7 @@ class Channel(HandleBase):
             self._credits -= 1
         future = self._send_put(("put", key, weight, nbytes, payload), nbytes >= SMALL_MESSAGE)
         if future is not None and not future.done():
-            future.add_done_callback(_retrieve)
+            future.add_done_callback(retrieve)
 
     def async_put(self, item: Any, weight: float = 1.0, key: Any = None) -> Work[None]:
         """Start a put now (its order is fixed by this call) and return its :class:`Work`."""
@@ -147,7 +148,7 @@ class Channel(HandleBase):
         if entry is None:
             future.set_result(None)
         else:
-            _chain(entry[2], future)
+            chain(entry[2], future)
             # cancelled while waiting for space: withdrawn, as put() does
             future.add_done_callback(lambda f: f.cancelled() and self._withdraw(entry))
         return Work(future, f"put to channel {self.name}")
@@ -167,8 +168,8 @@ class Channel(HandleBase):
             raise ClosedError(f"channel {self.name!r} is closed: {rejected} put(s) from this handle were refused")
 
     def _start_put(self, item: Any, weight: Any, key: Any) -> list | None:
-        weight = _check_weight(weight)
-        _check_key(key)
+        weight = check_weight(weight)
+        check_key(key)
         self._check_producer()
         payload, nbytes = pack(self._codec, item)
         op = ("put", key, weight, nbytes, payload)
@@ -202,7 +203,7 @@ class Channel(HandleBase):
             EndOfChannel: the channel is closed and nothing of ``key`` is left.
             CommTimeoutError, PeerLostError (the channel process died), ClosedError.
         """
-        _check_key(key)
+        check_key(key)
         buffer = self._buffers.get(key)
         if buffer and not self._must_yield and self._error is None:
             _check_timeout(timeout)      # prefetched: no wait, so no timeout to set up
@@ -223,7 +224,7 @@ class Channel(HandleBase):
             Same as :meth:`get`.
         """
         if target_weight is not None:
-            target_weight = _check_weight(target_weight)
+            target_weight = check_weight(target_weight)
         if max_items is not None and (isinstance(max_items, bool) or not isinstance(max_items, int) or max_items < 1):
             raise ValueError(f"max_items must be None or an int >= 1, got {max_items!r}")
         if max_items is not None:
@@ -237,7 +238,7 @@ class Channel(HandleBase):
             WouldBlock: no item of ``key`` is buffered here (always, without prefetch).
             EndOfChannel: the channel is closed and nothing of ``key`` is left.
         """
-        _check_key(key)
+        check_key(key)
         self._check_usable()
         buffer = self._buffers.get(key)
         if not buffer:
@@ -249,7 +250,7 @@ class Channel(HandleBase):
 
     def async_get(self, key: Any = None, *, ack: bool = False) -> Work[Any]:
         """Start a get now (its order is fixed by this call) and return its :class:`Work`."""
-        _check_key(key)
+        check_key(key)
         if self._prefetch:
             self._check_consumer(key)
             self._ensure_credit(key)
@@ -305,7 +306,7 @@ class Channel(HandleBase):
 
     async def _get_items(self, key: Any, max_items: int | None, target: float | None, ack: bool,
                          timeout: float | None) -> list[Any]:
-        _check_key(key)
+        check_key(key)
         _check_timeout(timeout)
         self._check_consumer(key)
         self._report_done()
@@ -414,11 +415,11 @@ class Channel(HandleBase):
             try:
                 future = self._flush()
                 if future is not None and not future.done():
-                    future.add_done_callback(_retrieve)
+                    future.add_done_callback(retrieve)
             except RlinfError:
                 pass
         self._fail(lambda: ClosedError(f"channel handle {self.name!r} is detached"))
-        _untrack(self._comm, self)
+        _untrack(self._core, self)
 
     # -- plumbing ----------------------------------------------------------------------------
 
@@ -429,29 +430,29 @@ class Channel(HandleBase):
 _registry: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _track(comm, ch: Channel) -> None:
-    handles = _registry.get(comm)
+def _track(core: Core, ch: Channel) -> None:
+    handles = _registry.get(core)
     if handles is None:
-        handles = _registry[comm] = []
-        comm.add_closer(lambda: _close_handles(comm))
+        handles = _registry[core] = []
+        core.add_closer(lambda: _close_handles(core))
     handles.append(ch)
 
 
-def _untrack(comm, ch: Channel) -> None:
-    handles = _registry.get(comm)
+def _untrack(core: Core, ch: Channel) -> None:
+    handles = _registry.get(core)
     if handles is not None and ch in handles:
         handles.remove(ch)
 
 
-def _close_handles(comm) -> None:
-    for ch in list(_registry.get(comm, ())):
+def _close_handles(core: Core) -> None:
+    for ch in list(_registry.get(core, ())):
         ch._detached = True
-        ch._fail(lambda: ClosedError(f"communicator {comm.address} is closed"))
-    _registry.pop(comm, None)
+        ch._fail(lambda: ClosedError(f"communicator {core.address} is closed"))
+    _registry.pop(core, None)
 
 
 # -- creating and finding channels -------------------------------------------------------------
-async def open_channel(comm, name: str, *, timeout: float | None = 30.0, prefetch: int = 0,
+async def open_channel(comm: HasCore, name: str, *, timeout: float | None = 30.0, prefetch: int = 0,
                        free_memory: Callable[[], int | None] | None = None, decode_ahead: bool = False) -> Channel:
     """A handle to the channel ``name``, waiting up to ``timeout`` for it to appear.
 
@@ -464,7 +465,7 @@ async def open_channel(comm, name: str, *, timeout: float | None = 30.0, prefetc
                          decode_ahead=decode_ahead)._open(timeout)
 
 
-async def create_channel(comm, name: str, *, maxsize: int = 0, policy: Any = "fifo", in_process: bool = False,
+async def create_channel(comm: HasCore, name: str, *, maxsize: int = 0, policy: Any = "fifo", in_process: bool = False,
                          work_stealing: bool = False, timeout: float | None = 60.0, prefetch: int = 0,
                          free_memory: Callable[[], int | None] | None = None, decode_ahead: bool = False) -> Channel:
     """Start channel ``name`` (in a new process on this node, or in this loop with
@@ -490,30 +491,27 @@ async def create_channel(comm, name: str, *, maxsize: int = 0, policy: Any = "fi
             raise TypeError(f"policy {policy!r} cannot be pickled for the channel process ({exc!r}): "
                             "define its class at module level, or pass in_process=True") from None
     _check_timeout(timeout)
-    comm._check_open()
+    core = comm.internal
+    core.check_open()
     address = server_address(name)
-    if await comm._control.lookup(address, wait=False, timeout=timeout) is not None:
+    if await core.lookup(address, wait=False, timeout=timeout) is not None:
         raise AddressInUseError(f"a channel named {name!r} already exists")
     config = {"maxsize": maxsize, "policy": policy, "work_stealing": bool(work_stealing)}
     if in_process:
-        server = ChannelServer(name, manager=comm.manager_address, token=comm._token, **config)
+        server = ChannelServer(name, manager=core.manager_address, token=core.token, **config)
         try:
             await server.start()
         except AddressInUseError as exc:
             raise AddressInUseError(f"a channel named {name!r} already exists ({exc})") from None
-        comm.add_closer(server.aclose)
-        watcher = asyncio.get_running_loop().create_task(_close_when_done(server))
-        _watchers.add(watcher)
-        watcher.add_done_callback(_watchers.discard)
+        core.add_closer(server.aclose)
+        # closes it once drained; cancelled when the communicator closes (which stops it)
+        core.add_closer(asyncio.get_running_loop().create_task(_close_when_done(server)).cancel)
     else:
-        process = ServerProcess(name, manager=comm.manager_address, token=comm._token, config=config)
-        comm.add_closer(process.stop)
+        process = ServerProcess(name, manager=core.manager_address, token=core.token, config=config)
+        core.add_closer(process.stop)
         await process.wait_ready(timeout)
     return await open_channel(comm, name, timeout=timeout, prefetch=prefetch, free_memory=free_memory,
                               decode_ahead=decode_ahead)
-
-
-_watchers: set[asyncio.Task] = set()
 
 
 async def _close_when_done(server: ChannelServer) -> None:

@@ -1,6 +1,6 @@
 """The channel server: one worker (``channel.<name>:0``) that owns a channel's queues.
 
-:class:`ChannelServer` joins the cluster with its own :class:`~rlinf.core.communicator.Communicator`
+:class:`ChannelServer` joins the cluster with its own :class:`~rlinf.core.communicator.CoreCommunicator`
 (meta ``{"kind": "channel", "channel": name}``, so it shows in the roster and in
 ``rlinf top``; its :class:`~rlinf.channel.stats.ChannelStats` go with its heartbeats as
 ``"channel"``), receives the operations of every client handle, feeds them to the state
@@ -25,11 +25,12 @@ import traceback
 from typing import Any
 
 from ..control import client as control
-from ..core.communicator import Communicator
+from ..control.cleanup import remove_socket_dirs
+from ..core.communicator import CoreCommunicator
 from ..errors import (AddressInUseError, ClosedError, CommTimeoutError, DecodeError, PeerLostError, ProtocolError,
                       RlinfError, WorkerFailedError)
 from ..info import socket_dirs
-from ..launch.base import remove_socket_dirs
+from ..util.futures import retrieve
 from ..util.pipe import MessagePipe
 from ..core.routing import CUDA_IPC
 from ._core import ChannelCore
@@ -92,7 +93,7 @@ class ChannelServer:
         # The server holds items and never computes on them: GPU items reach it staged
         # through host memory (no CUDA context here, no producer's slots pinned by a queue),
         # and the items it forwards are never written here (their views go as they are).
-        self.comm = Communicator(self.address, manager=manager, token=token, meta=meta, exclusive=True,
+        self.comm = CoreCommunicator(self.address, manager=manager, token=token, meta=meta, exclusive=True,
                                  disable=(CUDA_IPC,), forwards_unchanged=True)
         self._out: dict[tuple[str, int], list] = {}
         self._flush_scheduled = False
@@ -114,17 +115,17 @@ class ChannelServer:
         self._loop = asyncio.get_running_loop()
         self.done = asyncio.Event()
         await self.comm.start()
-        self.comm.on_peer_gone(self._on_gone)
-        self.comm.add_stats_provider("channel", lambda: ChannelStats.from_dict(self.core.stats()).to_dict())
+        self.comm.internal.on_peer_gone(self._on_gone)
+        self.comm.internal.add_stats_provider("channel", lambda: ChannelStats.from_dict(self.core.stats()).to_dict())
         self._task = self._loop.create_task(self._serve(), name=f"rlinf-channel-{self.name}")
         return self
 
     async def _serve(self) -> None:
-        comm, core = self.comm, self.core
+        internal, core = self.comm.internal, self.core
         try:
             while not core.finished:
                 try:
-                    message, src = await comm._recv_any_internal(REQUEST_TAG)
+                    message, src = await internal.recv_any(REQUEST_TAG)
                 except DecodeError as exc:
                     log.warning("channel %s: dropped an undecodable request: %r", self.name, exc)
                     continue
@@ -147,7 +148,7 @@ class ChannelServer:
         # its last "took"/"done" were applied.
         if self.core.has_source(address) and not self._closing:
             try:
-                self.comm._async_send_internal(("gone", address, incarnation), self.address, REQUEST_TAG)
+                self.comm.internal.start_send(("gone", address, incarnation), self.address, REQUEST_TAG)
             except RlinfError:
                 pass
 
@@ -174,11 +175,11 @@ class ChannelServer:
         out, self._out = self._out, {}
         for (src, hid), (ops, large) in out.items():
             try:
-                future = self.comm._async_send_internal(encode_ops(ops, large), src, reply_tag(hid))
+                future = self.comm.internal.start_send(encode_ops(ops, large), src, reply_tag(hid))
             except (PeerLostError, ClosedError):
                 continue            # its handles are (or will be) removed by _on_gone
             if not future.done():
-                future.add_done_callback(_retrieve)
+                future.add_done_callback(retrieve)
 
     async def wait_done(self) -> None:
         """Wait until the channel is closed and drained (or the server stopped)."""
@@ -199,11 +200,6 @@ class ChannelServer:
             except asyncio.CancelledError:
                 pass
         await self.comm.aclose()
-
-
-def _retrieve(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 # -- a server in its own process ------------------------------------------------------------

@@ -8,7 +8,7 @@ sequence number), its signature ``(kind, root, extra)``, its inbox and its sends
   internal str tag; a message with another signature raises ``ValueError``
   (mismatched calls), an abort message raises the error it carries.
 * A receive names the members whose loss makes it hopeless (``needs``); when one of
-  them is gone (``comm.on_peer_gone``), what is already queued is still taken, then
+  them is gone (``Core.on_peer_gone``), what is already queued is still taken, then
   the call fails with ``PeerLostError``. A member that finished and left owes nothing.
 * Any failure of a call on one member (mismatch, bad argument, timeout, cancellation,
   loss) is sent to the other members as an abort, so no member is left waiting; late
@@ -22,12 +22,14 @@ import weakref
 from collections import deque
 from typing import Any, Awaitable, Callable, Collection, Sequence
 
+from ..core.interface import Core
 from ..errors import ClosedError, CommTimeoutError, PeerLostError, ProtocolError, RlinfError
+from ..util.futures import retrieve
 
 __all__ = ["Call", "execute", "calls_made"]
 
 class _State:
-    """Call numbering and pending calls of one communicator (no reference to it)."""
+    """Call numbering and pending calls of one communicator's core (no reference to it)."""
 
     __slots__ = ("seq", "pending", "__weakref__")
 
@@ -44,23 +46,18 @@ class _State:
 _states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _state(comm) -> _State:
-    state = _states.get(comm)
+def _state(core: Core) -> _State:
+    state = _states.get(core)
     if state is None:
-        state = _states[comm] = _State()
-        comm.on_peer_gone(state.on_gone)
+        state = _states[core] = _State()
+        core.on_peer_gone(state.on_gone)
     return state
 
 
-def calls_made(comm, namespace: str) -> int:
+def calls_made(core: Core, namespace: str) -> int:
     """How many calls this communicator has made in ``namespace`` (a group's)."""
-    state = _states.get(comm)
+    state = _states.get(core)
     return state.seq.get(namespace, 0) if state is not None else 0
-
-
-def _quiet(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 _ABORT = "!"
@@ -70,14 +67,14 @@ _REMOTE = {"timeout": CommTimeoutError, "value": ValueError, "type": TypeError}
 class Call:
     """One collective call on one member: its tag, signature, inbox and sends."""
 
-    __slots__ = ("comm", "state", "me", "members", "member_set", "index", "tag", "kind", "root", "extra",
+    __slots__ = ("core", "state", "me", "members", "member_set", "index", "tag", "kind", "root", "extra",
                  "what", "stash", "sends", "error", "gone", "needs", "task", "baseline", "interrupted",
                  "finished", "remote", "arg_error")
 
-    def __init__(self, comm, members: tuple[str, ...], member_set: frozenset, namespace: str, kind: str,
+    def __init__(self, core: Core, members: tuple[str, ...], member_set: frozenset, namespace: str, kind: str,
                  root: str | None, extra: Any, owner: str) -> None:
-        comm._check_open()
-        self.comm, self.state, self.me = comm, _state(comm), comm.address
+        core.check_open()
+        self.core, self.state, self.me = core, _state(core), core.address
         self.members, self.member_set = members, member_set
         self.index = members.index(self.me)
         seq = self.state.seq.get(namespace, 0)
@@ -104,19 +101,17 @@ class Call:
     # sending -------------------------------------------------------------------------
     def send(self, phase: str, payload: Any, dst: str) -> None:
         """Queue ``payload`` to ``dst`` now; :meth:`drain` waits until its buffers are free."""
-        fut = self.comm._async_send_internal((self.kind, self.root, self.extra, phase, payload), dst, self.tag)
-        if fut is not None:
-            if fut.done():
-                fut.result()
-            else:
-                self.sends.append(fut)
+        fut = self.core.start_send((self.kind, self.root, self.extra, phase, payload), dst, self.tag)
+        if fut.done():
+            fut.result()
+        else:
+            self.sends.append(fut)
 
     async def fan_out(self, phase: str, payload: Any, dsts: Sequence[str]) -> None:
         """Send one payload to several members, encoding it (and writing same-node shared
-        memory) once when the communicator can multicast."""
-        multicast = getattr(self.comm, "_multicast_internal", None)
-        if multicast is not None and len(dsts) > 1:
-            await multicast((self.kind, self.root, self.extra, phase, payload), list(dsts), self.tag)
+        memory) once."""
+        if len(dsts) > 1:
+            await self.core.multicast((self.kind, self.root, self.extra, phase, payload), list(dsts), self.tag)
         else:
             for dst in dsts:
                 self.send(phase, payload, dst)
@@ -149,13 +144,13 @@ class Call:
             hopeless = next((m for m in self.gone if m in needs), None) if self.gone else None
             if hopeless is not None:
                 try:   # take what is already queued first
-                    obj, sender = await self.comm._recv_any_internal(self.tag, 0)
+                    obj, sender = await self.core.recv_any(self.tag, 0)
                 except CommTimeoutError:
                     raise PeerLostError(f"{hopeless} was lost during {self.what}", peer=hopeless) from None
             else:
                 self.needs = needs
                 try:
-                    obj, sender = await self.comm._recv_any_internal(self.tag)
+                    obj, sender = await self.core.recv_any(self.tag)
                 except asyncio.CancelledError:
                     if self.interrupted and self.error is None:   # woken by lose(): look again
                         self.interrupted = False
@@ -226,31 +221,20 @@ class Call:
             if m == self.me or m == getattr(exc, "peer", None):
                 continue
             try:
-                fut = self.comm._async_send_internal(message, m, self.tag)
+                fut = self.core.start_send(message, m, self.tag)
             except RlinfError:
                 continue
-            if fut is not None:
-                fut.add_done_callback(_quiet)
+            fut.add_done_callback(retrieve)
 
     def check_aborted(self) -> None:
         """After the call succeeded here: raise an abort that is already queued (a member
         failed after it sent what this one needed, e.g. its timeout expired meanwhile),
         so the call fails on every member that can still tell."""
-        mailbox = self.comm._mailbox
-        pulled = []    # data still read from its sender's memory, never an abort: left queued
-        try:
-            while (msg := mailbox.get_nowait(None, self.tag)) is not None:
-                if msg.pulling is not None:
-                    pulled.append(msg)
-                    continue
-                self._file(self.comm._decode(msg), msg.src)     # raises for an abort
-        finally:
-            for msg in reversed(pulled):
-                mailbox.put_back(msg)
+        self.core.take_queued(self.tag, self._file)     # raises for an abort
 
     def retire(self) -> None:
         """The call is over: its messages still queued or yet to come are dropped."""
-        self.comm._mailbox.retire(self.tag)
+        self.core.retire(self.tag)
 
 
 def _queued_abort(call: Call) -> Exception | None:
@@ -278,7 +262,7 @@ async def execute(call: Call, body: Callable[..., Awaitable[Any]], *args: Any, t
     task = call.task = asyncio.current_task()
     call.baseline = task.cancelling()
     call.state.pending.add(call)
-    call.gone.update((m, None) for m in call.members if call.comm._mailbox.is_lost(m) is not None)
+    call.gone.update((m, None) for m in call.members if call.core.is_lost(m))
     timer = None
     if timeout is not None and call.arg_error is None:
         timer = asyncio.get_running_loop().call_later(

@@ -35,6 +35,7 @@ from ..codec import buffer_nbytes, is_device_buffer
 from ..errors import ProtocolError
 from ..info import parse_address
 from ..util.memory import page_aligned, page_aligned_like
+from ..core.interface import Core
 from ..core.work import Work
 
 __all__ = ["Group", "REDUCE_OPS", "canonical_members", "group_id", "tree_children", "choose_broadcast",
@@ -195,7 +196,7 @@ async def _broadcast(call: Call, obj: Any) -> Any:
         await call.drain()            # forwarded before acknowledging: a member that acked
         call.send("a", None, root)    # and then died owes nobody anything
         return value
-    header, buffers = call.comm._codec.encode(obj)
+    header, buffers = call.core.codec.encode(obj)
     algorithm = choose_broadcast(sum(buffer_nbytes(b) for b in buffers), n)
     if algorithm == "direct":
         await call.fan_out("d", (obj, None), others)
@@ -211,9 +212,9 @@ async def _broadcast(call: Call, obj: Any) -> Any:
 async def _topology_root(call: Call, obj: Any, header: bytes, buffers: list) -> None:
     """One copy per other node, pipelined along a chain of node leaders; same-node
     members get it through one multicast (shared memory written once)."""
-    comm = call.comm
-    nodes = {p.address: p.node_id for p in await comm.peers()}
-    nodes[call.me] = comm.info.node_id
+    core = call.core
+    nodes = {p.address: p.node_id for p in core.roster()}
+    nodes[call.me] = core.info.node_id
     local, chain, locals_ = node_plan(call.members, call.root, nodes.get)
     if chain:
         if any(is_device_buffer(b) for b in buffers):   # device buffers: no host chunking here
@@ -250,7 +251,7 @@ async def _chain_member(call: Call, parent: str, info: dict) -> Any:
         piece[...] = part
         if successor is not None:
             call.send("c", (i, off, piece), successor)
-    value = call.comm._codec.decode(info["header"], [memoryview(blob[o:o + s]) for o, s in zip(offsets, sizes)])
+    value = call.core.codec.decode(info["header"], [memoryview(blob[o:o + s]) for o, s in zip(offsets, sizes)])
     await call.fan_out("d", (value, None), info["locals"].get(call.me, []))
     return value
 
@@ -423,18 +424,19 @@ class Group:
     def __init__(self, comm, addresses: Sequence[str], name: str = "") -> None:
         if not isinstance(name, str):
             raise TypeError(f"a group name is a str, got {type(name).__name__}")
-        self._comm = comm
-        self._members = canonical_members(addresses, comm.address)
+        core: Core = comm.internal
+        self._core = core
+        self._members = canonical_members(addresses, core.address)
         self._set = frozenset(self._members)
         self._id = group_id(self._members, name)
         self._namespace = f"g:{self._id}"
-        self._rank = self._members.index(comm.address)
+        self._rank = self._members.index(core.address)
         shown = ", ".join(self._members[:6]) + (", ..." if len(self._members) > 6 else "")
         self._label = f"group {self._id} [{shown}]"
 
     def __repr__(self) -> str:
         return (f"<Group {self._id} [{self._label.split('[', 1)[1]} size={self.size} rank={self._rank} "
-                f"calls={calls_made(self._comm, self._namespace)}>")
+                f"calls={calls_made(self._core, self._namespace)}>")
 
     @property
     def members(self) -> list[str]:
@@ -465,7 +467,7 @@ class Group:
             else:
                 error = ValueError(f"root must be a member address or index of {list(self._members)}, got {root!r}")
                 resolved = repr(root)
-        call = Call(self._comm, self._members, self._set, self._namespace, kind, resolved, None, self._label)
+        call = Call(self._core, self._members, self._set, self._namespace, kind, resolved, None, self._label)
         call.arg_error = error
         return call
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..core.interface import HasCore
 from ._engine import Call, execute
 from .group import canonical_members, group_id
 
@@ -192,7 +193,7 @@ def _addresses(addresses: Any, name: str) -> list[str]:
 
 
 # -- the protocol ----------------------------------------------------------------------------
-async def reshard(comm, shard: Any, *, src: Sequence[str], dst: Sequence[str], dim: int = 0,
+async def reshard(comm: HasCore, shard: Any, *, src: Sequence[str], dst: Sequence[str], dim: int = 0,
                   timeout: float | None = None) -> Any:
     """Move one global batch from the ``src`` workers to the ``dst`` workers (M -> N).
 
@@ -220,14 +221,15 @@ async def reshard(comm, shard: Any, *, src: Sequence[str], dst: Sequence[str], d
     """
     src, dst = _addresses(src, "src"), _addresses(dst, "dst")
     members = canonical_members(set(src) | set(dst))
-    if comm.address not in members:
-        raise ValueError(f"{comm.address} is neither a source nor a destination of this reshard")
+    core = comm.internal
+    if core.address not in members:
+        raise ValueError(f"{core.address} is neither a source nor a destination of this reshard")
     error = None
     if isinstance(dim, numbers.Integral) and not isinstance(dim, bool):
         dim = int(dim)    # numpy integers too
     else:   # raised inside the call, so the other participants hear of it
         error, dim = TypeError(f"dim must be an int, got {type(dim).__name__}"), repr(dim)
-    call = Call(comm, members, frozenset(members), f"r:{group_id(members)}", "reshard", None,
+    call = Call(core, members, frozenset(members), f"r:{group_id(members)}", "reshard", None,
                  (tuple(src), tuple(dst), dim), f"reshard {len(src)}->{len(dst)}")
     call.arg_error = error
     return await execute(call, _reshard, shard, src, dst, dim, timeout=timeout)

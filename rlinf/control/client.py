@@ -167,6 +167,8 @@ class ControlClient:
         self._heartbeat: threading.Thread | None = None
         self._stats_task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()        # re-registrations and roster refreshes
+        self._refresh_timer: asyncio.TimerHandle | None = None
         self._heard = time.monotonic()     # the last heartbeat answer (set by the heartbeat thread)
         self._reregistering = False
         self.latest_stats: dict | None = None
@@ -230,7 +232,9 @@ class ControlClient:
         roster = [WorkerInfo.from_wire(w) for w in reply["roster"]]
         if rebuilding:
             grace = 2 * self.peer_timeout + self.heartbeat_interval
-            self._loop.call_later(grace, lambda: self._closed or self._loop.create_task(self._refresh()))
+            if self._refresh_timer is not None:
+                self._refresh_timer.cancel()
+            self._refresh_timer = self._loop.call_later(grace, lambda: self._closed or self._spawn(self._refresh()))
         if self._heartbeat is None:
             self._heartbeat = threading.Thread(target=self._heartbeat_thread, name="rlinf-heartbeat",
                                                args=(self._context, self._keys, self._stop), daemon=True)
@@ -427,9 +431,15 @@ class ControlClient:
         if not reply.get("known"):
             if not self._reregistering:
                 self._reregistering = True
-                self._loop.create_task(self._reregister())
+                self._spawn(self._reregister())
         elif reply.get("version") != self._version:
-            self._loop.create_task(self._refresh())
+            self._spawn(self._refresh())
+
+    def _spawn(self, coro: Coroutine) -> None:
+        """Run ``coro`` as a task of this client (kept until done, cancelled by :meth:`close`)."""
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def close(self, *, deregister: bool = True, bye_to: list[str] = ()) -> None:
         """Deregister (best effort, bounded) and close. Idempotent.
@@ -439,6 +449,10 @@ class ControlClient:
         if self._closed:
             return
         self._stop.set()
+        if self._refresh_timer is not None:
+            self._refresh_timer.cancel()
+        for task in list(self._tasks):
+            task.cancel()
         for task in (self._stats_task, self._watch_task):
             if task is not None:
                 task.cancel()

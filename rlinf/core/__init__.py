@@ -1,9 +1,11 @@
-"""The messaging core: the Communicator facade, per-peer sessions (send side: outbox,
-ordering, shared-memory and pull bookkeeping; receive side: frame reading, arrival
-order), the mailbox that matches messages to receivers, the wire records, routing (the
-one place a path is chosen), ``Work`` handles and traffic statistics.
+"""The messaging core: the Communicator facade (:mod:`.communicator`), per-peer sessions
+(:mod:`._peer`: a peer incarnation's links, outbox and ordering, dial, failure), the send
+path (:mod:`._send`, :mod:`._outbox`), the receive path (:mod:`._receive`: frame reading
+in :mod:`._inbound` and :mod:`._arrival`, the mailbox in :mod:`._mailbox`, decoding),
+membership (:mod:`._membership`), the wire records (:mod:`.wire`), routing (:mod:`.routing`:
+the one place a path is chosen), ``Work`` handles and traffic statistics.
 
 Layer: above ``codec``, ``transports`` and ``control``; below ``collectives``,
-``channel``, ``launch``. Subsystems use :mod:`.interface`, not the Communicator's
-private members. See ``docs/architecture.md``.
+``channel``, ``launch``. Subsystems use :mod:`.interface` (``comm.internal``), not the
+Communicator's private members. See ``docs/architecture.md``.
 """

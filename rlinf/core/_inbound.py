@@ -27,7 +27,6 @@ import numpy as np
 from . import wire
 from ..errors import ClosedError, DecodeError, ProtocolError
 from ..transports import shm
-from ..transports.shm._pull import PullSession
 
 __all__ = ["FrameReader", "Rebuilt"]
 
@@ -56,14 +55,14 @@ class FrameReader:
             :meth:`~rlinf.transports.cuda.ipc.CudaIpcReader.open`).
         refuse_gpu: ``refuse_gpu(src, incarnation, gpu)`` gives back the GPU slot of an
             entry whose other buffers could not be read.
-        pull: the communicator's pulls (:class:`~rlinf.transports.shm._pull.PullSession`), or None.
+        pull: the communicator's pulls (:class:`~rlinf.transports.shm.PullSession`), or None.
     """
 
     def __init__(self, session: shm.ShmSession | None, recycler: shm.Recycler,
                  pid_of: Callable[[str], int | None], on_bad_slot: Callable[[], None],
                  open_gpu: Callable[[str, str, wire.GpuRef], tuple] | None = None,
                  refuse_gpu: Callable[[str, str, wire.GpuRef], None] | None = None,
-                 pull: PullSession | None = None) -> None:
+                 pull: shm.PullSession | None = None) -> None:
         self._shm = session
         self._pull = pull
         self._recycler = recycler

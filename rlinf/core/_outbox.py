@@ -30,7 +30,7 @@ import asyncio
 import collections
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Coroutine
 
 from . import wire
 from ._arrival import bulk_header
@@ -152,7 +152,6 @@ class Outbox:
         self.link = None
         self.queue: collections.deque[OutMessage] = collections.deque()
         self.error: BaseException | None = None
-        self.resolving: asyncio.Task | None = None
         self._header = header if isinstance(header, wire.HeaderPacker) else wire.HeaderPacker(*header)
         self._counters = counters
         self._scheduled = False
@@ -166,6 +165,7 @@ class Outbox:
         self._bulk_link = None
         self._zmq_sent = 0        # frame sets handed to the ZeroMQ link (see rlinf.core._arrival)
         self._sent_at = -IN_FLIGHT  # clock() at the last send to the link
+        self._tasks: set[asyncio.Task] = set()   # releases, bulk sends and writability awaited
 
     def __repr__(self) -> str:
         state = "lost" if self.error else ("connected" if self.link else "resolving")
@@ -210,7 +210,7 @@ class Outbox:
 
     def attach(self, link, info: WorkerInfo) -> None:
         """Use ``link`` from now on and send what waited for it."""
-        self.link, self.info, self.resolving = link, info, None
+        self.link, self.info = link, info
         self.flush()
 
     def flush(self) -> None:
@@ -276,14 +276,14 @@ class Outbox:
                 elif msg.discard is not None:     # cancelled while queued
                     msg.discard()
             if head.large:
-                asyncio.get_running_loop().create_task(self._await_release(link, tracker, head))
+                self._spawn(self._await_release(link, tracker, head))
 
     def _send_bulk(self, msg: OutMessage) -> None:
         """Hand the head to the bulk stream; the queue waits until the receiver has it
         (its acknowledgement), so nothing sent later through ZeroMQ can overtake it."""
         self.queue.popleft()     # with the transport now: a failing peer no longer fails it here
         self._held = True
-        asyncio.get_running_loop().create_task(self._bulk_send(msg))
+        self._spawn(self._bulk_send(msg))
 
     async def _bulk_send(self, msg: OutMessage) -> None:
         """The bulk send of the head. A stream that cannot be opened is not an error:
@@ -311,6 +311,9 @@ class Outbox:
                 self._drop_bulk()
             if msg.future is not None and not msg.future.done():
                 msg.future.set_exception(self.error or exc)
+        except asyncio.CancelledError:    # the communicator closed under it
+            self._fail_sent(msg)
+            raise
         else:
             self._sent_at = self._clock()
             self._counters.sent(self.address, msg.nbytes, msg.transport)
@@ -360,7 +363,7 @@ class Outbox:
             return True, tracker
         except WouldBlock:
             self._blocked = True
-            asyncio.get_running_loop().create_task(self._wait_writable())
+            self._spawn(self._wait_writable())
         except (ClosedError, PeerLostError) as exc:
             self.fail(exc)
         return False, None
@@ -388,8 +391,28 @@ class Outbox:
                 msg.future.set_result(None)
             self._counters.latency(self.address, time.perf_counter() - msg.started)
 
+    def _spawn(self, coro: Coroutine) -> None:
+        """Run ``coro`` as a task of this outbox (kept until done; see :meth:`cancel_tasks`)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def cancel_tasks(self) -> None:
+        """Cancel what is still awaited: once the communicator closed and its transports
+        let go of every buffer (a send still waiting then fails)."""
+        for task in list(self._tasks):
+            task.cancel()
+
+    def _fail_sent(self, msg: OutMessage) -> None:
+        if msg.future is not None and not msg.future.done():
+            msg.future.set_exception(self.error or ClosedError(f"the link to {self.address} is closed"))
+
     async def _await_release(self, link, tracker, msg: OutMessage) -> None:
-        await link.released(tracker)
+        try:
+            await link.released(tracker)
+        except asyncio.CancelledError:
+            self._fail_sent(msg)
+            raise
         msg.frames = []
         if link is not self.link and self.error is not None:
             # the link was closed under the message (its peer was lost): the transport
@@ -417,9 +440,6 @@ class Outbox:
                 msg.future.set_exception(exc)
             if msg.discard is not None:
                 msg.discard()
-        if self.resolving is not None:
-            self.resolving.cancel()
-            self.resolving = None
         if self.link is not None:
             self.link.close(exc if isinstance(exc, PeerLostError) else None)
             self.link = None

@@ -1,9 +1,12 @@
-"""The Communicator: one worker's endpoint in the cluster.
+"""The Communicator's core: one worker's endpoint in the cluster, as a facade.
 
-It owns the worker's ZeroMQ context, its data listener, its session with the manager,
-one :class:`~rlinf.core._outbox.Outbox` per destination and a :class:`~rlinf.core._mailbox.Mailbox`
-for what arrives. It delegates: encoding to the codec, the link scheme to
-:mod:`rlinf.routing`, queueing and coalescing to the outbox, matching to the mailbox.
+It owns the worker's ZeroMQ context, its data listeners, its session with the manager,
+the mailbox for what arrives, and a :class:`~rlinf.core._peer.PeerSessions` registry of
+per-peer sessions; it starts them and closes them. The work is done elsewhere in this
+package: the send path (:mod:`._send`), the receive path (:mod:`._receive`: frame
+reading, the mailbox, decoding), membership (:mod:`._membership`), the link scheme
+(:mod:`.routing`), queueing and coalescing (:mod:`._outbox`). Subsystems use
+:attr:`CoreCommunicator.internal` (:mod:`.interface`).
 
 Connections are lazy: nothing is dialled until the first message to a peer. A peer not
 yet registered is looked up (the lookup waits for it to join), so a worker that joins
@@ -13,60 +16,49 @@ late is reachable at once.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import logging
 import os
 import secrets
 import socket
 import threading
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, AsyncIterator, Callable, Iterable, Self
 
 import zmq
 
 from ..config import Settings, visible_devices
+from ..codec import Codec
 from ..control import client as control, devices
-from ..transports import leftovers
-from . import routing, wire
-from ._arrival import ArrivalOrder
-from ..util.bounded import Recent
-from ._busypoll import BusyPoll
-from ..codec import Codec, is_device_buffer
-from ..errors import (AuthenticationError, ClosedError, CommTimeoutError, DecodeError, PeerLostError, ProtocolError,
-                      RlinfError, TransportUnavailableError)
-from ._gpu_paths import GpuPaths
-from ._inbound import FrameReader
-from ..info import MembershipEvent, WorkerInfo, check_plain, check_timeout, parse_address
-from ._mailbox import Mailbox, Message
-from ._outbox import SMALL_MESSAGE, OutMessage, Outbox, bulk_frames, split_frames
 from ..control.security import ClusterKeys, ZapHandler
-from .stats import CommStats, Counters
+from ..errors import ClosedError, CommTimeoutError, TransportUnavailableError
+from ..info import MembershipEvent, WorkerInfo, check_plain, check_timeout, parse_address
+from ..transports import leftovers, shm, tcp_bulk
 from ..transports.cuda import ipc as cuda_ipc
-from ..transports import shm, tcp_bulk
-from ..transports.shm._pull import PullSession
-from ..transports.base import Received
+from ..transports.shm import PullSession
 from ..transports.stream import StreamTransport
 from ..transports.zeromq import ZmqTransport
+from ..util.bounded import Recent
+from . import routing, wire
+from ._access import CoreAccess
+from ._arrival import ArrivalOrder
+from ._busypoll import BusyPoll
+from ._gpu_paths import GpuPaths
+from ._inbound import FrameReader
+from ._mailbox import Mailbox
+from ._membership import Membership
+from ._peer import PeerSessions
+from ._receive import ReceivePath
+from ._send import SendPath
+from ._threads import run_threadsafe
+from .interface import Core
+from .stats import CommStats, Counters
 from .work import Work
 
-__all__ = ["Communicator", "connect"]
+__all__ = ["CoreCommunicator"]
 
 log = logging.getLogger("rlinf.core.communicator")
 
 _GRACEFUL_LINGER_MS = 2000
-#: Shared-memory notices owed before a receive that does not yield sends them itself.
-_OWED_BURST = 16
-#: How long a "left" peer that sent us data may take to deliver its in-order "bye".
-_BYE_GRACE = 2.0
-#: When that grace ends after a stall, the bye (and the data before it) may still wait
-#: unread in the socket: uvloop runs due timers before it polls I/O. The peer is declared
-#: gone only this much later, after one more poll.
-_AFTER_ONE_POLL = 0.01
-#: Incarnations of peers known gone (their late frames are dropped) that are remembered,
-#: the oldest forgotten first: a peer restarted under one name adds one each time.
-DEAD_KEPT = 4096
-#: Seconds a blocking_* call waits beyond its timeout for a busy loop to run it.
-_LOOP_GRACE = 1.0
 
 
 _TAG_MIN, _TAG_MAX = wire.INT_MIN, wire.INT_MAX   # user tags travel as msgpack integers
@@ -90,51 +82,13 @@ def _tcp_host(manager: str, host: str | None = None) -> tuple[str, str]:
     return "0.0.0.0", local
 
 
-class Communicator:
-    """A worker's endpoint: point-to-point messaging, membership, groups and channels.
+class CoreCommunicator:
+    """The messaging core of a :class:`rlinf.Communicator` (which adds groups, resharding
+    and channels on top; see it for the arguments): point-to-point messaging, membership,
+    the per-peer sessions, the mailbox, start and close. A channel server process runs
+    on this class alone.
 
-    Use it as an async context manager (see :func:`connect`). All methods run on the
-    loop that entered it, except ``blocking_*`` (any other thread).
-
-    Args:
-        address: this worker's ``"group:rank"`` (default ``$RLINF_ADDRESS``).
-        manager: the manager's endpoint (default ``$RLINF_MANAGER``).
-        token: the cluster token (default ``$RLINF_TOKEN``).
-        codec: the codec to encode/decode messages with (default ``Codec()``).
-        connect_timeout: seconds to wait for the manager at start.
-        meta: extra registration data (shown by ``rlinf top``): plain data (None, bool,
-            numbers, str, bytes, and lists and maps of them, at most 16 deep).
-        shm_views: arrays received through shared memory are zero-copy views of the
-            sender's slot (True, the default; the slot returns to the sender when they are
-            garbage-collected), or owned copies (False: nothing of the sender's is held;
-            a large same-node message is then read straight from the sender's memory
-            when it arrives, one copy, where the kernel allows it, else copied out of
-            the slot at receive time: see ``RLINF_SHM_PULL`` in ``docs/transports.md``).
-            Default ``$RLINF_SHM_VIEWS`` (``0`` for copies), else True. The same holds for
-            GPU tensors received through CUDA IPC (views of the sender's device slot, or
-            owned copies).
-        exclusive: join only if no live worker holds ``address`` (else ``start``
-            raises :class:`~rlinf.AddressInUseError`). By default a second worker under
-            a live address replaces the first, as a restarted worker does.
-        manager_host: the address of the worker whose process also runs the manager, if
-            one does (``rlinf.init`` passes rank 0's). Lost peers are reported by the
-            manager; while it is silent for the peer timeout, this communicator reports
-            lost, by itself, that worker and the peers on its own machine whose process
-            is gone (operations on them fail with ``PeerLostError`` instead of waiting
-            for a manager that may never come back).
-        disable: transports this communicator never uses, added to
-            ``$RLINF_DISABLE_TRANSPORTS`` (names of :data:`rlinf.routing.TRANSPORTS`).
-        forwards_unchanged: this process never writes into arrays it received and then
-            forwards (a relay such as the channel process). Forwarded views of another
-            process's shared memory then go by reference as they are, without first
-            making this process's mapping copy-on-write (which guards their receiver
-            from later writes here, at the cost of a remap per forwarded slot).
-        settings: every ``RLINF_*`` knob (:class:`rlinf.config.Settings`; see
-            ``docs/configuration.md``). Default ``Settings.from_env()``, read when the
-            communicator is constructed (a bad value raises ``ValueError`` naming the
-            variable). The ``$RLINF_*`` defaults above are its fields: ``address``,
-            ``manager``, ``token`` and ``shm_views`` given here win over them, and
-            ``disable`` adds to its ``disable_transports``.
+    Subsystems use :attr:`internal` (:class:`rlinf.core.interface.Core`).
     """
 
     def __init__(self, address: str | None = None, *, manager: str | None = None, token: str | None = None,
@@ -162,7 +116,6 @@ class Communicator:
         self.incarnation = secrets.token_hex(8)
         self.info: WorkerInfo | None = None
         self._keys = ClusterKeys(token)
-        self._token = token            # subsystems that start processes (channels) pass it on
         self._codec = codec or Codec()
         self._connect_timeout = connect_timeout
         self._meta = dict(meta or {})
@@ -170,22 +123,16 @@ class Communicator:
         self._exclusive = bool(exclusive)
         self._manager_host = manager_host if manager_host is None else str(manager_host)
         self._roster: dict[str, WorkerInfo] = {}
-        self._outboxes: dict[str, Outbox] = {}
         self._busy_poll = BusyPoll(settings.busy_poll_us)
         self._mailbox = Mailbox(self._busy_poll)
         self._dead = Recent()     # (address, incarnation) of peers known gone
-        self._failed = Recent()   # addresses whose outbox failed (kept: sends to them fail at once)
         self._closing: asyncio.Future | None = None   # the close in progress (a second aclose waits for it)
-        self._valid: set[str] = set()      # addresses already checked (hot-path memo)
-        self._system_handlers: dict[str, Callable[[str, Any], None]] = {}
-        self._gone_hooks: list[Callable[[str, str], None]] = []
         self._closers: list[Callable[[], Any]] = []
         self._stats_providers: dict[str, Callable[[], dict]] = {"busy_poll": self._busy_poll.report}
-        self._subscribers: list[asyncio.Queue] = []
         self._counters = Counters(address)
-        self._identity = f"{address}|{self.incarnation}".encode()
         self._header = wire.HeaderPacker(address, self.incarnation)   # one for every outbox
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
         self._context: zmq.Context | None = None
         self._closed: ClosedError | None = None
         self._started = False
@@ -198,20 +145,43 @@ class Communicator:
             raise TypeError(f"shm_views must be a bool, got {shm_views!r}")
         self._shm_views = shm_views
         self._guard_relays = not forwards_unchanged
+        # what start() brings up (None until then, or when it cannot run here)
+        self._zap: ZapHandler | None = None
+        self._transport: ZmqTransport | None = None
+        self._listener = self._bulk_listener = self._stream_listener = None
+        self._arrival: ArrivalOrder | None = None
+        self._inbound: FrameReader | None = None
+        self._control: control.ControlClient | None = None
         self._shm: shm.ShmSession | None = None
         self._pull: PullSession | None = None      # single-copy pulls by copy-out receivers
         self._bulk: tcp_bulk.BulkTransport | None = None   # large payloads from/to other nodes
         self._stream: StreamTransport | None = None        # frame sets from/to this node's processes
         self._recycler = shm.Recycler(settings.shm_cap)   # receive-side private memory (chunk reassembly, copy-outs)
-        self._shm_routes: dict[str, bool] = {}     # peer -> large CPU payloads go by shm
         self._gpu = GpuPaths(address, self._roster, self._routing, self._new_cuda_session)
+        # the parts: per-peer sessions, the send and receive paths, membership
+        self._sessions = PeerSessions(address, self.incarnation, self._header, self._counters, self._routing,
+                                      self._roster, self._mailbox, self._gpu)
+        self._send = SendPath(address, self.incarnation, self._codec, self._sessions, self._mailbox, self._gpu,
+                              self._routing, self._check_open)
+        self._membership = Membership(address, self._roster, self._dead, self._mailbox, self._sessions,
+                                      lambda: self._closed is not None)
+        self._receive = ReceivePath(address, self._codec, self._mailbox, self._counters, self._dead, shm_views,
+                                    self._sessions, self._guard, self._membership.peer_gone)
+        self._internal = CoreAccess(self, token, self._codec, self._send, self._receive, self._mailbox,
+                                    self._roster, check_open=self._check_open, guard=self._guard,
+                                    lookup=self._lookup)
 
     def __repr__(self) -> str:
-        pending = sum(len(o.queue) for o in self._outboxes.values())
         state = "closed" if self._closed else ("open" if self._started else "new")
         return (f"<Communicator {self.address} {state} peers={len(self._roster)} "
-                f"connections={sum(1 for o in self._outboxes.values() if o.link)} "
-                f"pending_sends={pending} queued_recvs={len(self._mailbox)}>")
+                f"connections={len(self._sessions.connected())} "
+                f"pending_sends={self._sessions.pending()} queued_recvs={len(self._mailbox)}>")
+
+    @property
+    def internal(self) -> Core:
+        """The core's interface for rlinf's own subsystems (collectives, channels, the
+        launcher): see :mod:`rlinf.core.interface`. Not for applications."""
+        return self._internal
 
     @property
     def closed(self) -> bool:
@@ -220,14 +190,14 @@ class Communicator:
         return self._closed is not None
 
     # -- lifecycle ---------------------------------------------------------------------
-    async def __aenter__(self) -> Communicator:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
     async def __aexit__(self, *exc_info) -> None:
         await self.aclose()
 
-    async def start(self) -> Communicator:
+    async def start(self) -> Self:
         """Bind data sockets and register with the manager.
 
         Raises:
@@ -249,26 +219,26 @@ class Communicator:
             self._transport = ZmqTransport(self._context, self._keys, tcp_host=bind, advertise_host=advertise,
                                            encrypt_tcp=settings.tcp_encryption)
             self._listener = await self._transport.listen()
-            self._arrival = ArrivalOrder(self._on_frames, self._loop)   # ZeroMQ and bulk, in call order
+            self._arrival = ArrivalOrder(self._receive.on_frames, self._loop)   # ZeroMQ and bulk, in call order
             endpoints = dict(self._listener.endpoints)
             transports = (routing.INLINE,)
             if routing.BULK not in self._routing.disabled and "tcp" in endpoints:
                 transports += await self._start_bulk(bind, advertise, endpoints)
             if routing.SHM not in self._routing.disabled and shm.available():
-                self._shm = shm.ShmSession(self._loop, self._send_notice, views=self._shm_views,
+                self._shm = shm.ShmSession(self._loop, self._send.notice, views=self._shm_views,
                                            recycler=self._recycler, guard_relays=self._guard_relays,
                                            cap=settings.shm_cap, offload=settings.shm_offload,
                                            fd_share=settings.shm_fd, fd_cache=settings.shm_fd_cache,
                                            copy_threads=settings.copy_threads)
-                self.on_system("shm", self._shm.on_notice)
+                self._receive.handle("shm", self._shm.on_notice)
                 transports += (routing.SHM,)
                 self._pull = PullSession(self._loop, self.incarnation,
-                                         functools.partial(self._send_notice, tag="pull"), self._recycler,
+                                         functools.partial(self._send.notice, tag="pull"), self._recycler,
                                          self._shm.copier, offload=self._shm.offload, threshold=settings.shm_pull,
-                                         pid_of=self._pid_of)
-                self.on_system("pull", self._pull.on_notice)
+                                         pid_of=self._membership.pid_of)
+                self._receive.handle("pull", self._pull.on_notice)
                 self._stats_providers["pull"] = self._pull.report
-            self._inbound = FrameReader(self._shm, self._recycler, self._pid_of, self._counters.dropped,
+            self._inbound = FrameReader(self._shm, self._recycler, self._membership.pid_of, self._counters.dropped,
                                         self._gpu.open, self._gpu.refuse, self._pull)
             self._listener.set_handler(self._arrival.zmq)
             if routing.STREAM not in self._routing.disabled and StreamTransport.available():
@@ -276,7 +246,7 @@ class Communicator:
             gpus = devices.discover_devices(no_torch=settings.no_torch, visible=self._visible_devices)
             if gpus and routing.CUDA_IPC not in self._routing.disabled and cuda_ipc.available():
                 transports += (routing.CUDA_IPC,)
-                self.on_system("cuda", self._gpu.on_notice)
+                self._receive.handle("cuda", self._gpu.on_notice)
             self.info = WorkerInfo(
                 address=self.address, incarnation=self.incarnation, node_id=devices.node_id(settings.node_id),
                 host=socket.gethostname(), pid=os.getpid(), endpoints=endpoints,
@@ -285,11 +255,12 @@ class Communicator:
             )
             self._gpu.me = self.info
             self._control = control.ControlClient(self._context, self._keys, self.manager_address, self.info,
-                                                  self._on_event, stats=self._heartbeat_stats,
+                                                  self._membership.on_event, stats=self._heartbeat_stats,
                                                   exclusive=self._exclusive, on_superseded=self._superseded,
                                                   manager_host=self._manager_host,
                                                   peer_timeout=settings.peer_timeout,
                                                   heartbeat_interval=settings.heartbeat_interval)
+            self._start_parts()
             await self._control.register(timeout=self._connect_timeout)
         except BaseException:
             await self._teardown(deregister=False)
@@ -327,6 +298,18 @@ class Communicator:
         self._stream_listener.set_handler(self._arrival.zmq)   # one link per peer: counted as ZeroMQ's
         endpoints.update(self._stream_listener.endpoints)
         return (routing.STREAM,)
+
+    def _start_parts(self) -> None:
+        """Hand the parts what start() brought up (before any event can reach them)."""
+        self._sessions.start(self._loop, self.info, zmq=self._transport, stream=self._stream, bulk=self._bulk,
+                             control_client=self._control, shm=self._shm, pull=self._pull)
+        self._send.start(self._loop, self._shm, self._pull)
+        self._receive.start(self._loop, self._shm, self._pull, self._inbound)
+        self._membership.start(self._loop, self._arrival)
+
+    def _new_cuda_session(self) -> cuda_ipc.CudaIpcSession:
+        return cuda_ipc.CudaIpcSession(self._loop, functools.partial(self._send.notice, tag="cuda"),
+                                       self.incarnation, views=self._shm_views, cap=self._settings.cuda_ipc_cap)
 
     async def aclose(self) -> None:
         """Deregister, fail pending operations with ``ClosedError``, release everything.
@@ -372,7 +355,7 @@ class Communicator:
                     cancelled = exc
             self._pull.close(error)
         self._closed = error
-        bye_to = self._say_bye() if deregister else []
+        bye_to = self._send.say_bye() if deregister else []
         for closer in reversed(self._closers):
             try:
                 result = closer()
@@ -381,58 +364,42 @@ class Communicator:
             except Exception:
                 log.exception("rlinf %s: error while closing a subsystem", self.address)
         try:
-            control_client = getattr(self, "_control", None)
-            if control_client is not None:
-                await control_client.close(deregister=deregister, bye_to=bye_to)
+            if self._control is not None:
+                await self._control.close(deregister=deregister, bye_to=bye_to)
         finally:
-            flushing = []
-            for outbox in self._outboxes.values():
-                outbox.flush()
-                flushed = outbox.close(_GRACEFUL_LINGER_MS, error)
-                if flushed is not None:
-                    flushing.append(flushed)
+            flushing = self._sessions.close_all(_GRACEFUL_LINGER_MS, error)
             if flushing:    # stream links write what they buffered from this loop
                 await asyncio.wait(flushing, timeout=_GRACEFUL_LINGER_MS / 1000 + 0.5)
             self._mailbox.close(error)
-            for queue in self._subscribers:
-                queue.put_nowait(None)
-            transport = getattr(self, "_transport", None)
-            if transport is not None:
-                transport.close()
-            for name in ("_listener", "_bulk_listener", "_stream_listener"):
-                listener = getattr(self, name, None)
-                if listener is not None:
-                    listener.close()
-            zap = getattr(self, "_zap", None)
-            if zap is not None:
-                zap.close()
-            if self._shm is not None:
-                self._shm.close()
-            if self._gpu.session is not None:
-                self._gpu.session.close()
+            self._membership.close()
+            for part in (self._transport, self._listener, self._bulk_listener, self._stream_listener, self._zap,
+                         self._shm, self._gpu.session):
+                if part is not None:
+                    part.close()
             if self._context is not None:
                 context, self._context = self._context, None
                 # term() waits for lingering frames; keep the loop free meanwhile.
                 await asyncio.get_running_loop().run_in_executor(None, context.term)
+            self._sessions.cancel_tasks()
         if cancelled is not None:
             raise cancelled
-
-    def _say_bye(self) -> list[str]:
-        """Queue a SYSTEM "bye" behind the data on every open link: it tells each peer,
-        in order with our last messages, that we left (the manager's "left" event travels
-        another socket and may overtake them). Returns the peers told."""
-        told = []
-        for outbox in self._outboxes.values():
-            if outbox.link is not None and outbox.error is None:
-                outbox.put(OutMessage([wire.SYSTEM, "bye", b"", []], [], 0, None, False), self._loop)
-                told.append(outbox.address)
-        return told
 
     def _check_open(self) -> None:
         if self._closed is not None:
             raise self._closed
         if not self._started:
             raise ClosedError("communicator is not started: use 'async with rlinf.connect(...)'")
+
+    def _guard(self) -> None:
+        """The check of every operation: open, and on the loop's thread."""
+        if self._closed is not None or not self._started:
+            self._check_open()
+        if threading.get_ident() != self._loop_thread:
+            raise RuntimeError(f"communicator {self.address} is used on its own event loop's thread only; from "
+                               "another thread use its blocking_* methods (or asyncio.run_coroutine_threadsafe)")
+
+    async def _lookup(self, address: str, *, wait: bool, timeout: float | None) -> WorkerInfo | None:
+        return await self._control.lookup(address, wait=wait, timeout=timeout)
 
     # -- sending -----------------------------------------------------------------------
     async def send(self, obj: Any, dst: str, *, tag: int = 0, timeout: float | None = None) -> None:
@@ -453,290 +420,25 @@ class Communicator:
             _check_tag(tag)
         if timeout is not None:
             timeout = check_timeout(timeout)
-        future = self._enqueue(obj, dst, tag, wire.USER, need_future=False)
+        self._guard()
+        sender = self._send
+        future = sender.enqueue(obj, dst, tag, wire.USER, need_future=False)
         if future is not None:
             await self._wait(future, timeout, f"send to {dst}")
-        if self._shm is not None and self._shm.behind(dst):
-            await self._room(dst)
-        cuda = self._gpu.session
-        if cuda is not None and cuda.behind(dst):
-            await cuda.room(dst)
-
-    async def _room(self, dst: str) -> None:
-        """Backpressure: wait while ``dst`` holds a window of our slots. Raises the
-        peer's error if it went away meanwhile (it may never have read what we sent)."""
-        await self._shm.room(dst)
-        outbox = self._outboxes.get(dst)
-        if outbox is not None and outbox.error is not None:
-            raise outbox.error
+        if sender.behind(dst):
+            await sender.room(dst)
 
     def async_send(self, obj: Any, dst: str, *, tag: int = 0) -> Work[None]:
         """Start a send now (ordering is fixed by this call) and return its :class:`Work`."""
         _check_tag(tag)
-        future = self._enqueue(obj, dst, tag, wire.USER, need_future=True)
+        self._guard()
+        future = self._send.enqueue(obj, dst, tag, wire.USER, need_future=True)
         return Work(future, f"send to {dst} tag={tag}")
 
     def blocking_send(self, obj: Any, dst: str, *, tag: int = 0, timeout: float | None = None) -> None:
         """:meth:`send` from a thread other than the loop's."""
-        self._run_threadsafe(self.send(obj, dst, tag=tag, timeout=timeout), timeout)
-
-    def _check_address(self, address: Any) -> None:
-        parse_address(address)
-        if len(self._valid) < 100_000:
-            self._valid.add(address)
-
-    def _enqueue(self, obj: Any, dst: str, tag: Any, kind: int, *, need_future: bool) -> asyncio.Future | None:
-        """Encode and queue one message; returns a future unless it completed at once.
-
-        This is the hot path of every send: keep it flat.
-        """
-        if self._closed is not None or not self._started:
-            self._check_open()
-        if threading.get_ident() != self._loop_thread:
-            raise self._wrong_thread()
-        if dst not in self._valid:
-            self._check_address(dst)
-        codec_header, buffers = self._codec.encode(obj)
-        gpu = None
-        for b in buffers:
-            if type(b) is not memoryview and is_device_buffer(b):
-                gpu = True
-                break
-        if dst == self.address:
-            return self._send_to_self(tag, kind, codec_header, buffers, need_future)
-        outbox = self._outboxes.get(dst)
-        if outbox is None:
-            outbox = self._outbox(dst)
-        elif outbox.error is not None:
-            raise outbox.error
-        if gpu:
-            buffers, gpu = self._gpu.prepare(buffers, dst)
-        held = False      # the large slots we owe dst go back with this message, ahead of it
-        ahead = None
-        if self._shm is not None and self._shm.owed:
-            ahead = self._shm.ahead(dst)
-            if ahead:
-                self._queue_notice(outbox, self._shm.take(dst), hold=True)
-                held = True
-        cuda = self._gpu.session
-        if cuda is not None and cuda.owed:
-            notice = cuda.take(dst)
-            if notice is not None:
-                self._queue_notice(outbox, notice, hold=True, tag="cuda")
-                held = True
-        future = self._queue(outbox, kind, tag, codec_header, buffers, need_future, gpu)
-        if held:
-            outbox.flush()
-        elif ahead is False:   # small slots: right after it (after its flush), off a reply's path
-            self._loop.call_soon(self._shm.flush_to, dst)
-        return future
-
-    def _new_cuda_session(self) -> cuda_ipc.CudaIpcSession:
-        return cuda_ipc.CudaIpcSession(self._loop, functools.partial(self._send_notice, tag="cuda"),
-                                       self.incarnation, views=self._shm_views, cap=self._settings.cuda_ipc_cap)
-
-    def _queue(self, outbox: Outbox, kind: int, tag: Any, codec_header: bytes, buffers: list,
-               need_future: bool, gpu: list | None = None) -> asyncio.Future | None:
-        """Route and queue one encoded message to ``outbox`` (the rest of the hot path);
-        ``gpu``: the descriptor of its GPU buffers, already in a CUDA IPC slot."""
-        nbytes = 0
-        for b in buffers:
-            nbytes += b.nbytes if type(b) is memoryview else memoryview(b).nbytes
-        if nbytes >= self._routing.shm_threshold and nbytes and self._shm is not None \
-                and outbox.info is not None and self._shm_route(outbox.info):
-            sizes = [memoryview(b).nbytes for b in buffers]
-            relayed = self._shm.relay.plan(buffers, sizes, outbox.address)
-            if relayed is None and gpu is None and kind == wire.USER and self._pull is not None \
-                    and nbytes >= self._pull.threshold and self._pull.agreed(outbox.address, outbox.info.incarnation):
-                return self._queue_pull(outbox, tag, codec_header, buffers, sizes, nbytes)
-            if relayed is not None:   # views of another process's slot: forwarded by reference
-                sizes = [0 if i in relayed[0] else n for i, n in enumerate(sizes)]
-            export = self._shm.export(buffers, sizes, {outbox.address: 1}) if any(sizes) else (None, sizes, None)
-            if export is not None:
-                return self._queue_slot(outbox, kind, tag, codec_header, export, nbytes, need_future, relayed,
-                                        gpu)
-            if relayed is not None:
-                self._shm.relay.cancel(outbox.address, relayed[1])
-        if nbytes < SMALL_MESSAGE:
-            # copy now (the caller may reuse its buffers); coalesced into one frame later
-            frames, counts, large = [bytes(b) for b in buffers], None, False
-        elif outbox.bulk is not None and nbytes >= self._routing.bulk_threshold and gpu is None:
-            # another node, by the bulk stream: one frame per buffer, read into place there
-            frames, counts, nbytes = bulk_frames(buffers)
-            entry = [kind, tag, codec_header, counts]
-            future = self._loop.create_future()
-            outbox.put(OutMessage(entry, frames, nbytes + len(codec_header), future, True,
-                                  transport=routing.BULK), self._loop)
-            return future
-        else:
-            frames, counts, nbytes = split_frames(buffers)
-            large = True
-        entry = [kind, tag, codec_header, counts]
-        nbytes += len(codec_header)
-        transport, discard = "zmq", None
-        if gpu is not None:      # its GPU buffers wait in a CUDA IPC slot: the entry says where
-            entry += [None, None, gpu]
-            nbytes += sum(place[2] for place in gpu[5])
-            transport, discard = routing.CUDA_IPC, functools.partial(self._gpu.discard, gpu)
-        if not large and not need_future and outbox.ready:
-            outbox.put(OutMessage(entry, frames, nbytes, None, False, transport=transport, discard=discard),
-                       self._loop)
-            return None
-        future = self._loop.create_future()
-        if not large and outbox.ready:
-            future.set_result(None)
-        outbox.put(OutMessage(entry, frames, nbytes, future, large, transport=transport, discard=discard),
-                   self._loop)
-        return future
-
-    def _queue_pull(self, outbox: Outbox, tag: Any, codec_header: bytes, buffers: list, sizes: list[int],
-                    nbytes: int) -> asyncio.Future:
-        """Queue a message whose receiver pulls its buffers from our memory (it agreed to;
-        see ``rlinf/transports/_pull.py``); the future completes once it has read them."""
-        pull = self._pull
-        layout, item, future, sent = pull.offer(outbox.address, outbox.info.incarnation, buffers, sizes)
-        entry = [wire.USER, tag, codec_header, layout, None, None, None, item]
-        discard = lambda: pull.drop(item[0], outbox.error)   # noqa: E731
-        try:
-            outbox.put(OutMessage(entry, [], nbytes + len(codec_header), sent, False, transport=routing.SHM,
-                                  discard=discard), self._loop)
-        except BaseException as exc:   # the outbox failed meanwhile: no hold is left behind
-            pull.drop(item[0], exc)
-            future.exception()
-            raise
-        return future
-
-    def _shm_route(self, info: WorkerInfo) -> bool:
-        """Whether a message whose host payload reaches the shm threshold goes to ``info``
-        through shared memory. The payload of one message is routed as one CPU buffer
-        (its buffers share one slot), and ``select_transport`` is pure, so its answer is
-        cached per peer incarnation (dropped when the roster changes)."""
-        route = self._shm_routes.get(info.address)
-        if route is None:
-            probe = devices.BufferInfo("cpu", max(1, self._routing.shm_threshold))
-            chosen = routing.select_transport(self.info, info, probe, config=self._routing)
-            route = self._shm_routes[info.address] = chosen.transport == routing.SHM
-        return route
-
-    def _queue_slot(self, outbox: Outbox, kind: int, tag: Any, codec_header: bytes, export: tuple,
-                    nbytes: int, need_future: bool, relayed: tuple | None = None,
-                    gpu: list | None = None) -> asyncio.Future | None:
-        """Queue a message whose buffers sit in shared memory: a slot of ours (``export``:
-        ``(slot or None, layout, copying)``) and/or, when ``relayed`` (``(places,
-        relays)``), other processes' slots forwarded by reference (descriptors on the wire);
-        ``gpu``: its GPU buffers' CUDA IPC descriptor."""
-        slot, layout, copying = export
-        session, dst = self._shm, outbox.address
-        if relayed is None:
-            entry = [kind, tag, codec_header, layout, slot.to_wire()]
-            discard = lambda: session.discard(slot, copying, dst)   # noqa: E731
-            if gpu is not None:
-                entry += [None, gpu]
-        else:
-            places, relays = relayed
-            layout = list(layout)
-            for i, place in places.items():
-                layout[i] = place
-            entry = [kind, tag, codec_header, layout, slot and slot.to_wire(), relays]
-
-            def discard() -> None:
-                session.relay.cancel(dst, relays)
-                if slot is not None:
-                    session.discard(slot, copying, dst)
-            if gpu is not None:
-                entry.append(gpu)
-        if gpu is not None:
-            discard = self._with_gpu_discard(discard, gpu)
-        future = None
-        if copying is not None or need_future:
-            future = self._loop.create_future()
-            if copying is None:
-                future.set_result(None)     # copied: the caller's buffers are free again
-        outbox.put(OutMessage(entry, [], nbytes + len(codec_header), future, False, transport=routing.SHM,
-                              copying=copying, discard=discard), self._loop)
-        return future
-
-    def _with_gpu_discard(self, discard: Callable[[], None], gpu: list) -> Callable[[], None]:
-        paths = self._gpu
-
-        def both() -> None:
-            discard()
-            paths.discard(gpu)
-        return both
-
-    def _send_to_self(self, tag, kind, codec_header, buffers, need_future) -> asyncio.Future | None:
-        copies = [bytearray(memoryview(b).cast("B")) if type(b) is memoryview or not is_device_buffer(b)
-                  else b.clone() if hasattr(b, "clone") else b.copy() for b in buffers]
-        self._mailbox.deliver(Message(self.address, self.incarnation, tag, codec_header, copies))
-        if not need_future:
-            return None
-        future = self._loop.create_future()
-        future.set_result(None)
-        return future
-
-    def _outbox(self, dst: str) -> Outbox:
-        lost = self._mailbox.is_lost(dst)
-        if lost is not None:
-            raise PeerLostError(str(lost), peer=dst)
-        outbox = self._outboxes[dst] = Outbox(dst, self._header, self._counters)
-        info = self._roster.get(dst)
-        if info is not None:
-            self._connect(outbox, info)
-        else:
-            outbox.resolving = self._loop.create_task(self._resolve(outbox))
-        return outbox
-
-    def _connect(self, outbox: Outbox, info: WorkerInfo) -> None:
-        """Give ``outbox`` its link to ``info``: at once for ZeroMQ; for a stream, once it
-        is connected and authenticated (sends queue meanwhile)."""
-        scheme = routing.select_scheme(self.info, info, config=self._routing)
-        if self._bulk is not None:
-            probe = devices.BufferInfo("cpu", max(1, self._routing.bulk_threshold))
-            if routing.select_transport(self.info, info, probe, config=self._routing).transport == routing.BULK:
-                outbox.bulk = functools.partial(self._bulk.connect, info.endpoints[tcp_bulk.SCHEME],
-                                                identity=self._identity)
-        if scheme == routing.STREAM and self._stream is not None:
-            outbox.info = info
-            outbox.resolving = self._loop.create_task(self._dial_stream(outbox, info))
-            return
-        outbox.attach(self._zmq_link(info, scheme), info)
-
-    def _zmq_link(self, info: WorkerInfo, scheme: str):
-        endpoint = info.endpoints.get(scheme) or info.endpoints.get("ipc") or info.endpoints["tcp"]
-        return self._transport.connect_now(endpoint, identity=self._identity)
-
-    async def _dial_stream(self, outbox: Outbox, info: WorkerInfo) -> None:
-        """Open the stream link of ``outbox``; a stream that cannot be opened (a peer
-        that refuses or stopped listening) is not an error: ZeroMQ carries the messages."""
-        try:
-            link = await self._stream.connect(info.endpoints[routing.STREAM], identity=self._identity)
-        except (PeerLostError, AuthenticationError) as exc:
-            if control.process_gone_here(info):   # it died: what waits for the link must fail, not go to ZeroMQ
-                outbox.fail(PeerLostError(f"{outbox.address} was lost", peer=outbox.address))
-                return
-            log.warning("rlinf %s: no stream to %s (%s); using ZeroMQ", self.address, outbox.address, exc)
-            link = self._zmq_link(info, "ipc")
-        if outbox.error is not None:
-            link.close()
-            return
-        outbox.attach(link, info)
-
-    async def _resolve(self, outbox: Outbox) -> None:
-        """Find a peer that is not in our roster yet (waits for it to join)."""
-        while outbox.link is None and outbox.error is None:
-            info = self._roster.get(outbox.address)
-            if info is None:
-                try:
-                    info = await self._control.lookup(outbox.address, wait=True, timeout=2.0)
-                except CommTimeoutError:
-                    continue   # manager slow or restarting: ask again
-                except ClosedError as exc:
-                    outbox.fail(exc)
-                    return
-            if info is not None and outbox.link is None and outbox.error is None:
-                self._roster.setdefault(info.address, info)
-                self._connect(outbox, info)
-                return
+        run_threadsafe(self.send(obj, dst, tag=tag, timeout=timeout), timeout, self._loop, self._loop_thread,
+                       self._check_open, self.address)
 
     # -- receiving ---------------------------------------------------------------------
     async def recv(self, src: str, *, tag: int = 0, timeout: float | None = None) -> Any:
@@ -756,23 +458,18 @@ class Communicator:
             _check_tag(tag)
         if timeout is not None:
             timeout = check_timeout(timeout)
-        if src not in self._valid:
-            self._check_address(src)
-        msg = self._get_nowait(src, tag)
+        receive = self._receive
+        msg = receive.get_nowait(src, tag)
         if msg is None:
-            msg = await self._park(src, tag, timeout)
-        if msg.shm and not self._shm_views:
-            return await self._decode_owned(msg)
-        return self._decode(msg)
+            msg = await receive.park(src, tag, timeout)
+        return await receive.finish(msg)
 
     async def recv_any(self, *, tag: int = 0, timeout: float | None = None) -> tuple[Any, str]:
         """Receive the oldest message with ``tag`` from any source: ``(obj, src)``."""
         _check_tag(tag)
         timeout = check_timeout(timeout)
-        msg = await self._get(None, tag, timeout)
-        if msg.shm and not self._shm_views:
-            return await self._decode_owned(msg), msg.src
-        return self._decode(msg), msg.src
+        msg = await self._receive.get(None, tag, timeout)
+        return await self._receive.finish(msg), msg.src
 
     def async_recv(self, src: str, *, tag: int = 0) -> Work[Any]:
         """Start a receive now and return its :class:`Work` (cancel it safely with
@@ -781,38 +478,12 @@ class Communicator:
         _check_tag(tag)
         parse_address(src)
         self._check_open()
-        what = f"recv from {src} tag={tag}"
-        try:
-            msg = self._get_nowait(src, tag)
-        except RlinfError as exc:    # lost or closed: the Work fails with it
-            failed = self._loop.create_future()
-            failed.set_exception(exc)
-            return Work(failed, what)
-        waiter = self._mailbox.park(src, tag) if msg is None else None
-        started = []
-        task = self._loop.create_task(self._finish_recv(msg, waiter, started))
-
-        def cancelled_before_it_ran(t: asyncio.Task) -> None:
-            if t.cancelled() and not started:   # the message (or the place) is not lost
-                if waiter is not None:
-                    self._mailbox.abandon(waiter)
-                else:
-                    self._mailbox.put_back(msg)
-
-        task.add_done_callback(cancelled_before_it_ran)
-        return Work(task, what)
-
-    async def _finish_recv(self, msg: Message | None, waiter: Any, started: list) -> Any:
-        started.append(True)
-        if msg is None:
-            msg = await self._mailbox.wait_parked(waiter)
-        if msg.shm and not self._shm_views:
-            return await self._decode_owned(msg)
-        return self._decode(msg)
+        return self._receive.start_recv(src, tag, f"recv from {src} tag={tag}")
 
     def blocking_recv(self, src: str, *, tag: int = 0, timeout: float | None = None) -> Any:
         """:meth:`recv` from a thread other than the loop's."""
-        return self._run_threadsafe(self.recv(src, tag=tag, timeout=timeout), timeout)
+        return run_threadsafe(self.recv(src, tag=tag, timeout=timeout), timeout, self._loop, self._loop_thread,
+                              self._check_open, self.address)
 
     async def recv_into(self, target: Any, src: str, *, tag: int = 0, timeout: float | None = None) -> Any:
         """Receive a message and write its arrays/tensors into ``target``'s, in place.
@@ -828,243 +499,11 @@ class Communicator:
                 (a ``recv`` or a corrected ``recv_into`` gets it).
             Same as :meth:`recv` otherwise.
         """
-        from ..codec.into import copy_into   # only recv_into needs it
-
         if type(tag) is not int or not _TAG_MIN <= tag <= _TAG_MAX:
             _check_tag(tag)
-        timeout = check_timeout(timeout)
-        if src not in self._valid:
-            self._check_address(src)
-        msg = await self._get(src, tag, timeout)
-        obj = await self._decode_owned(msg) if msg.shm and not self._shm_views else self._decode(msg)
-        try:
-            copy_into(target, obj)
-        except (TypeError, ValueError):
-            del obj
-            self._mailbox.put_back(msg)
-            raise
-        return target
-
-    async def _get(self, src: str | None, tag: Any, timeout: float | None) -> Message:
-        msg = self._get_nowait(src, tag)
-        return msg if msg is not None else await self._park(src, tag, timeout)
-
-    def _get_nowait(self, src: str | None, tag: Any) -> Message | None:
-        """The next matching message if one is queued (raises if none can ever come)."""
-        self._check_open()
-        if threading.get_ident() != self._loop_thread:
-            raise self._wrong_thread()
-        msg = self._mailbox.get_nowait(src, tag)
-        if msg is not None and self._shm is not None and self._shm.owed >= _OWED_BURST:
-            # consuming a backlog without yielding: return the slots now, not at the end
-            self._shm.flush()
-        return msg
-
-    def _park(self, src: str | None, tag: Any, timeout: float | None) -> Awaitable[Message]:
-        """Await the next matching message when :meth:`_get_nowait` found none (returned
-        without a coroutine of its own around the mailbox's wait: one level less to
-        resume per received message)."""
-        if timeout is None:
-            return self._mailbox.wait(src, tag)
-        return self._park_timeout(src, tag, timeout)
-
-    async def _park_timeout(self, src: str | None, tag: Any, timeout: float) -> Message:
-        try:
-            async with asyncio.timeout(timeout):
-                return await self._mailbox.wait(src, tag)
-        except TimeoutError:
-            what = f"from {src}" if src else "from any source"
-            raise CommTimeoutError(f"{self.address}: no message {what} with tag {tag!r} within {timeout} s") from None
-
-    def _decode(self, msg: Message) -> Any:
-        if msg.error is not None:
-            raise msg.error
-        if msg.ready is not None:       # GPU buffers: the caller's stream follows their copy
-            try:
-                msg.ready()
-            except Exception as exc:   # a device in a bad state
-                raise DecodeError(f"message from {msg.src}: its GPU buffers cannot be waited for: {exc!r}") from exc
-        return self._codec.decode(msg.codec_header, msg.buffers)
-
-    async def _decode_owned(self, msg: Message) -> Any:
-        """Copy-out (``shm_views=False``): decode over owned copies; the slot goes back
-        as soon as the copies are made. Large copies run in the executor; a receive
-        cancelled meanwhile puts the message back (nothing is lost). A pulled message
-        was read into owned memory on arrival: wait for that read to end."""
-        if msg.pulling is not None:
-            try:
-                await asyncio.shield(msg.pulling)
-            except asyncio.CancelledError:
-                self._mailbox.put_back(msg)
-                raise
-            msg.pulling, msg.shm = None, False
-            return self._decode(msg)
-        if self._pull is not None:    # it came through a slot: ask its sender to be pulled from
-            self._pull.want(msg.src, msg.incarnation)
-        if msg.error is None:
-            if msg.nbytes >= self._shm.offload:
-                try:
-                    owned = await self._loop.run_in_executor(None, self._shm.owned, msg.buffers)
-                except asyncio.CancelledError:
-                    self._mailbox.put_back(msg)
-                    raise
-            else:
-                owned = self._shm.owned(msg.buffers)
-            msg.buffers, msg.shm = owned, False
-        return self._decode(msg)
-
-    def _on_frames(self, received: Received) -> None:
-        frames = received.frames
-        try:
-            src, incarnation, entries, packed = wire.unpack_header(received.header, frames)
-            if received.peer != f"{src}|{incarnation}".encode():
-                raise ProtocolError("frame set claims a source other than its connection's")
-        except ProtocolError as exc:
-            self._counters.dropped()
-            log.warning("rlinf %s: dropped a bad frame set: %r", self.address, exc)
-            return
-        if (src, incarnation) in self._dead:
-            self._counters.dropped()
-            return
-        for entry, buffers, nbytes, in_shm, error, ready, pulling in self._inbound.entries(
-                src, entries, frames, packed, incarnation):
-            if entry.kind == wire.USER:
-                self._counters.received(src, nbytes + len(entry.codec_header))
-                self._mailbox.deliver(Message(src, incarnation, entry.tag, entry.codec_header, buffers, 0, nbytes,
-                                              in_shm, error, ready, pulling))
-            elif pulling is not None:
-                log.warning("rlinf %s: dropped system message %r with pulled buffers", self.address, entry.tag)
-            elif error is not None:
-                log.warning("rlinf %s: dropped system message %r: %s", self.address, entry.tag, error)
-            elif entry.tag == "bye":
-                self._peer_gone(src, incarnation, "left")
-            else:
-                handler = self._system_handlers.get(entry.tag)
-                if handler is None:
-                    log.warning("rlinf %s: no handler for system message %r", self.address, entry.tag)
-                    continue
-                try:
-                    if ready is not None:
-                        ready()
-                    handler(src, self._codec.decode(entry.codec_header, buffers))
-                except Exception:   # a subsystem bug must not kill the reader
-                    log.exception("rlinf %s: system handler %r failed", self.address, entry.tag)
-
-    def _pid_of(self, address: str) -> int | None:
-        info = self._roster.get(address)
-        return info.pid if info is not None else None
-
-    def _send_notice(self, dst: str, obj: Any, tag: str = "shm") -> None:
-        """Send a SYSTEM notice (``"shm"``: releases, mappings; ``"cuda"``: CUDA IPC
-        releases) now — also while closing, so what we owe a sender goes out ahead of
-        our goodbye."""
-        outbox = self._outboxes.get(dst)
-        if outbox is None:
-            self._check_open()
-            outbox = self._outbox(dst)
-        if outbox.error is not None:
-            raise outbox.error
-        self._queue_notice(outbox, obj, hold=False, tag=tag)
-        outbox.flush()       # notices are already batched by the sessions: send now
-
-    def _queue_notice(self, outbox: Outbox, obj: Any, *, hold: bool, tag: str = "shm") -> None:
-        """Queue a notice (a small SYSTEM message without buffers) to ``outbox``; with
-        ``hold``, it waits for the next flush (it goes out with the message queued next)."""
-        codec_header, _ = self._codec.encode(obj)
-        entry = [wire.SYSTEM, tag, codec_header, []]
-        outbox.put(OutMessage(entry, [], len(codec_header), None, False), self._loop, hold=hold)
+        return await self._receive.recv_into(target, src, tag, check_timeout(timeout))
 
     # -- membership --------------------------------------------------------------------
-    def _on_event(self, event: MembershipEvent, bye_sent: bool = False) -> None:
-        if event.address == self.address:
-            return
-        self._shm_routes.pop(event.address, None)
-        self._gpu.changed(event.address)
-        if event.kind == "joined" and event.info is not None:
-            old = self._roster.get(event.address)
-            self._roster[event.address] = event.info
-            self._dead.discard((event.address, event.incarnation))
-            self._mailbox.peer_joined(event.address, event.incarnation)
-            self._gpu.joined(event.address, event.info)    # restarted, maybe: its old slots go
-            outbox = self._outboxes.get(event.address)
-            if outbox is not None and (outbox.error is not None or (old and old.incarnation != event.incarnation)):
-                del self._outboxes[event.address]   # next send dials the new incarnation
-                if outbox.error is None:
-                    outbox.fail(PeerLostError(f"{event.address} restarted", peer=event.address))
-        else:
-            info = self._roster.get(event.address)
-            if info is not None and event.incarnation and info.incarnation != event.incarnation:
-                return   # an older incarnation went away; the current one is fine
-            self._roster.pop(event.address, None)
-            if event.kind == "left" and bye_sent:
-                # Its last messages may still be in flight on the data socket; its "bye"
-                # follows them. Fall back to the event if the bye never comes.
-                self._loop.call_later(_BYE_GRACE, self._loop.call_later, _AFTER_ONE_POLL,
-                                      self._peer_gone, event.address, event.incarnation, "left")
-            else:
-                self._peer_gone(event.address, event.incarnation, event.kind)
-        for queue in self._subscribers:
-            queue.put_nowait(event)
-
-    def _peer_gone(self, address: str, incarnation: str, kind: str) -> None:
-        """``address``'s ``incarnation`` is gone: fail what waits on it (idempotent)."""
-        key = (address, incarnation)
-        if key in self._dead or self._closed is not None:
-            return
-        self._dead.add(key, DEAD_KEPT)
-        self._arrival.forget(f"{address}|{incarnation}".encode())
-        if self._pull is not None:
-            self._pull.gone(address, incarnation)
-        current = self._roster.get(address)
-        if current is not None and current.incarnation != incarnation:
-            return   # a newer incarnation already joined
-        error = PeerLostError(f"{address} {'left' if kind == 'left' else 'was lost'}", peer=address)
-        self._mailbox.peer_lost(address, error)
-        outbox = self._outboxes.get(address)
-        info = current if current is not None else outbox.info if outbox is not None else None
-        gone_here = info is not None and info.incarnation == incarnation and control.process_gone_here(info)
-        if self._shm is not None:
-            self._shm.peer_gone(address, alive=not gone_here)
-        self._gpu.gone(address, incarnation, left=kind == "left", process_gone=gone_here)
-        for hook in self._gone_hooks:
-            hook(address, incarnation)
-        if outbox is not None and (outbox.info is None or outbox.info.incarnation == incarnation):
-            outbox.fail(error)
-            forgotten = self._failed.add(address, DEAD_KEPT)
-            old = self._outboxes.get(forgotten) if forgotten is not None else None
-            if old is not None and old.error is not None:
-                del self._outboxes[forgotten]   # bounded: a send there now waits for it to join
-
-    # -- subsystems (each lives in its own module) ---------------------------------------
-    def group(self, addresses: list[str], *, name: str = ""):
-        """A collective group over ``addresses`` (same list, any order, on every member),
-        and ``name`` (the same on every member: after a member restarted, use a new one).
-
-        See :class:`rlinf.collectives.group.Group`. No setup call is needed on the other members.
-        """
-        from ..collectives.group import Group
-
-        return Group(self, addresses, name)
-
-    async def reshard(self, shard: Any, *, src: list[str], dst: list[str], dim: int = 0,
-                      timeout: float | None = None) -> Any:
-        """M->N batch resharding; see :func:`rlinf.collectives.reshard.reshard`."""
-        from ..collectives.reshard import reshard
-
-        return await reshard(self, shard, src=src, dst=dst, dim=dim, timeout=timeout)
-
-    async def create_channel(self, name: str, *, maxsize: int = 0, policy: Any = "fifo", **options: Any):
-        """Start a channel server process named ``name`` and return a handle to it."""
-        from ..channel.client import create_channel
-
-        return await create_channel(self, name, maxsize=maxsize, policy=policy, **options)
-
-    async def channel(self, name: str, **options: Any):
-        """A handle to the existing channel ``name`` (waits for it to appear)."""
-        from ..channel.client import open_channel
-
-        return await open_channel(self, name, **options)
-
     async def peers(self) -> list[WorkerInfo]:
         """The workers this communicator knows (its cached roster, without itself)."""
         self._check_open()
@@ -1073,105 +512,29 @@ class Communicator:
     async def events(self) -> AsyncIterator[MembershipEvent]:
         """Membership events from now on, until the communicator closes."""
         self._check_open()
-        queue: asyncio.Queue = asyncio.Queue()
-        self._subscribers.append(queue)
+        queue = self._membership.subscribe()
         try:
-            while True:
-                event = await queue.get()
-                if event is None:
-                    return
+            while (event := await queue.get()) is not None:
                 yield event
         finally:
-            self._subscribers.remove(queue)
+            self._membership.unsubscribe(queue)
 
     def stats(self) -> CommStats:
         """A frozen snapshot of traffic per peer and per transport."""
-        connected = {a for a, o in self._outboxes.items() if o.link is not None}
-        return self._counters.snapshot(connected)
+        return self._counters.snapshot(self._sessions.connected())
 
-    # -- internal API for rlinf's own subsystems (collectives, channels, transports) ---
-    # Internal traffic uses str tags, so it can never match a user's int tag.
-    async def _send_internal(self, obj: Any, dst: str, tag: str, timeout: float | None = None) -> None:
-        future = self._enqueue(obj, dst, tag, wire.USER, need_future=False)
-        if future is not None:
-            await self._wait(future, timeout, f"send to {dst}")
-        if self._shm is not None and self._shm.behind(dst):
-            await self._room(dst)
-
-    def _async_send_internal(self, obj: Any, dst: str, tag: str) -> asyncio.Future:
-        return self._enqueue(obj, dst, tag, wire.USER, need_future=True)
-
-    async def _recv_internal(self, src: str, tag: str, timeout: float | None = None) -> Any:
-        msg = await self._get(src, tag, timeout)
-        if msg.shm and not self._shm_views:
-            return await self._decode_owned(msg)
-        return self._decode(msg)
-
-    async def _recv_any_internal(self, tag: str, timeout: float | None = None) -> tuple[Any, str]:
-        msg = await self._get(None, tag, timeout)
-        if msg.shm and not self._shm_views:
-            return await self._decode_owned(msg), msg.src
-        return self._decode(msg), msg.src
-
-    async def _multicast_internal(self, obj: Any, dsts: list[str], tag: str) -> None:
-        """Send ``obj`` to every address of ``dsts``, encoded once.
-
-        Same-node destinations that take shared memory share ONE slot (copied once, with
-        a reader count; each maps it copy-on-write, so a reader's writes stay its own);
-        the others get the usual path, sharing the encoded buffers. Returns when the
-        buffers of ``obj`` may be reused.
+    # -- for rlinf's own subsystems (also through ``internal``) ---------------------------
+    def on_system(self, tag: str, handler: Callable[[str, Any], None]) -> None:
+        """Register ``handler(src, obj)`` for SYSTEM messages with ``tag`` (loop thread).
 
         Raises:
-            PeerLostError: a destination is gone (nothing was sent to anyone then).
+            ValueError: rlinf uses ``tag`` itself (``"shm"``, ``"pull"``, ``"cuda"``, ``"bye"``).
         """
-        self._check_open()
-        for dst in dsts:
-            if dst not in self._valid:
-                self._check_address(dst)
-        codec_header, buffers = self._codec.encode(obj)
-        outboxes = {}
-        for dst in dict.fromkeys(dsts):
-            if dst != self.address:
-                outbox = self._outboxes.get(dst) or self._outbox(dst)
-                if outbox.error is not None:
-                    raise outbox.error
-                outboxes[dst] = outbox
-        if any(type(b) is not memoryview and is_device_buffer(b) for b in buffers):
-            # GPU buffers: one send each (a CUDA IPC slot has one reader; staged ones copy)
-            await asyncio.gather(*[self._enqueue(obj, dst, tag, wire.USER, need_future=True) for dst in dsts])
-            return
-        sizes = [memoryview(b).nbytes for b in buffers]
-        nbytes = sum(sizes)
-        readers: dict[str, int] = {}
-        if nbytes and nbytes >= self._routing.shm_threshold and self._shm is not None:
-            for dst in dsts:
-                info = outboxes[dst].info if dst in outboxes else None
-                if info is not None and self._shm_route(info):
-                    readers[dst] = readers.get(dst, 0) + 1
-        if self._shm is not None and self._shm.owed:
-            self._shm.flush()
-        export = self._shm.export(buffers, sizes, readers, private=sum(readers.values()) > 1) if readers else None
-        futures = []
-        for dst in dsts:
-            if dst == self.address:
-                futures.append(self._send_to_self(tag, wire.USER, codec_header, buffers, True))
-            elif export is not None and dst in readers:
-                futures.append(self._queue_slot(outboxes[dst], wire.USER, tag, codec_header, export, nbytes, True))
-            else:
-                futures.append(self._queue(outboxes[dst], wire.USER, tag, codec_header, buffers, True))
-        await asyncio.gather(*futures)
-
-    def _send_system(self, obj: Any, dst: str, tag: str) -> None:
-        """Fire-and-forget rlinf-internal message, handled by ``on_system(tag, ...)``."""
-        self._enqueue(obj, dst, tag, wire.SYSTEM, need_future=False)
-
-    def on_system(self, tag: str, handler: Callable[[str, Any], None]) -> None:
-        """Register ``handler(src, obj)`` for SYSTEM messages with ``tag`` (loop thread)."""
-        self._system_handlers[tag] = handler
+        self._receive.on_system(tag, handler)
 
     def on_peer_gone(self, hook: Callable[[str, str], None]) -> None:
         """Call ``hook(address, incarnation)`` whenever a peer leaves or is lost."""
-        self._gone_hooks.append(hook)
+        self._membership.on_peer_gone(hook)
 
     def add_closer(self, closer: Callable[[], Any]) -> None:
         """Run ``closer()`` (sync or async) when the communicator closes, newest first."""
@@ -1209,47 +572,3 @@ class Communicator:
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
             raise CommTimeoutError(f"{self.address}: {what} did not complete within {timeout} s") from None
-
-    def _wrong_thread(self) -> RuntimeError:
-        return RuntimeError(f"communicator {self.address} is used on its own event loop's thread only; "
-                            f"from another thread use its blocking_* methods (or asyncio.run_coroutine_threadsafe)")
-
-    def _run_threadsafe(self, coro, timeout: float | None) -> Any:
-        """Run ``coro`` on the loop from another thread. ``timeout`` (the operation's own)
-        also bounds the wait for a loop too busy to start it (plus :data:`_LOOP_GRACE`)."""
-        try:
-            timeout = check_timeout(timeout)
-            self._check_open()
-            if self._loop.is_closed() or not self._loop.is_running():
-                raise ClosedError(f"communicator {self.address}: its event loop is not running")
-        except BaseException:
-            coro.close()
-            raise
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is self._loop or threading.get_ident() == self._loop_thread:
-            coro.close()
-            raise RuntimeError("blocking_* would deadlock on the communicator's own loop; use 'await'")
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return future.result(None if timeout is None else timeout + _LOOP_GRACE)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise CommTimeoutError(f"{self.address}: the event loop did not run the operation within "
-                                   f"{timeout} s (it is busy)") from None
-        except BaseException:   # interrupted (KeyboardInterrupt): the operation must not go on alone
-            future.cancel()
-            raise
-
-
-
-
-def connect(address: str | None = None, manager: str | None = None, token: str | None = None,
-            **options: Any) -> Communicator:
-    """A communicator for ``address``; use it as ``async with rlinf.connect(...) as comm``.
-
-    Defaults come from ``RLINF_ADDRESS``, ``RLINF_MANAGER`` and ``RLINF_TOKEN``.
-    """
-    return Communicator(address, manager=manager, token=token, **options)

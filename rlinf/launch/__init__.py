@@ -2,5 +2,5 @@
 launcher interface and worker groups (:mod:`.base`), the worker runtime a rank runs
 (:mod:`.worker`) and the Ray launcher (:mod:`.ray`, imported only when used).
 
-Layer: above ``core``, ``collectives`` and ``channel``.
+Layer: above :mod:`rlinf.communicator` (so above ``core``, ``collectives`` and ``channel``).
 """

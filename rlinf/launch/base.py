@@ -19,47 +19,20 @@ import itertools
 import logging
 import os
 import select
-import shutil
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol
 
+from ..control.cleanup import remove_leftovers
 from ..errors import CommTimeoutError, WorkerFailedError
+from ..util.futures import retrieve
 from ..util.pipe import dump_value, load_value
 
-__all__ = ["LaunchSpec", "Launcher", "RankHandle", "WorkerGroup", "remove_leftovers", "remove_socket_dirs",
-           "wait_gone"]
+__all__ = ["LaunchSpec", "Launcher", "RankHandle", "WorkerGroup", "wait_gone"]
 
 log = logging.getLogger("rlinf.launch.cluster")
 
 #: Seconds a killed worker may take to be reaped.
 REAP_TIMEOUT = 5.0
-
-
-def remove_leftovers(pid: int | None, socket_dirs: Sequence[str]) -> None:
-    """Remove what a dead worker left on its node: the shared memory and the socket
-    directories named after its pid, and the socket directories it reported. Call only
-    once it is gone (until then the pid cannot be reused, and the files may be in use)."""
-    if pid is not None:
-        from ..transports.zeromq import ipc_dirs_of
-
-        socket_dirs = [*socket_dirs, *ipc_dirs_of(pid)]   # also those made before it could report them
-        try:
-            from ..transports.shm import sweep
-        except ImportError:   # no shared-memory transport in this build
-            pass
-        else:
-            try:
-                sweep(pid)
-            except OSError as exc:
-                log.warning("rlinf: could not remove the shared memory of pid %d: %s", pid, exc)
-    remove_socket_dirs(socket_dirs)
-
-
-def remove_socket_dirs(socket_dirs: Sequence[str]) -> None:
-    """Remove a dead process's socket directories (``rlinf.info.socket_dirs``): only it
-    used them, and a clean exit already removed them."""
-    for directory in socket_dirs:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def wait_gone(pid: int, timeout: float) -> bool:
@@ -73,11 +46,6 @@ def wait_gone(pid: int, timeout: float) -> bool:
         return bool(select.select([fd], [], [], timeout)[0])
     finally:
         os.close(fd)
-
-
-def _retrieve(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()
 
 
 @dataclass(frozen=True)
@@ -131,7 +99,7 @@ class RankHandle:
 
     def _future(self) -> asyncio.Future:
         fut = self.loop.create_future()
-        fut.add_done_callback(_retrieve)   # raised through join()/call(), or moot
+        fut.add_done_callback(retrieve)   # raised through join()/call(), or moot
         return fut
 
     @property
@@ -343,7 +311,7 @@ class WorkerGroup:
             await p.ready   # spawn() returned, so this is done unless the worker died (or restarts)
             call_id = next(self._call_ids)
             fut = p.loop.create_future()
-            fut.add_done_callback(_retrieve)   # a second failure after the first is raised is moot
+            fut.add_done_callback(retrieve)   # a second failure after the first is raised is moot
             p.calls[call_id] = fut
             try:
                 p.send(("call", call_id, method, arguments))
@@ -436,7 +404,7 @@ async def _gather(futures: list[asyncio.Future], timeout: float | None, what: st
     """
     shields = [asyncio.shield(f) for f in futures]
     for s in shields:   # those still pending when we return fail later, unseen: that is fine
-        s.add_done_callback(_retrieve)
+        s.add_done_callback(retrieve)
     try:
         async with asyncio.timeout(timeout):
             if shields:

@@ -25,9 +25,10 @@ import signal
 import sys
 from typing import Any, Callable, Iterator
 
-from ..core.communicator import Communicator
+from ..communicator import Communicator
 from ..errors import ClosedError, CommTimeoutError, WorkerFailedError
-from .base import REAP_TIMEOUT, LaunchSpec, Launcher, RankHandle, WorkerGroup, remove_leftovers
+from ..control.cleanup import remove_leftovers
+from .base import REAP_TIMEOUT, LaunchSpec, Launcher, RankHandle, WorkerGroup
 from ..control.manager import Manager
 from ..util.pipe import MessagePipe
 from .worker import child_main, is_worker_class

@@ -52,7 +52,9 @@ except ImportError as exc:   # pragma: no cover - depends on the environment
     raise ImportError("rlinf.ray needs Ray: pip install 'rlinf[ray]'") from exc
 
 from ..errors import WorkerFailedError
-from .base import REAP_TIMEOUT, LaunchSpec, RankHandle, WorkerGroup, _retrieve, remove_leftovers, wait_gone
+from ..control.cleanup import remove_leftovers
+from ..util.futures import retrieve
+from .base import REAP_TIMEOUT, LaunchSpec, RankHandle, WorkerGroup, wait_gone
 from .worker import run_worker
 
 __all__ = ["RayLauncher", "init", "node_id"]
@@ -250,7 +252,7 @@ class _RayRank(RankHandle):
             raise WorkerFailedError(f"worker {self.address} is gone: Ray was shut down", address=self.address)
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         # A failure shows as the actor's death, through the poll.
-        asyncio.wrap_future(self.actor.send.remote(data).future()).add_done_callback(_retrieve)
+        asyncio.wrap_future(self.actor.send.remote(data).future()).add_done_callback(retrieve)
 
     def kill(self) -> None:
         self._kill_sent = True

@@ -38,7 +38,7 @@ import traceback
 from typing import Any
 
 from ..control import client as control
-from ..core.communicator import Communicator
+from ..communicator import Communicator
 from ..info import socket_dirs
 from ..util.pipe import MessagePipe, dump_value, load_value
 

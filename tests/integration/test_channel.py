@@ -214,7 +214,7 @@ async def test_a_channel_process_not_ready_in_time_is_stopped_and_the_timeout_re
     The process is started here directly: through ``create_channel`` the same tiny
     timeout would first apply to its lookup at the manager."""
     config = {"maxsize": 0, "policy": "fifo", "work_stealing": False}
-    process = ServerProcess("late", manager=driver.manager_address, token=driver._token, config=config)
+    process = ServerProcess("late", manager=driver.manager_address, token=driver.internal.token, config=config)
     async with asyncio.timeout(60):
         with pytest.raises(rlinf.CommTimeoutError, match="did not start"):
             await process.wait_ready(0.001)

@@ -56,6 +56,15 @@ async def test_nested_round_trip(cluster, driver):
         assert await group.join() == [2]
 
 
+async def test_users_get_the_public_communicator(cluster, driver):
+    """The core class knows no groups or channels; what users are given does."""
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers.public_communicator, "pub", 1)
+        assert await group.join() == [True]
+    assert isinstance(driver, rlinf.Communicator)
+    assert isinstance(rlinf.connect("a:0", manager=cluster.manager_address, token="t"), rlinf.Communicator)
+
+
 async def test_ordered_messages_per_source_and_tag(cluster, driver):
     n = 10_000
     async with asyncio.timeout(90):

@@ -175,7 +175,7 @@ async def test_large_payloads_to_another_node_take_the_bulk_stream_in_order(clus
                        "t": torch.arange(300_000 * (i % 2 == 0), dtype=torch.float32)}
                 sent.append(obj)
                 await near.send(obj, "far:0")
-            link = near._outboxes["far:0"]._bulk_link     # now: it goes once "far" leaves
+            link = near._sessions.get("far:0").outbox._bulk_link     # now: it goes once "far" leaves
             assert link.encrypted == (encrypt == "1")
             for obj in sent:
                 back = await near.recv("far:0")
@@ -207,7 +207,7 @@ async def test_two_nodes_use_tcp(cluster, driver):
         assert far.node_id == "another-node" != driver.info.node_id
         payload = {"x": np.arange(1 << 20, dtype=np.float32)}      # 4 MiB: large, chunk-free
         await driver.send(payload, "far:0")
-        assert driver._outboxes["far:0"].link.endpoint.startswith("tcp://")
+        assert driver._sessions.get("far:0").outbox.link.endpoint.startswith("tcp://")
         back = await driver.recv("far:0")
         assert np.array_equal(back["x"], payload["x"])
         assert await group.join() == [1]
@@ -239,12 +239,12 @@ async def test_large_message_is_chunked_and_reassembled(driver):
 async def test_dead_incarnations_remembered_are_bounded(driver, monkeypatch):
     """Each death of a peer restarted under one name left an entry for good: a long-lived
     driver grew by one per restart. The newest are kept (their late frames are dropped)."""
-    from rlinf.core import communicator as comm_module
+    from rlinf.core import _peer
     from rlinf.info import MembershipEvent
 
-    monkeypatch.setattr(comm_module, "DEAD_KEPT", 3)
+    monkeypatch.setattr(_peer, "DEAD_KEPT", 3)
     for i in range(5):
-        driver._on_event(MembershipEvent("lost", "ghost:0", f"inc{i}"))
+        driver._membership.on_event(MembershipEvent("lost", "ghost:0", f"inc{i}"))
     assert list(driver._dead) == [("ghost:0", f"inc{i}") for i in (2, 3, 4)]
     with pytest.raises(rlinf.PeerLostError):
         await driver.recv("ghost:0", timeout=5)
@@ -255,20 +255,21 @@ async def test_the_state_kept_per_departed_peer_is_bounded(driver, monkeypatch):
     buffer of its own) and a mailbox entry for good: ~270 KiB per peer that came and
     went. Outboxes now share one header packer, and only the newest departed peers are
     remembered (a send or receive to them fails at once)."""
-    from rlinf.core import communicator as comm_module
     from rlinf.core import _mailbox as mailbox_module
+    from rlinf.core import _peer
     from rlinf.info import MembershipEvent
 
-    monkeypatch.setattr(comm_module, "DEAD_KEPT", 3)
+    monkeypatch.setattr(_peer, "DEAD_KEPT", 3)
     monkeypatch.setattr(mailbox_module, "LOST_KEPT", 3)
     async with asyncio.timeout(30):
         for i in range(6):
-            work = driver.async_send("hello", f"gone{i}:0")   # an outbox, waiting for the peer
-            driver._on_event(MembershipEvent("lost", f"gone{i}:0", ""))
+            work = driver.async_send("hello", f"gone{i}:0")   # a session, waiting for the peer
+            driver._membership.on_event(MembershipEvent("lost", f"gone{i}:0", ""))
             with pytest.raises(rlinf.PeerLostError):
                 await work
-        assert all(box._header is driver._header for box in driver._outboxes.values())
-        assert sorted(a for a in driver._outboxes if a.startswith("gone")) == ["gone3:0", "gone4:0", "gone5:0"]
+        assert all(session.outbox._header is driver._header for session in driver._sessions)
+        assert sorted(s.address for s in driver._sessions if s.address.startswith("gone")) == [
+            "gone3:0", "gone4:0", "gone5:0"]
         assert list(driver._mailbox._lost) == ["gone3:0", "gone4:0", "gone5:0"]
         with pytest.raises(rlinf.PeerLostError):
             await driver.send("again", "gone5:0", timeout=5)

@@ -282,7 +282,7 @@ async def test_multicast_to_three_readers(cluster, driver):
         for round_, value in enumerate((1.0, 2.0)):
             exports = pool.exports
             obj = {"x": torch.full((1 << 20,), value)}
-            await driver._multicast_internal(obj, readers, "mc")
+            await driver.internal.multicast(obj, readers, "mc")
             assert pool.exports == exports + 1                 # copied once for all three
             assert [await driver.recv(r, tag=10) for r in readers] == [value] * 3
             await driver.send("write", "r:0", tag=11)
@@ -306,8 +306,8 @@ async def test_multicast_mixes_paths(cluster, driver):
         far = await cluster.spawn(workers_shm.multicast_reader, "far", 1, args=("driver:0",),
                                   env={"RLINF_NODE_ID": "another-node"})
         for value in (3.0, 4.0):
-            await driver._multicast_internal({"x": torch.full((1 << 18,), value)}, ["near:0", "far:0", "driver:0"], "mc")
-            assert (await driver._recv_internal("driver:0", "mc"))["x"][0] == value
+            await driver.internal.multicast({"x": torch.full((1 << 18,), value)}, ["near:0", "far:0", "driver:0"], "mc")
+            assert (await driver.internal.recv("driver:0", "mc"))["x"][0] == value
             for peer in ("near:0", "far:0"):
                 assert await driver.recv(peer, tag=10) == value
                 await driver.send("check", peer, tag=11)

@@ -69,4 +69,9 @@ async def return_tensor(comm):
 async def link_kind(comm, peer: str):
     """Send one message to ``peer``; return the class name of the link it went over."""
     await comm.send("hi", peer, timeout=30)
-    return type(comm._outboxes[peer].link).__name__
+    return type(comm._sessions.get(peer).outbox.link).__name__
+
+
+async def public_communicator(comm):
+    """Whether a spawned worker is given the public Communicator (groups and channels)."""
+    return isinstance(comm, rlinf.Communicator) and callable(comm.group) and callable(comm.channel)

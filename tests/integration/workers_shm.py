@@ -56,7 +56,7 @@ async def send_and_wait(comm, dst: str, nbytes: int):
 async def multicast_reader(comm, root: str):
     """Two rounds of: receive a multicast, follow the root's orders, report what we see."""
     for _ in range(2):
-        obj = await comm._recv_internal(root, "mc", timeout=60)
+        obj = await comm.internal.recv(root, "mc", timeout=60)
         arr = obj["x"]
         await comm.send(float(arr.mean()), root, tag=10, timeout=60)
         order = await comm.recv(root, tag=11, timeout=60)

@@ -375,7 +375,7 @@ def test_only_the_settings_module_and_the_launcher_boundary_read_the_environment
 
 
 def test_a_bad_knob_fails_communicator_construction(monkeypatch):
-    from rlinf.core.communicator import Communicator
+    from rlinf import Communicator
 
     monkeypatch.setenv("RLINF_SHM_CAP", "4X")
     with pytest.raises(ValueError, match=re.escape("RLINF_SHM_CAP='4X': not a size")):
@@ -391,7 +391,7 @@ def test_a_bad_knob_fails_communicator_construction(monkeypatch):
 
 
 def test_the_communicator_reads_the_environment_when_constructed(monkeypatch):
-    from rlinf.core.communicator import Communicator
+    from rlinf import Communicator
 
     monkeypatch.setenv("RLINF_ADDRESS", "late:3")          # set after import, as the Ray launcher does
     monkeypatch.setenv("RLINF_MANAGER", "tcp://127.0.0.1:1")
@@ -401,7 +401,7 @@ def test_the_communicator_reads_the_environment_when_constructed(monkeypatch):
 
 
 def test_given_settings_win_and_the_environment_is_not_parsed(monkeypatch):
-    from rlinf.core.communicator import Communicator
+    from rlinf import Communicator
 
     monkeypatch.setenv("RLINF_SHM_CAP", "4X")              # would fail if parsed
     monkeypatch.setenv("RLINF_ADDRESS", "env:0")

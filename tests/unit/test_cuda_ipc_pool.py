@@ -498,7 +498,7 @@ class _DeviceBuf(_Buf):
 
 
 def _comm_with(peer_devices, peer_transports=("zmq", "cuda_ipc")):
-    from rlinf.core.communicator import Communicator
+    from rlinf import Communicator
     from rlinf.info import DeviceInfo, WorkerInfo
 
     comm = Communicator("me:0", manager="tcp://127.0.0.1:1", token="t")
@@ -549,23 +549,25 @@ async def test_a_gpu_message_is_queued_with_its_item_and_discards_its_slot_unsen
     from rlinf.core import wire
     from rlinf.info import DeviceInfo
     from rlinf.core._outbox import Outbox
+    from rlinf.core._peer import PeerSession
 
     from ..recording_link import RecordingLink
 
     comm = _comm_with((DeviceInfo("cuda", 0, "GPU-a"),))
-    comm._loop = asyncio.get_running_loop()
+    comm._send.start(asyncio.get_running_loop(), None, None)
     host, gpu = comm._gpu.prepare([memoryview(b"hd"), _DeviceBuf(b"abc")], "peer:0")
     link = RecordingLink()
     box = Outbox("peer:0", ("me:0", "inc-me"), comm._counters, clock=lambda: 1.0)
     box.attach(link, None)
-    assert comm._queue(box, wire.USER, 5, b"h", host, False, gpu) is None     # small, link idle: sent
+    session = PeerSession("peer:0", box)
+    assert comm._send._queue(session, wire.USER, 5, b"h", host, False, gpu) is None     # small, link idle: sent
     [frame_set] = link.sent
     _src, _inc, [entry], _packed = wire.unpack_header(frame_set[0], frame_set[1:])
     assert entry.tag == 5 and entry.gpu.places == ((1, 0, 3),) and entry.frame_counts == [2]
     assert comm.stats().transports["cuda_ipc"].msgs == 1
     held = comm._gpu.prepare([_DeviceBuf(b"x")], "peer:0")[1]
     box.queue.clear()
-    future = comm._queue(box, wire.USER, 6, b"h", [], True, held)       # queued behind the in-flight send
+    future = comm._send._queue(session, wire.USER, 6, b"h", [], True, held)       # queued behind the in-flight send
     [msg] = box.queue
     assert future is not None and msg.transport == "cuda_ipc"
     msg.discard()                                                         # dropped unsent: its slot is free

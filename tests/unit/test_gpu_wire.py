@@ -9,7 +9,7 @@ import pytest
 from rlinf.config import Settings
 from rlinf.core import routing, wire
 from rlinf.transports import descriptors
-from rlinf.core.communicator import Communicator
+from rlinf import Communicator
 from rlinf.errors import DecodeError, ProtocolError
 from rlinf.core._inbound import FrameReader
 from rlinf.transports.cuda import ipc as cuda_ipc

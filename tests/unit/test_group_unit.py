@@ -17,10 +17,14 @@ from rlinf.collectives import reshard as R
 
 
 class _Stub:
-    """Stands in for a Communicator: a Group only reads ``address`` until it is used."""
+    """Stands in for a Communicator: a Group only reads ``internal.address`` until it is used."""
+
+    class _Core:
+        def __init__(self, address: str) -> None:
+            self.address = address
 
     def __init__(self, address: str) -> None:
-        self.address = address
+        self.internal = self._Core(address)
 
 
 _stub = _Stub

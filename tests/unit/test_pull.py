@@ -308,8 +308,11 @@ def test_a_pull_descriptor_round_trips():
 async def test_the_collectives_abort_check_leaves_pulled_data_queued_in_order():
     """Aborts are small, never pulled: a pulled message (still being read) is data, and
     the abort check must neither decode it half-read nor lose it."""
-    from rlinf.collectives._engine import Call
+    import types
+
     from rlinf.core._mailbox import Mailbox, Message
+    from rlinf.core._receive import ReceivePath
+    from rlinf.util.bounded import Recent
 
     mailbox = Mailbox()
     reading = asyncio.get_running_loop().create_future()
@@ -317,15 +320,13 @@ async def test_the_collectives_abort_check_leaves_pulled_data_queued_in_order():
     for msg in pulled:
         mailbox.deliver(msg)
 
-    class Comm:
-        _mailbox = mailbox
-
-        def _decode(self, msg):
+    class Codec:
+        def decode(self, header, buffers):
             raise AssertionError("a pulled message was decoded")
 
-    call = Call.__new__(Call)
-    call.comm, call.tag = Comm(), "t"
-    call.check_aborted()
+    receive = ReceivePath("me:0", Codec(), mailbox, None, Recent(), True, types.SimpleNamespace(valid=set()),
+                          guard=lambda: None, on_bye=lambda src, incarnation: None)
+    receive.take_queued("t", lambda obj, src: None)
     assert [mailbox.get_nowait("a:0", "t"), mailbox.get_nowait("a:0", "t")] == pulled
     reading.cancel()
 
@@ -356,7 +357,7 @@ async def test_a_late_goodbye_of_an_old_incarnation_keeps_the_new_ones_agreement
 async def test_an_outbox_that_refuses_the_entry_leaves_no_hold(pair):
     import types
 
-    from rlinf.core.communicator import Communicator
+    from rlinf.core._send import SendPath
 
     pair.agree()
 
@@ -369,5 +370,5 @@ async def test_an_outbox_that_refuses_the_entry_leaves_no_hold(pair):
 
     me = types.SimpleNamespace(_pull=pair.s, _loop=asyncio.get_running_loop())
     with pytest.raises(PeerLostError):
-        Communicator._queue_pull(me, Refusing(), 0, b"", [np.ones(16)], [128], 128)
+        SendPath._queue_pull(me, Refusing(), 0, b"", [np.ones(16)], [128], 128)
     assert not pair.s._held

@@ -1,0 +1,135 @@
+"""Membership: the roster, and what follows when a peer joins, leaves or is lost.
+
+The control client hands every :class:`~rlinf.info.MembershipEvent` to
+:meth:`Membership.on_event` (and a peer's in-order goodbye on the data link arrives as
+:meth:`Membership.peer_gone`). A join updates the roster and lets a restarted peer's
+messages through again; a departure fails what waits on that incarnation
+(:meth:`Membership.peer_gone`, idempotent): its receives, its session
+(:meth:`rlinf.core._peer.PeerSessions.peer_gone`) and the subsystems' hooks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+from ..errors import PeerLostError
+from ..info import MembershipEvent, WorkerInfo
+from ..util.bounded import Recent
+from ._arrival import ArrivalOrder
+from ._mailbox import Mailbox
+from . import _peer
+from ._peer import PeerSessions
+
+__all__ = ["Membership"]
+
+#: How long a "left" peer that sent us data may take to deliver its in-order "bye".
+_BYE_GRACE = 2.0
+#: When that grace ends after a stall, the bye (and the data before it) may still wait
+#: unread in the socket: uvloop runs due timers before it polls I/O. The peer is declared
+#: gone only this much later, after one more poll.
+_AFTER_ONE_POLL = 0.01
+
+
+class Membership:
+    """The peers of one communicator (loop thread only).
+
+    Args:
+        address: the communicator's. roster: its peers by address (written here).
+        dead: ``(address, incarnation)`` of peers known gone (written here).
+        mailbox: its mailbox. sessions: its peer sessions.
+        closed: whether the communicator is closed (departures are moot then).
+    """
+
+    def __init__(self, address: str, roster: dict[str, WorkerInfo], dead: Recent, mailbox: Mailbox,
+                 sessions: PeerSessions, closed: Callable[[], bool]) -> None:
+        self._address = address
+        self._roster = roster
+        self._dead = dead
+        self._mailbox = mailbox
+        self._sessions = sessions
+        self._closed = closed
+        self._hooks: list[Callable[[str, str], None]] = []
+        self._subscribers: list[asyncio.Queue] = []
+        self._timers: set[asyncio.TimerHandle] = set()    # goodbyes still awaited
+        # set by start()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._arrival: ArrivalOrder | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop, arrival: ArrivalOrder) -> None:
+        self._loop, self._arrival = loop, arrival
+
+    def on_peer_gone(self, hook: Callable[[str, str], None]) -> None:
+        self._hooks.append(hook)
+
+    def subscribe(self) -> asyncio.Queue:
+        """A queue of the events from now on (None once the communicator closed)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._subscribers.append(queue)
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue) -> None:
+        self._subscribers.remove(queue)
+
+    def pid_of(self, address: str) -> int | None:
+        info = self._roster.get(address)
+        return info.pid if info is not None else None
+
+    def on_event(self, event: MembershipEvent, bye_sent: bool = False) -> None:
+        if event.address == self._address:
+            return
+        self._sessions.changed(event.address)
+        if event.kind == "joined" and event.info is not None:
+            old = self._roster.get(event.address)
+            self._roster[event.address] = event.info
+            self._dead.discard((event.address, event.incarnation))
+            self._mailbox.peer_joined(event.address, event.incarnation)
+            self._sessions.joined(event.address, old, event.info)
+        else:
+            info = self._roster.get(event.address)
+            if info is not None and event.incarnation and info.incarnation != event.incarnation:
+                return   # an older incarnation went away; the current one is fine
+            self._roster.pop(event.address, None)
+            if event.kind == "left" and bye_sent:
+                # Its last messages may still be in flight on the data socket; its "bye"
+                # follows them. Fall back to the event if the bye never comes.
+                self._later(_BYE_GRACE, self._later, _AFTER_ONE_POLL,
+                            self.peer_gone, event.address, event.incarnation, "left")
+            else:
+                self.peer_gone(event.address, event.incarnation, event.kind)
+        for queue in self._subscribers:
+            queue.put_nowait(event)
+
+    def _later(self, delay: float, callback: Callable, *args) -> None:
+        """``callback(*args)`` in ``delay`` seconds, unless the communicator closes first."""
+        def run() -> None:
+            self._timers.discard(timer)
+            callback(*args)
+
+        timer = self._loop.call_later(delay, run)
+        self._timers.add(timer)
+
+    def peer_gone(self, address: str, incarnation: str, kind: str) -> None:
+        """``address``'s ``incarnation`` is gone: fail what waits on it (idempotent)."""
+        key = (address, incarnation)
+        if key in self._dead or self._closed():
+            return
+        self._dead.add(key, _peer.DEAD_KEPT)
+        self._arrival.forget(f"{address}|{incarnation}".encode())
+        current = self._roster.get(address)
+        if current is not None and current.incarnation != incarnation:
+            self._sessions.peer_gone(address, incarnation, kind, current, None)
+            return   # a newer incarnation already joined
+        error = PeerLostError(f"{address} {'left' if kind == 'left' else 'was lost'}", peer=address)
+        self._mailbox.peer_lost(address, error)
+        self._sessions.peer_gone(address, incarnation, kind, current, error)
+        for hook in self._hooks:
+            hook(address, incarnation)
+
+    def close(self) -> None:
+        """The communicator closed: event iterators end, goodbyes are no longer awaited."""
+        for timer in self._timers:
+            timer.cancel()
+        self._timers.clear()
+        for queue in self._subscribers:
+            queue.put_nowait(None)
