@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -34,12 +34,20 @@ log = logging.getLogger("rlinf.core.communicator")
 
 _NO_BYTES = memoryview(b"")
 
-#: One entry: ``(entry, buffers, nbytes, in_shared_memory, error, ready, pulling)``;
-#: ``error`` (a DecodeError) when its shared memory could not be opened, its buffers then
-#: missing; ``ready`` (GPU buffers from CUDA IPC) orders the decoding thread's stream
-#: after them; ``pulling`` (a future) is done once pulled buffers hold their data.
-Rebuilt = tuple[wire.Entry, list, int, bool, "DecodeError | None", "Callable[[], None] | None",
-                "asyncio.Future | None"]
+class Rebuilt(NamedTuple):
+    """One received entry with its buffers rebuilt."""
+
+    entry: wire.Entry
+    buffers: list
+    nbytes: int
+    #: some buffers are views of a sender's shared memory (held until garbage-collected)
+    in_shm: bool
+    #: a DecodeError when its shared memory could not be opened (its buffers are missing)
+    error: DecodeError | None
+    #: GPU buffers from CUDA IPC: orders the decoding thread's stream after their copy
+    ready: Callable[[], None] | None
+    #: a future, done once pulled buffers hold their data
+    pulling: asyncio.Future | None
 
 
 class FrameReader:
@@ -128,7 +136,8 @@ class FrameReader:
                     self._on_bad_slot()
                     log.warning("rlinf: bad CUDA IPC slot from %s: %r", src, exc)
                     error = DecodeError(f"message from {src} cannot be read from its GPU slot: {exc}")
-            yield entry, buffers, nbytes, in_slot is not None or relayed is not None, error, ready, pulling
+            yield Rebuilt(entry, buffers, nbytes, in_slot is not None or relayed is not None, error, ready,
+                          pulling)
 
     def _open_pull(self, src: str, incarnation: str, entry: wire.Entry) -> tuple[list, asyncio.Future]:
         if self._pull is None:

@@ -60,7 +60,7 @@ IN_FLIGHT = 20e-6
 
 def _to_zmq(msg: OutMessage) -> None:
     """Turn a message queued for the bulk stream into a large ZeroMQ message."""
-    msg.frames, msg.entry[3], _ = split_frames(msg.frames)
+    msg.frames, msg.entry[wire.LAYOUT], _ = split_frames(msg.frames)
     msg.transport = "zmq"
 
 
@@ -104,8 +104,8 @@ def _wire_bytes(msg: OutMessage) -> int:
     """What a small message adds to a coalesced frame set: its codec header and, unless
     its buffers travel in shared memory (only their descriptor does), its payload."""
     if msg.transport == "zmq":
-        return len(msg.entry[2]) + msg.nbytes
-    return len(msg.entry[2]) + sum(len(f) for f in msg.frames)   # e.g. a GPU message's host part
+        return len(msg.entry[wire.CODEC_HEADER]) + msg.nbytes
+    return len(msg.entry[wire.CODEC_HEADER]) + sum(len(f) for f in msg.frames)   # e.g. a GPU message's host part
 
 
 class OutMessage:
@@ -254,8 +254,8 @@ class Outbox:
                 entries, pieces = [], []
                 for msg in batch:
                     entry = msg.entry
-                    if entry[3] is None:     # (a GPU message keeps its CUDA IPC item: entry[4:])
-                        entries.append([entry[0], entry[1], entry[2], [len(f) for f in msg.frames], *entry[4:]])
+                    if entry[wire.LAYOUT] is None:     # (a GPU message keeps its CUDA IPC item)
+                        entries.append(wire.with_layout(entry, [len(f) for f in msg.frames]))
                     else:
                         entries.append(entry)
                     pieces.extend(msg.frames)
@@ -342,8 +342,8 @@ class Outbox:
             self.flush()
             return
         entry, pieces = msg.entry, msg.frames
-        if entry[3] is None:
-            entry = [entry[0], entry[1], entry[2], [len(f) for f in pieces], *entry[4:]]
+        if entry[wire.LAYOUT] is None:
+            entry = wire.with_layout(entry, [len(f) for f in pieces])
         frames = [self._header.pack([entry], True)]
         if pieces:
             frames.append(pieces[0] if len(pieces) == 1 else b"".join(pieces))

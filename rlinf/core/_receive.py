@@ -102,8 +102,8 @@ class ReceivePath:
                 src, entries, frames, packed, incarnation):
             if entry.kind == wire.USER:
                 self._counters.received(src, nbytes + len(entry.codec_header))
-                self._mailbox.deliver(Message(src, incarnation, entry.tag, entry.codec_header, buffers, 0, nbytes,
-                                              in_shm, error, ready, pulling))
+                self._mailbox.deliver(Message(src, incarnation, entry.tag, entry.codec_header, buffers,
+                                              nbytes=nbytes, shm=in_shm, error=error, ready=ready, pulling=pulling))
             elif pulling is not None:
                 log.warning("rlinf %s: dropped system message %r with pulled buffers", self._address, entry.tag)
             elif error is not None:

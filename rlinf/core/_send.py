@@ -159,7 +159,7 @@ class SendPath:
         elif outbox.bulk is not None and nbytes >= self._config.bulk_threshold and gpu is None:
             # another node, by the bulk stream: one frame per buffer, read into place there
             frames, counts, nbytes = bulk_frames(buffers)
-            entry = [kind, tag, codec_header, counts]
+            entry = wire.plain_entry(kind, tag, codec_header, counts)
             future = self._loop.create_future()
             outbox.put(OutMessage(entry, frames, nbytes + len(codec_header), future, True,
                                   transport=routing.BULK), self._loop)
@@ -167,11 +167,11 @@ class SendPath:
         else:
             frames, counts, nbytes = split_frames(buffers)
             large = True
-        entry = [kind, tag, codec_header, counts]
+        entry = wire.plain_entry(kind, tag, codec_header, counts)
         nbytes += len(codec_header)
         transport, discard = "zmq", None
         if gpu is not None:      # its GPU buffers wait in a CUDA IPC slot: the entry says where
-            entry += [None, None, gpu]
+            entry = wire.gpu_entry(kind, tag, codec_header, counts, gpu)
             nbytes += sum(place[2] for place in gpu[5])
             transport, discard = routing.CUDA_IPC, functools.partial(self._gpu.discard, gpu)
         if not large and not need_future and outbox.ready:
@@ -191,7 +191,7 @@ class SendPath:
         see ``rlinf/transports/shm/_pull.py``); the future completes once it has read them."""
         pull = self._pull
         layout, item, future, sent = pull.offer(outbox.address, outbox.info.incarnation, buffers, sizes)
-        entry = [wire.USER, tag, codec_header, layout, None, None, None, item]
+        entry = wire.pull_entry(tag, codec_header, layout, item)
         discard = lambda: pull.drop(item[0], outbox.error)   # noqa: E731
         try:
             outbox.put(OutMessage(entry, [], nbytes + len(codec_header), sent, False, transport=routing.SHM,
@@ -212,23 +212,19 @@ class SendPath:
         slot, layout, copying = export
         session, dst = self._shm, outbox.address
         if relayed is None:
-            entry = [kind, tag, codec_header, layout, slot.to_wire()]
+            entry = wire.slot_entry(kind, tag, codec_header, layout, slot.to_wire(), gpu=gpu)
             discard = lambda: session.discard(slot, copying, dst)   # noqa: E731
-            if gpu is not None:
-                entry += [None, gpu]
         else:
             places, relays = relayed
             layout = list(layout)
             for i, place in places.items():
                 layout[i] = place
-            entry = [kind, tag, codec_header, layout, slot and slot.to_wire(), relays]
+            entry = wire.slot_entry(kind, tag, codec_header, layout, slot and slot.to_wire(), relays, gpu)
 
             def discard() -> None:
                 session.relay.cancel(dst, relays)
                 if slot is not None:
                     session.discard(slot, copying, dst)
-            if gpu is not None:
-                entry.append(gpu)
         if gpu is not None:
             discard = self._with_gpu_discard(discard, gpu)
         future = None
@@ -318,7 +314,7 @@ class SendPath:
         """Queue a notice (a small SYSTEM message without buffers) to ``outbox``; with
         ``hold``, it waits for the next flush (it goes out with the message queued next)."""
         codec_header, _ = self._codec.encode(obj)
-        entry = [wire.SYSTEM, tag, codec_header, []]
+        entry = wire.system_entry(tag, codec_header)
         outbox.put(OutMessage(entry, [], len(codec_header), None, False), self._loop, hold=hold)
 
     def say_bye(self) -> list[str]:
@@ -329,6 +325,6 @@ class SendPath:
         for session in self._sessions:
             outbox = session.outbox
             if outbox.link is not None and outbox.error is None:
-                outbox.put(OutMessage([wire.SYSTEM, "bye", b"", []], [], 0, None, False), self._loop)
+                outbox.put(OutMessage(wire.system_entry("bye"), [], 0, None, False), self._loop)
                 told.append(session.address)
         return told

@@ -88,6 +88,8 @@ from ..transports.descriptors import (
 )
 
 __all__ = ["VERSION", "USER", "SYSTEM", "MAX_FRAME", "Entry", "pack_header", "HeaderPacker", "unpack_header",
+           "plain_entry", "system_entry", "gpu_entry", "slot_entry", "pull_entry", "with_layout", "CODEC_HEADER",
+           "LAYOUT",
            # the transports' descriptors and limits, re-exported (see the module docstring)
            "SLOT_ALIGN", "MAX_SLOT", "MAX_FRAMES", "MAX_HEADER", "INT_MIN", "INT_MAX", "SlotRef", "FdRef", "GpuRef",
            "PullRef", "slot_layout", "parse_segment_name"]
@@ -116,6 +118,51 @@ class Entry:
     relays: list[SlotRef | FdRef] | None = None
     gpu: GpuRef | None = None
     pull: PullRef | None = None
+
+
+#: Positions in an outgoing entry (a list, packed by msgpack as it is: see the module
+#: docstring). Build entries with the functions below, never by hand.
+KIND, TAG, CODEC_HEADER, LAYOUT = 0, 1, 2, 3
+
+
+def plain_entry(kind: int, tag: Any, codec_header: bytes, layout: list | None) -> list:
+    """A message whose buffers travel in the frames (``layout`` None: filled in by
+    :func:`with_layout` when the frames are final)."""
+    return [kind, tag, codec_header, layout]
+
+
+def system_entry(tag: str, codec_header: bytes = b"") -> list:
+    """A SYSTEM message without buffers (a notice, the goodbye)."""
+    return [SYSTEM, tag, codec_header, []]
+
+
+def gpu_entry(kind: int, tag: Any, codec_header: bytes, layout: list | None, gpu: list) -> list:
+    """A message whose device buffers wait in a CUDA IPC slot (``gpu``, see
+    :class:`GpuRef`); ``layout`` describes its host buffers."""
+    return [kind, tag, codec_header, layout, None, None, gpu]
+
+
+def slot_entry(kind: int, tag: Any, codec_header: bytes, layout: list, slot: list | None,
+               relays: list | None = None, gpu: list | None = None) -> list:
+    """A message whose buffers sit in shared memory: our ``slot`` (see :class:`SlotRef`)
+    and/or ``relays`` (other slots forwarded by reference), with ``gpu`` its CUDA IPC
+    buffers, if any."""
+    if gpu is not None:
+        return [kind, tag, codec_header, layout, slot, relays, gpu]
+    if relays is not None:
+        return [kind, tag, codec_header, layout, slot, relays]
+    return [kind, tag, codec_header, layout, slot]
+
+
+def pull_entry(tag: Any, codec_header: bytes, layout: list, pull: list) -> list:
+    """A user message whose large buffers the receiver pulls from our memory (``pull``,
+    see :class:`PullRef`)."""
+    return [USER, tag, codec_header, layout, None, None, None, pull]
+
+
+def with_layout(entry: list, layout: list) -> list:
+    """``entry`` with its layout filled in (a copy; what follows the layout is kept)."""
+    return [entry[KIND], entry[TAG], entry[CODEC_HEADER], layout, *entry[4:]]
 
 
 def _relayed_place(item: list, relays: list[SlotRef | FdRef] | None) -> None:
