@@ -28,7 +28,7 @@ from ..errors import AddressInUseError, AuthenticationError, ClosedError, CommTi
 from ..info import MembershipEvent, WorkerInfo
 from .security import ClusterKeys
 
-__all__ = ["ControlClient", "pack", "unpack", "machine_id", "run"]
+__all__ = ["ControlClient", "HANDSHAKE_FAILED", "pack", "unpack", "machine_id", "run"]
 
 log = logging.getLogger("rlinf.control.client")
 
@@ -93,7 +93,8 @@ def run(coro: Coroutine) -> Any:
     return uvloop.run(coro)
 
 
-_HANDSHAKE_FAILED = {
+#: ZeroMQ monitor events that mean the CURVE handshake failed (a wrong token, mostly).
+HANDSHAKE_FAILED = {
     getattr(zmq, name) for name in (
         "EVENT_HANDSHAKE_FAILED_AUTH", "EVENT_HANDSHAKE_FAILED_PROTOCOL", "EVENT_HANDSHAKE_FAILED_NO_DETAIL")
     if hasattr(zmq, name)
@@ -355,7 +356,7 @@ class ControlClient:
             except zmq.ZMQError as exc:
                 self._stop_reading(exc)
                 return
-            if event["event"] in _HANDSHAKE_FAILED and not self.manager_reachable and not self._auth_failed.done():
+            if event["event"] in HANDSHAKE_FAILED and not self.manager_reachable and not self._auth_failed.done():
                 self._auth_failed.set_exception(AuthenticationError(
                     f"the manager at {self.manager} refused the handshake: wrong or missing cluster token"))
                 self._auth_failed.exception()  # retrieved here; re-raised by request()

@@ -37,13 +37,6 @@ from ..control.security import ClusterKeys
 
 __all__ = ["SnapshotClient", "fetch_snapshot", "RateTracker", "View", "render", "format_bytes", "main"]
 
-_HANDSHAKE_FAILED = {
-    getattr(zmq, name) for name in (
-        "EVENT_HANDSHAKE_FAILED_AUTH", "EVENT_HANDSHAKE_FAILED_PROTOCOL", "EVENT_HANDSHAKE_FAILED_NO_DETAIL")
-    if hasattr(zmq, name)
-}
-
-
 class SnapshotClient:
     """A read-only session with a manager: asks for snapshots, never registers.
 
@@ -127,7 +120,7 @@ class SnapshotClient:
                 return
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._handshake_ok = True
-            elif event["event"] in _HANDSHAKE_FAILED and not self._handshake_ok:
+            elif event["event"] in control.HANDSHAKE_FAILED and not self._handshake_ok:
                 raise AuthenticationError(
                     f"the manager at {self.manager} refused the handshake: wrong cluster token")
 
