@@ -109,6 +109,11 @@ class Membership:
         timer = self._loop.call_later(delay, run)
         self._timers.add(timer)
 
+    def said_bye(self, address: str, incarnation: str) -> None:
+        """``address``'s in-order goodbye arrived on the data link: it left, and every
+        message it sent before is already delivered."""
+        self.peer_gone(address, incarnation, "left")
+
     def peer_gone(self, address: str, incarnation: str, kind: str) -> None:
         """``address``'s ``incarnation`` is gone: fail what waits on it (idempotent)."""
         key = (address, incarnation)

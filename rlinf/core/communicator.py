@@ -166,7 +166,7 @@ class CoreCommunicator:
         self._membership = Membership(address, self._roster, self._dead, self._mailbox, self._sessions,
                                       lambda: self._closed is not None)
         self._receive = ReceivePath(address, self._codec, self._mailbox, self._counters, self._dead, shm_views,
-                                    self._sessions, self._guard, self._membership.peer_gone)
+                                    self._sessions, self._guard, self._membership.said_bye)
         self._internal = CoreAccess(self, token, self._codec, self._send, self._receive, self._mailbox,
                                     self._roster, check_open=self._check_open, guard=self._guard,
                                     lookup=self._lookup)

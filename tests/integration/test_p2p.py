@@ -75,6 +75,22 @@ async def test_ordered_messages_per_source_and_tag(cluster, driver):
         assert await group.join() == ["ack"]
 
 
+async def test_a_clean_exit_delivers_everything_then_ends_receives_at_once(cluster, driver):
+    """A peer that sends and returns: every message arrives, in order, and the next
+    receive from it fails with 'left' as soon as its in-order goodbye arrives, not after
+    the 2 s the manager's 'left' event is given to be overtaken by it."""
+    n = 200
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers.send_range_and_leave, "leaver", 1, args=("driver:0", n, 4))
+        got = [await driver.recv("leaver:0", tag=4) for _ in range(n)]
+        assert got == list(range(n))
+        t0 = time.perf_counter()
+        with pytest.raises(rlinf.PeerLostError, match="left"):
+            await driver.recv("leaver:0", tag=4, timeout=30)
+        assert time.perf_counter() - t0 < 1.5, "the goodbye on the data link was not acted on"
+        assert await group.join() == [n]
+
+
 async def test_many_senders_one_receiver_and_recv_any(cluster, driver):
     n, senders = 300, 4
     async with asyncio.timeout(90):

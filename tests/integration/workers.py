@@ -22,6 +22,14 @@ async def send_range(comm, dst: str, n: int, tag: int = 0):
     return await comm.recv(dst, tag=999, timeout=60)
 
 
+async def send_range_and_leave(comm, dst: str, n: int, tag: int = 0):
+    """Send 0..n-1 to ``dst`` with ``tag`` and return at once (a clean exit: the
+    communicator closes, its goodbye follows the data)."""
+    for i in range(n):
+        await comm.send(i, dst, tag=tag, timeout=60)
+    return n
+
+
 async def idle(comm):
     """Wait until stopped or killed; tell the driver we are up first."""
     await comm.send("up", "driver:0", tag=7, timeout=60)
