@@ -112,7 +112,7 @@ async def _rlinf(quick: bool) -> dict[str, float]:
             finally:   # a worker's failure (with its traceback) explains ours
                 await workers.join(timeout=120)
             out[name] = statistics.median(times[WARMUP:])
-        out["multicast"] = hasattr(comm, "_multicast_internal")
+        out["multicast"] = hasattr(comm.internal, "multicast")
         out["shm"] = "shm" in comm.info.transports
     return out
 

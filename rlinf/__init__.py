@@ -6,7 +6,7 @@ Importing rlinf has no side effects: no sockets, no CUDA, no threads. See
 
 from __future__ import annotations
 
-from .channel import policies
+from . import policies
 from .channel.client import Channel
 from .channel.policies import ConsumerInfo, ItemInfo, LoadBalancePolicy
 from .channel.stats import ChannelStats

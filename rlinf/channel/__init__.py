@@ -6,9 +6,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from . import policies
+from .client import Channel
 from .policies import (FIFO, ConsumerInfo, ItemInfo, LoadBalancePolicy, MostFreeMemory, PerformanceAware, RoundRobin,
                        ShortestQueue, SpeedMeter, WeightedRoundRobin, make_policy)
 from .stats import ChannelStats, ConsumerStats, KeyStats
@@ -32,11 +31,3 @@ __all__ = [
     "make_policy",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    # The handle pulls in the communicator; policies and stats stay importable alone.
-    if name == "Channel":
-        from .client import Channel
-
-        return Channel
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,5 +2,6 @@
 scatter, all_gather, all_to_all, barrier, all_reduce), the collective engine
 (:mod:`._engine`: calls, ids, aborts) and M->N batch resharding (:mod:`.reshard`).
 
-Layer: above ``core``; talks to it only through :mod:`rlinf.core.interface`.
+Layer: above ``core``; reaches its workings only through :mod:`rlinf.core.interface`
+(``comm.internal``), besides the public ``Work``.
 """

@@ -437,7 +437,12 @@ class ControlClient:
             self._spawn(self._refresh())
 
     def _spawn(self, coro: Coroutine) -> None:
-        """Run ``coro`` as a task of this client (kept until done, cancelled by :meth:`close`)."""
+        """Run ``coro`` as a task of this client (kept until done, cancelled by :meth:`close`).
+        Once closing, nothing new starts (a heartbeat reply queued before the close may
+        still ask for a refresh)."""
+        if self._stop.is_set():
+            coro.close()
+            return
         task = self._loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -33,6 +33,7 @@ __all__ = [
     "preferred_address",
     "preferred_peer_address",
     "describe_buffer",
+    "data_host",
 ]
 
 _log = logging.getLogger(__name__)
@@ -403,3 +404,16 @@ def _describe_torch(t: Any) -> BufferInfo:
     if kind == "cpu":
         return BufferInfo(device="cpu", nbytes=nbytes, shared=bool(t.is_shared()))
     raise TypeError(f"rlinf moves CPU and CUDA tensors only; this one is on {t.device} (call .cpu() first)")
+
+
+def data_host(manager: str, host: str | None = None) -> tuple[str, str]:
+    """``(bind host, advertised host)`` for a worker's data TCP listener: ``host``
+    (``RLINF_HOST``) when given; loopback when the manager is local; else every
+    interface, advertising the address on the manager's subnet."""
+    if host:
+        return host, host
+    manager_host = manager.split("://", 1)[-1].rsplit(":", 1)[0]
+    if manager.startswith("ipc://") or manager_host.startswith("127.") or manager_host in ("localhost", "[::1]"):
+        return "127.0.0.1", "127.0.0.1"
+    local = preferred_address([manager_host], host_addresses()) or socket.gethostbyname(socket.gethostname())
+    return "0.0.0.0", local

@@ -6,7 +6,7 @@ the two reach the receiver's event loop independently. Two rules restore the ord
 
 * **Large, then anything:** the sender sends nothing more to that peer until the
   receiver acknowledged the bulk frame set, which it does only once the frame set is
-  delivered (or parked, below). See ``rlinf/outbox.py``.
+  delivered (or parked, below). See ``rlinf/core/_outbox.py``.
 * **Anything, then large:** every bulk frame set starts with the number of ZeroMQ frame
   sets the sender had sent to this peer before it (:func:`bulk_header`). The receiver
   counts the ZeroMQ frame sets it received from each sender and *parks* a bulk frame

@@ -39,7 +39,7 @@ class Message:
     bad shared-memory descriptor); receiving it raises this error. ``ready``: for GPU
     buffers from CUDA IPC, orders the decoding thread's current stream after their copy.
     ``pulling``: buffers being read from the sender's memory (a future, done once they
-    hold the data; see ``rlinf/transports/_pull.py``).
+    hold the data; see ``rlinf/transports/shm/_pull.py``).
     """
 
     src: str

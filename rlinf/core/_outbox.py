@@ -397,6 +397,11 @@ class Outbox:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    @property
+    def tasks(self) -> frozenset[asyncio.Task]:
+        """The tasks of this outbox still running."""
+        return frozenset(self._tasks)
+
     def cancel_tasks(self) -> None:
         """Cancel what is still awaited: once the communicator closed and its transports
         let go of every buffer (a send still waiting then fails)."""

@@ -138,6 +138,7 @@ class PeerSessions:
         self._sessions: dict[str, PeerSession] = {}
         self.get = self._sessions.get          # the hot path: one dict lookup
         self._closed_kept = Recent()           # addresses of closed sessions, oldest first
+        self._dropped: list[Outbox] = []       # outboxes of forgotten sessions with tasks left
         self.valid: set[str] = set()           # addresses already checked (hot-path memo)
         # set by start()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -276,7 +277,7 @@ class PeerSessions:
         self._gpu.joined(address, info)    # restarted, maybe: its old slots go
         session = self._sessions.get(address)
         if session is not None and (session.error is not None or (old and old.incarnation != info.incarnation)):
-            del self._sessions[address]
+            self._drop(address)
             session.close(PeerLostError(f"{address} restarted", peer=address))
 
     def peer_gone(self, address: str, incarnation: str, kind: str, current: WorkerInfo | None,
@@ -300,7 +301,7 @@ class PeerSessions:
             forgotten = self._closed_kept.add(address, DEAD_KEPT)
             old = self._sessions.get(forgotten) if forgotten is not None else None
             if old is not None and old.error is not None:
-                del self._sessions[forgotten]   # bounded: a send there now waits for it to join
+                self._drop(forgotten)   # bounded: a send there now waits for it to join
 
     # -- our close --------------------------------------------------------------------------
     def close_all(self, linger_ms: int, error: BaseException) -> list:
@@ -322,8 +323,29 @@ class PeerSessions:
                 flushing.append(flushed)
         return flushing
 
+    def _drop(self, address: str) -> None:
+        """Forget ``address``'s session; its outbox's tasks (a release still awaited)
+        stay owned here until they end, so our close still cancels them."""
+        session = self._sessions.pop(address)
+        self._dropped = [o for o in self._dropped if o.tasks]
+        if session.outbox.tasks:
+            self._dropped.append(session.outbox)
+
+    def tasks(self) -> Iterator[asyncio.Task]:
+        """Every task the sessions run (lookups, dials, the outboxes'), not yet done."""
+        for session in self._sessions.values():
+            if session.task is not None and not session.task.done():
+                yield session.task
+            yield from session.outbox.tasks
+        for outbox in self._dropped:
+            yield from outbox.tasks
+
     def cancel_tasks(self) -> None:
         """After :meth:`close_all` and the transports closed: cancel what the outboxes
-        still await (nothing, normally: the transports released every buffer)."""
+        still await (nothing, normally: the transports released every buffer), those of
+        forgotten sessions included."""
         for session in self._sessions.values():
             session.outbox.cancel_tasks()
+        for outbox in self._dropped:
+            outbox.cancel_tasks()
+        self._dropped.clear()

@@ -10,7 +10,7 @@ from typing import Any, Callable, Coroutine
 from ..errors import ClosedError, CommTimeoutError
 from ..info import check_timeout
 
-__all__ = ["run_threadsafe"]
+__all__ = ["run_threadsafe", "wait_for"]
 
 #: Seconds a blocking_* call waits beyond its timeout for a busy loop to run it.
 LOOP_GRACE = 1.0
@@ -52,3 +52,17 @@ def run_threadsafe(coro: Coroutine, timeout: float | None, loop: asyncio.Abstrac
     except BaseException:   # interrupted (KeyboardInterrupt): the operation must not go on alone
         future.cancel()
         raise
+
+
+async def wait_for(future: asyncio.Future, timeout: float | None, what: str) -> Any:
+    """Await ``future`` for at most ``timeout`` seconds (None: forever).
+
+    Raises:
+        CommTimeoutError: saying ``what`` did not complete in time (the future is cancelled).
+    """
+    if timeout is None:
+        return await future
+    try:
+        return await asyncio.wait_for(future, timeout)
+    except TimeoutError:
+        raise CommTimeoutError(f"{what} did not complete within {timeout} s") from None

@@ -30,7 +30,7 @@ from ..config import Settings, visible_devices
 from ..codec import Codec
 from ..control import client as control, devices
 from ..control.security import ClusterKeys, ZapHandler
-from ..errors import ClosedError, CommTimeoutError, TransportUnavailableError
+from ..errors import ClosedError, TransportUnavailableError
 from ..info import MembershipEvent, WorkerInfo, check_plain, check_timeout, parse_address
 from ..transports import leftovers, shm, tcp_bulk
 from ..transports.cuda import ipc as cuda_ipc
@@ -49,9 +49,9 @@ from ._membership import Membership
 from ._peer import PeerSessions
 from ._receive import ReceivePath
 from ._send import SendPath
-from ._threads import run_threadsafe
+from ._threads import run_threadsafe, wait_for
 from .interface import Core
-from .stats import CommStats, Counters
+from .stats import CommStats, Counters, StatsReports
 from .work import Work
 
 __all__ = ["CoreCommunicator"]
@@ -61,25 +61,7 @@ log = logging.getLogger("rlinf.core.communicator")
 _GRACEFUL_LINGER_MS = 2000
 
 
-_TAG_MIN, _TAG_MAX = wire.INT_MIN, wire.INT_MAX   # user tags travel as msgpack integers
-
-
-def _check_tag(tag: Any) -> None:
-    if not isinstance(tag, int) or isinstance(tag, bool):
-        raise TypeError(f"tag must be an int, got {type(tag).__name__}")
-    if not _TAG_MIN <= tag <= _TAG_MAX:
-        raise ValueError(f"tag must lie in [-2**63, 2**64 - 1], got {tag}")
-
-
-def _tcp_host(manager: str, host: str | None = None) -> tuple[str, str]:
-    """(bind host, advertised host) for the data TCP listener; ``host``: ``RLINF_HOST``."""
-    if host:
-        return host, host
-    manager_host = manager.split("://", 1)[-1].rsplit(":", 1)[0]
-    if manager.startswith("ipc://") or manager_host.startswith("127.") or manager_host in ("localhost", "[::1]"):
-        return "127.0.0.1", "127.0.0.1"
-    local = devices.preferred_address([manager_host], devices.host_addresses()) or socket.gethostbyname(socket.gethostname())
-    return "0.0.0.0", local
+_TAG_MIN, _TAG_MAX = wire.INT_MIN, wire.INT_MAX   # the hot path's inline check
 
 
 class CoreCommunicator:
@@ -128,7 +110,8 @@ class CoreCommunicator:
         self._dead = Recent()     # (address, incarnation) of peers known gone
         self._closing: asyncio.Future | None = None   # the close in progress (a second aclose waits for it)
         self._closers: list[Callable[[], Any]] = []
-        self._stats_providers: dict[str, Callable[[], dict]] = {"busy_poll": self._busy_poll.report}
+        self._reports = StatsReports(address, self.stats)      # what heartbeats carry
+        self._reports.add("busy_poll", self._busy_poll.report)
         self._counters = Counters(address)
         self._header = wire.HeaderPacker(address, self.incarnation)   # one for every outbox
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -215,7 +198,7 @@ class CoreCommunicator:
             self._zap = ZapHandler(self._context, self._keys)
             self._zap.attach(self._loop)
             settings = self._settings
-            bind, advertise = _tcp_host(self.manager_address, settings.host)
+            bind, advertise = devices.data_host(self.manager_address, settings.host)
             self._transport = ZmqTransport(self._context, self._keys, tcp_host=bind, advertise_host=advertise,
                                            encrypt_tcp=settings.tcp_encryption)
             self._listener = await self._transport.listen()
@@ -237,9 +220,12 @@ class CoreCommunicator:
                                          self._shm.copier, offload=self._shm.offload, threshold=settings.shm_pull,
                                          pid_of=self._membership.pid_of)
                 self._receive.handle("pull", self._pull.on_notice)
-                self._stats_providers["pull"] = self._pull.report
+                self._reports.add("pull", self._pull.report)
             self._inbound = FrameReader(self._shm, self._recycler, self._membership.pid_of, self._counters.dropped,
                                         self._gpu.open, self._gpu.refuse, self._pull)
+            # the receiving parts are ready before any handler can hand them a frame set
+            self._receive.start(self._loop, self._shm, self._pull, self._inbound)
+            self._membership.start(self._loop, self._arrival)
             self._listener.set_handler(self._arrival.zmq)
             if routing.STREAM not in self._routing.disabled and StreamTransport.available():
                 transports += await self._start_stream(endpoints)
@@ -255,7 +241,7 @@ class CoreCommunicator:
             )
             self._gpu.me = self.info
             self._control = control.ControlClient(self._context, self._keys, self.manager_address, self.info,
-                                                  self._membership.on_event, stats=self._heartbeat_stats,
+                                                  self._membership.on_event, stats=self._reports.collect,
                                                   exclusive=self._exclusive, on_superseded=self._superseded,
                                                   manager_host=self._manager_host,
                                                   peer_timeout=settings.peer_timeout,
@@ -300,12 +286,11 @@ class CoreCommunicator:
         return (routing.STREAM,)
 
     def _start_parts(self) -> None:
-        """Hand the parts what start() brought up (before any event can reach them)."""
+        """Hand the sending parts what start() brought up (before the manager can send
+        them an event; the receiving parts started before the listeners had handlers)."""
         self._sessions.start(self._loop, self.info, zmq=self._transport, stream=self._stream, bulk=self._bulk,
                              control_client=self._control, shm=self._shm, pull=self._pull)
         self._send.start(self._loop, self._shm, self._pull)
-        self._receive.start(self._loop, self._shm, self._pull, self._inbound)
-        self._membership.start(self._loop, self._arrival)
 
     def _new_cuda_session(self) -> cuda_ipc.CudaIpcSession:
         return cuda_ipc.CudaIpcSession(self._loop, functools.partial(self._send.notice, tag="cuda"),
@@ -361,25 +346,38 @@ class CoreCommunicator:
                 result = closer()
                 if asyncio.iscoroutine(result):
                     await result
+            except asyncio.CancelledError as exc:   # the other closers still run
+                cancelled = exc
             except Exception:
                 log.exception("rlinf %s: error while closing a subsystem", self.address)
         try:
             if self._control is not None:
                 await self._control.close(deregister=deregister, bye_to=bye_to)
+        except asyncio.CancelledError as exc:   # finish closing, then re-raise
+            cancelled = exc
         finally:
             flushing = self._sessions.close_all(_GRACEFUL_LINGER_MS, error)
-            if flushing:    # stream links write what they buffered from this loop
-                await asyncio.wait(flushing, timeout=_GRACEFUL_LINGER_MS / 1000 + 0.5)
+            # what waits on us fails now, whatever happens to the flush below
             self._mailbox.close(error)
             self._membership.close()
+            if flushing:    # stream links write what they buffered from this loop
+                try:
+                    await asyncio.wait(flushing, timeout=_GRACEFUL_LINGER_MS / 1000 + 0.5)
+                except asyncio.CancelledError as exc:
+                    cancelled = exc
             for part in (self._transport, self._listener, self._bulk_listener, self._stream_listener, self._zap,
                          self._shm, self._gpu.session):
                 if part is not None:
                     part.close()
             if self._context is not None:
                 context, self._context = self._context, None
-                # term() waits for lingering frames; keep the loop free meanwhile.
-                await asyncio.get_running_loop().run_in_executor(None, context.term)
+                # term() waits for lingering frames; keep the loop free meanwhile (a cancel
+                # leaves it to finish in its thread: the sockets are closed already)
+                term = asyncio.get_running_loop().run_in_executor(None, context.term)
+                try:
+                    await asyncio.shield(term)
+                except asyncio.CancelledError as exc:
+                    cancelled = exc
             self._sessions.cancel_tasks()
         if cancelled is not None:
             raise cancelled
@@ -417,20 +415,20 @@ class CoreCommunicator:
             EncodeError: ``obj`` cannot be encoded. ClosedError: we are closed.
         """
         if type(tag) is not int or not _TAG_MIN <= tag <= _TAG_MAX:
-            _check_tag(tag)
+            wire.check_tag(tag)
         if timeout is not None:
             timeout = check_timeout(timeout)
         self._guard()
         sender = self._send
         future = sender.enqueue(obj, dst, tag, wire.USER, need_future=False)
         if future is not None:
-            await self._wait(future, timeout, f"send to {dst}")
+            await wait_for(future, timeout, f"{self.address}: send to {dst}")
         if sender.behind(dst):
             await sender.room(dst)
 
     def async_send(self, obj: Any, dst: str, *, tag: int = 0) -> Work[None]:
         """Start a send now (ordering is fixed by this call) and return its :class:`Work`."""
-        _check_tag(tag)
+        wire.check_tag(tag)
         self._guard()
         future = self._send.enqueue(obj, dst, tag, wire.USER, need_future=True)
         return Work(future, f"send to {dst} tag={tag}")
@@ -455,7 +453,7 @@ class CoreCommunicator:
             CommTimeoutError, DecodeError, ClosedError.
         """
         if type(tag) is not int or not _TAG_MIN <= tag <= _TAG_MAX:
-            _check_tag(tag)
+            wire.check_tag(tag)
         if timeout is not None:
             timeout = check_timeout(timeout)
         receive = self._receive
@@ -466,7 +464,7 @@ class CoreCommunicator:
 
     async def recv_any(self, *, tag: int = 0, timeout: float | None = None) -> tuple[Any, str]:
         """Receive the oldest message with ``tag`` from any source: ``(obj, src)``."""
-        _check_tag(tag)
+        wire.check_tag(tag)
         timeout = check_timeout(timeout)
         msg = await self._receive.get(None, tag, timeout)
         return await self._receive.finish(msg), msg.src
@@ -475,7 +473,7 @@ class CoreCommunicator:
         """Start a receive now and return its :class:`Work` (cancel it safely with
         ``cancel()``). Its place in line is taken by this call: a ``recv`` made later
         gets a later message."""
-        _check_tag(tag)
+        wire.check_tag(tag)
         parse_address(src)
         self._check_open()
         return self._receive.start_recv(src, tag, f"recv from {src} tag={tag}")
@@ -500,7 +498,7 @@ class CoreCommunicator:
             Same as :meth:`recv` otherwise.
         """
         if type(tag) is not int or not _TAG_MIN <= tag <= _TAG_MAX:
-            _check_tag(tag)
+            wire.check_tag(tag)
         return await self._receive.recv_into(target, src, tag, check_timeout(timeout))
 
     # -- membership --------------------------------------------------------------------
@@ -551,24 +549,4 @@ class CoreCommunicator:
         Raises:
             ValueError: ``name`` is taken (by another provider or a built-in counter).
         """
-        if name in self._stats_providers or name in self.stats().to_dict():
-            raise ValueError(f"stats name {name!r} is already reported by {self.address}")
-        self._stats_providers[name] = provider
-
-    def _heartbeat_stats(self) -> dict:
-        report = self.stats().to_dict()
-        for name, provider in self._stats_providers.items():
-            try:
-                report[name] = provider()
-            except Exception:   # one broken provider must not stop the worker's reports
-                log.exception("rlinf %s: stats provider %r failed", self.address, name)
-        return report
-
-    # -- helpers -----------------------------------------------------------------------
-    async def _wait(self, future: asyncio.Future, timeout: float | None, what: str) -> Any:
-        if timeout is None:
-            return await future
-        try:
-            return await asyncio.wait_for(future, timeout)
-        except TimeoutError:
-            raise CommTimeoutError(f"{self.address}: {what} did not complete within {timeout} s") from None
+        self._reports.add(name, provider)

@@ -35,6 +35,7 @@ from ..info import WorkerInfo
 
 __all__ = [
     "INLINE",
+    "STREAM",
     "SHM",
     "BULK",
     "CUDA_IPC",
@@ -160,6 +161,12 @@ class RoutingConfig:
         if isinstance(names, str):
             raise TypeError("names must be a collection of transport names, not a str")
         return replace(self, disabled=self.disabled | frozenset(names))
+
+    @classmethod
+    def from_env(cls, environ=None) -> RoutingConfig:
+        """The config of the environment (``environ``, default ``os.environ``): the same as
+        ``from_settings(Settings.from_env(environ))``."""
+        return cls.from_settings(Settings.from_env(environ))
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RoutingConfig:

@@ -7,10 +7,14 @@ a snapshot is taken, from a bounded window of recent send latencies.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
-__all__ = ["PeerStats", "TransportStats", "CommStats", "Counters"]
+log = logging.getLogger("rlinf.core.stats")
+
+__all__ = ["PeerStats", "TransportStats", "CommStats", "Counters", "StatsReports"]
 
 _WINDOW = 2048
 
@@ -134,3 +138,37 @@ class Counters:
         transports = {k: TransportStats(v[0], v[1]) for k, v in self.transports.items()}
         return CommStats(self.address, time.monotonic() - self.started, peers, transports,
                          len(connected), self.dropped_frames)
+
+
+class StatsReports:
+    """What a worker reports with its heartbeats: its :class:`CommStats` and the named
+    reports of its subsystems (a channel server's ``"channel"``, the pulls' ``"pull"``).
+
+    Args:
+        address: the worker's (for log lines). snapshot: its ``stats()``.
+    """
+
+    def __init__(self, address: str, snapshot: Callable[[], CommStats]) -> None:
+        self._address = address
+        self._snapshot = snapshot
+        self._providers: dict[str, Callable[[], Any]] = {}
+
+    def add(self, name: str, provider: Callable[[], Any]) -> None:
+        """Report ``provider()`` under ``name``.
+
+        Raises:
+            ValueError: ``name`` is taken (by another provider or a built-in counter).
+        """
+        if name in self._providers or name in self._snapshot().to_dict():
+            raise ValueError(f"stats name {name!r} is already reported by {self._address}")
+        self._providers[name] = provider
+
+    def collect(self) -> dict:
+        """The report (on the loop thread); a provider that fails is logged and left out."""
+        report = self._snapshot().to_dict()
+        for name, provider in self._providers.items():
+            try:
+                report[name] = provider()
+            except Exception:   # one broken provider must not stop the worker's reports
+                log.exception("rlinf %s: stats provider %r failed", self._address, name)
+        return report

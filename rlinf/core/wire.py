@@ -88,7 +88,7 @@ from ..transports.descriptors import (
 )
 
 __all__ = ["VERSION", "USER", "SYSTEM", "MAX_FRAME", "Entry", "pack_header", "HeaderPacker", "unpack_header",
-           "plain_entry", "system_entry", "gpu_entry", "slot_entry", "pull_entry", "with_layout", "CODEC_HEADER",
+           "check_tag", "plain_entry", "system_entry", "gpu_entry", "slot_entry", "pull_entry", "with_layout", "CODEC_HEADER",
            "LAYOUT",
            # the transports' descriptors and limits, re-exported (see the module docstring)
            "SLOT_ALIGN", "MAX_SLOT", "MAX_FRAMES", "MAX_HEADER", "INT_MIN", "INT_MAX", "SlotRef", "FdRef", "GpuRef",
@@ -118,6 +118,18 @@ class Entry:
     relays: list[SlotRef | FdRef] | None = None
     gpu: GpuRef | None = None
     pull: PullRef | None = None
+
+
+def check_tag(tag: Any) -> None:
+    """Check a user's tag: an ``int`` that msgpack carries (a ``str`` tag is rlinf's own).
+
+    Raises:
+        TypeError: not an int. ValueError: outside ``[-2**63, 2**64 - 1]``.
+    """
+    if not isinstance(tag, int) or isinstance(tag, bool):
+        raise TypeError(f"tag must be an int, got {type(tag).__name__}")
+    if not INT_MIN <= tag <= INT_MAX:
+        raise ValueError(f"tag must lie in [-2**63, 2**64 - 1], got {tag}")
 
 
 #: Positions in an outgoing entry (a list, packed by msgpack as it is: see the module

@@ -6,7 +6,10 @@ A transport offers three things:
 * ``listen()`` — bind the receiving side; returns a :class:`Listener` with the endpoints
   peers connect to, delivering every incoming frame set whole, in order per link, to a
   callback (or to ``recv()``).
-* ``connect(endpoint, identity=...)`` — a :class:`Link` to one peer's listener.
+* ``connect(endpoint, identity=...)`` — a :class:`Link` to one peer's listener;
+  ``connect_now`` is the same without an await, for the transports that connect in the
+  background (ZeroMQ): the session layer gives a peer its first link with it, so that a
+  message can be queued on the link in the call that opened the session.
 
 A :class:`Link` is what the session layer drives: :meth:`Link.try_send` (never waits;
 raises :class:`WouldBlock` when full), :meth:`Link.wait_writable`,
@@ -31,6 +34,13 @@ above and is never imported here.
 The communicator never knows which transport it is using: :mod:`rlinf.core.routing`
 decides, per buffer. Every link the communicator uses passes the conformance suite in
 ``tests/transports/``.
+
+Shared memory and CUDA IPC are not links: a message's buffers go into a slot and only a
+descriptor travels on a link. The session layer drives them through their session
+objects (:class:`rlinf.transports.shm.ShmSession` and
+:class:`~rlinf.transports.shm.PullSession`, :class:`rlinf.transports.cuda.ipc.CudaIpcSession`),
+whose modules state their contracts and buffer lifetimes; :class:`~rlinf.transports.shm.ShmTransport`
+packages the same pieces as a link for the conformance suite.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ import collections
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
-from ..errors import ClosedError, WouldBlock
+from ..errors import ClosedError, TransportUnavailableError, WouldBlock
 
 __all__ = ["Received", "Link", "Listener", "Transport", "Inbox", "Tracker", "WouldBlock"]
 
@@ -246,3 +256,13 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     async def connect(self, endpoint: str, *, identity: bytes) -> Link:
         """Open a link to ``endpoint``, presenting ``identity`` to the receiver."""
+
+    def connect_now(self, endpoint: str, *, identity: bytes) -> Link:
+        """:meth:`connect` without an await, where the transport connects in the
+        background (the link queues until then).
+
+        Raises:
+            TransportUnavailableError: this transport needs :meth:`connect`.
+            PeerLostError: ``endpoint`` cannot be connected to.
+        """
+        raise TransportUnavailableError(f"the {self.name} transport connects only with 'await connect()'")

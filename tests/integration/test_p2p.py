@@ -75,7 +75,7 @@ async def test_ordered_messages_per_source_and_tag(cluster, driver):
         assert await group.join() == ["ack"]
 
 
-async def test_a_clean_exit_delivers_everything_then_ends_receives_at_once(cluster, driver):
+async def test_a_clean_exit_delivers_everything_then_ends_receives_at_once(cluster, driver, caplog):
     """A peer that sends and returns: every message arrives, in order, and the next
     receive from it fails with 'left' as soon as its in-order goodbye arrives, not after
     the 2 s the manager's 'left' event is given to be overtaken by it."""
@@ -89,6 +89,8 @@ async def test_a_clean_exit_delivers_everything_then_ends_receives_at_once(clust
             await driver.recv("leaver:0", tag=4, timeout=30)
         assert time.perf_counter() - t0 < 1.5, "the goodbye on the data link was not acted on"
         assert await group.join() == [n]
+    errors = [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+    assert not errors, f"a clean exit logged errors at its receiver: {[r.getMessage() for r in errors]}"
 
 
 async def test_many_senders_one_receiver_and_recv_any(cluster, driver):
@@ -568,6 +570,33 @@ async def test_a_second_aclose_returns_once_the_first_is_done(cluster):
             await asyncio.sleep(0)                              # (a yield) the first close has begun
             await a.aclose()
             assert first.done() and a._context is None
+        finally:
+            await b.aclose()
+
+
+@pytest.mark.parametrize("yields", [1, 3, 10])
+async def test_a_cancelled_aclose_still_closes_everything(cluster, yields):
+    """Cancelling aclose (Ctrl-C, a timeout around the 'async with') at any of its
+    awaits still fails pending receives, closes the sockets and cancels the core's
+    tasks; the cancel is re-raised, and a later aclose returns."""
+    async with asyncio.timeout(30):
+        a = await cluster.connect("a:0").start()
+        b = await cluster.connect("b:0").start()
+        try:
+            await a.send(np.ones(4 << 20, np.uint8), "b:0")    # b holds a's slot: a's close drains
+            await a.send("small", "b:0")                        # and a stream link to flush
+            pending = asyncio.ensure_future(a.recv("b:0", tag=5))
+            closing = asyncio.ensure_future(a.aclose())
+            for _ in range(yields):
+                await asyncio.sleep(0)
+            closing.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await closing
+            with pytest.raises(rlinf.ClosedError):
+                await pending
+            assert a.closed and a._context is None
+            assert not any(not t.done() for t in a._sessions.tasks()), "core tasks left running"
+            await a.aclose()
         finally:
             await b.aclose()
 

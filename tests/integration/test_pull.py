@@ -1,5 +1,5 @@
 """Single-copy pulls between real processes: a copy-out receiver reads a same-node
-sender's buffers in place (``rlinf/transports/_pull.py``)."""
+sender's buffers in place (``rlinf/transports/shm/_pull.py``)."""
 
 from __future__ import annotations
 

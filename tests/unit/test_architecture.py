@@ -36,8 +36,10 @@ LAYERS = [
     ("rlinf.tools.cli",),    # the program: runs the demo, the manager, top and bench
 ]
 #: The curated surface and the public aliases users import (rlinf.routing is named by
-#: DESIGN.md; ``import rlinf.ray``; ``python -m rlinf.manager``): above every layer.
-SURFACE = {"rlinf", "rlinf.__main__", "rlinf.routing", "rlinf.ray", "rlinf.manager"}
+#: DESIGN.md; ``import rlinf.ray``; ``python -m rlinf.manager``; paths the docs named
+#: before the layout by concern): above every layer.
+SURFACE = {"rlinf", "rlinf.__main__", "rlinf.routing", "rlinf.ray", "rlinf.manager", "rlinf.group", "rlinf.reshard",
+           "rlinf.leftovers", "rlinf.policies"}
 MAX_LINES = 700
 
 

@@ -1,4 +1,4 @@
-"""The pull protocol (rlinf/transports/_pull.py) between two sessions of this process,
+"""The pull protocol (rlinf/transports/shm/_pull.py) between two sessions of this process,
 wired by their notices: the handshake, reads, completions, refusals and failures."""
 
 from __future__ import annotations
