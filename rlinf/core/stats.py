@@ -140,6 +140,10 @@ class Counters:
                          len(connected), self.dropped_frames)
 
 
+#: The names the CommStats part of a report takes.
+_BUILT_IN = frozenset(CommStats("", 0.0).to_dict())
+
+
 class StatsReports:
     """What a worker reports with its heartbeats: its :class:`CommStats` and the named
     reports of its subsystems (a channel server's ``"channel"``, the pulls' ``"pull"``).
@@ -159,7 +163,7 @@ class StatsReports:
         Raises:
             ValueError: ``name`` is taken (by another provider or a built-in counter).
         """
-        if name in self._providers or name in self._snapshot().to_dict():
+        if name in self._providers or name in _BUILT_IN:
             raise ValueError(f"stats name {name!r} is already reported by {self._address}")
         self._providers[name] = provider
 
