@@ -16,7 +16,7 @@ import logging
 from typing import Iterator
 
 from ..control import client as control, devices
-from ..errors import AuthenticationError, ClosedError, CommTimeoutError, PeerLostError
+from ..errors import AuthenticationError, ClosedError, CommTimeoutError, PeerLostError, RlinfError
 from ..info import WorkerInfo, parse_address
 from ..transports import tcp_bulk
 from ..transports.shm import PullSession, ShmSession
@@ -194,7 +194,22 @@ class PeerSessions:
 
     def _connect(self, session: PeerSession, info: WorkerInfo) -> None:
         """Give the session its link to ``info``: at once for ZeroMQ; for a stream, once
-        it is connected and authenticated (sends queue meanwhile)."""
+        it is connected and authenticated (sends queue meanwhile). A link that cannot be
+        made fails the session (its sends raise; none waits for a link that never comes)."""
+        try:
+            self._dial(session, info)
+        except RlinfError as exc:
+            self._cannot_connect(session, exc)
+
+    def _cannot_connect(self, session: PeerSession, exc: RlinfError) -> None:
+        session.task = None
+        error = exc if isinstance(exc, PeerLostError) else PeerLostError(
+            f"cannot connect to {session.address}: {exc}", peer=session.address)
+        if exc is not error:
+            error.__cause__ = exc
+        session.fail(error)
+
+    def _dial(self, session: PeerSession, info: WorkerInfo) -> None:
         outbox = session.outbox
         scheme = routing.select_scheme(self._me, info, config=self._config)
         if self._bulk is not None:
@@ -224,7 +239,11 @@ class PeerSessions:
                 session.fail(PeerLostError(f"{session.address} was lost", peer=session.address))
                 return
             log.warning("rlinf %s: no stream to %s (%s); using ZeroMQ", self._address, session.address, exc)
-            link = self._zmq_link(info, "ipc")
+            try:
+                link = self._zmq_link(info, "ipc")
+            except RlinfError as fallback_failed:
+                self._cannot_connect(session, fallback_failed)
+                return
         session.task = None
         if session.error is not None:
             link.close()

@@ -99,6 +99,24 @@ async def test_a_session_is_opened_on_first_use_and_dialled_once_the_peer_is_kno
     assert core.queue("again") is not None and core.sessions.get("peer:0") is session
 
 
+async def test_a_peer_that_cannot_be_connected_to_fails_the_send_instead_of_leaving_it_waiting():
+    """connect_now raises (no file descriptors left, a bad endpoint): the session fails
+    with PeerLostError naming the cause, so no send waits for a link that never comes."""
+    core = _Core(asyncio.get_running_loop())
+
+    def refuse(endpoint: str, *, identity: bytes):
+        raise rlinf.ClosedError("the context is gone")
+
+    core.zmq.connect_now = refuse
+    core.roster["peer:0"] = _peer("inc1")
+    with pytest.raises(rlinf.PeerLostError, match="cannot connect to peer:0") as caught:
+        await asyncio.wait_for(core.queue("hello"), 5)
+    assert isinstance(caught.value.__cause__, rlinf.ClosedError)
+    assert core.sessions.get("peer:0").task is None
+    with pytest.raises(rlinf.PeerLostError):             # and the next send fails at once
+        core.queue("again")
+
+
 async def test_a_lost_peer_closes_its_session_once_and_fails_its_pending_sends():
     core = _Core(asyncio.get_running_loop())
     pending = [core.queue(i) for i in range(3)]         # the peer is not known yet: they wait
