@@ -32,7 +32,7 @@ import rlinf  # noqa: E402
 import rlinf.ray  # noqa: E402
 from rlinf.control.client import run as run_loop  # noqa: E402
 
-# A loaded 2-core machine can starve a heartbeat thread for over the 1.5 s default.
+# A loaded 2-core machine can starve a heartbeat thread for over the 2.5 s default.
 os.environ.setdefault("RLINF_PEER_TIMEOUT", "10")
 SIZE = 40 << 20
 WARMUP = 2

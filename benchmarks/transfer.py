@@ -58,7 +58,7 @@ import rlinf  # noqa: E402
 from rlinf.control.client import run as run_loop  # noqa: E402
 
 ctx = baseline_context("torch")
-# A loaded 2-core machine can starve a heartbeat thread for over the 1.5 s default.
+# A loaded 2-core machine can starve a heartbeat thread for over the 2.5 s default.
 os.environ.setdefault("RLINF_PEER_TIMEOUT", "10")
 SIZES = {"40 MiB": 40 << 20, "400 KiB": 400 << 10}
 STREAM = 200
