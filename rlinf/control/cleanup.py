@@ -12,6 +12,9 @@ import logging
 import shutil
 from typing import Sequence
 
+from ..transports.shm import sweep
+from ..transports.zeromq import ipc_dirs_of
+
 __all__ = ["remove_leftovers", "remove_socket_dirs"]
 
 log = logging.getLogger("rlinf.control.cleanup")
@@ -22,18 +25,11 @@ def remove_leftovers(pid: int | None, socket_dirs: Sequence[str]) -> None:
     directories named after its pid, and the socket directories it reported. Call only
     once it is gone (until then the pid cannot be reused, and the files may be in use)."""
     if pid is not None:
-        from ..transports.zeromq import ipc_dirs_of
-
         socket_dirs = [*socket_dirs, *ipc_dirs_of(pid)]   # also those made before it could report them
         try:
-            from ..transports.shm import sweep
-        except ImportError:   # no shared-memory transport in this build
-            pass
-        else:
-            try:
-                sweep(pid)
-            except OSError as exc:
-                log.warning("rlinf: could not remove the shared memory of pid %d: %s", pid, exc)
+            sweep(pid)
+        except OSError as exc:
+            log.warning("rlinf: could not remove the shared memory of pid %d: %s", pid, exc)
     remove_socket_dirs(socket_dirs)
 
 

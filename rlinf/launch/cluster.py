@@ -25,6 +25,7 @@ import signal
 import sys
 from typing import Any, Callable, Iterator
 
+from ..channel.client import create_cluster_channel
 from ..communicator import Communicator
 from ..errors import ClosedError, CommTimeoutError, WorkerFailedError
 from ..control.cleanup import remove_leftovers
@@ -353,8 +354,6 @@ class Cluster:
         Returns a :class:`rlinf.channel.Channel` handle usable from this (driver) process.
         Options as for :meth:`rlinf.Communicator.create_channel`.
         """
-        from ..channel.client import create_cluster_channel
-
         return await create_cluster_channel(self, name, maxsize=maxsize, policy=policy, **options)
 
     def connect(self, address: str, **options: Any) -> Communicator:
