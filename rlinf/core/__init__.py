@@ -1,7 +1,8 @@
 """The messaging core: the Communicator facade (:mod:`.communicator`), per-peer sessions
-(:mod:`._peer`: a peer incarnation's links, outbox and ordering, dial, failure), the send
+(:mod:`._peer`: a peer incarnation's links, outbox and ordering, dial, failure), the
+delivery protocol (:mod:`._delivery`: numbering, acknowledgements, resends), the send
 path (:mod:`._send`, :mod:`._outbox`), the receive path (:mod:`._receive`: frame reading
-in :mod:`._inbound` and :mod:`._arrival`, the mailbox in :mod:`._mailbox`, decoding),
+in :mod:`._inbound`, the mailbox in :mod:`._mailbox`, decoding),
 membership (:mod:`._membership`), the wire records (:mod:`.wire`), routing (:mod:`.routing`:
 the one place a path is chosen), ``Work`` handles and traffic statistics.
 

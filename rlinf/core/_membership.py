@@ -16,7 +16,6 @@ from typing import Callable
 from ..errors import PeerLostError
 from ..info import MembershipEvent, WorkerInfo
 from ..util.bounded import Recent
-from ._arrival import ArrivalOrder
 from ._mailbox import Mailbox
 from . import _peer
 from ._peer import PeerSessions
@@ -54,10 +53,9 @@ class Membership:
         self._timers: set[asyncio.TimerHandle] = set()    # goodbyes still awaited
         # set by start()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._arrival: ArrivalOrder | None = None
 
-    def start(self, loop: asyncio.AbstractEventLoop, arrival: ArrivalOrder) -> None:
-        self._loop, self._arrival = loop, arrival
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
 
     def on_peer_gone(self, hook: Callable[[str, str], None]) -> None:
         self._hooks.append(hook)
@@ -120,7 +118,7 @@ class Membership:
         if key in self._dead or self._closed():
             return
         self._dead.add(key, _peer.DEAD_KEPT)
-        self._arrival.forget(f"{address}|{incarnation}".encode())
+        self._sessions.forget_inflow(f"{address}|{incarnation}".encode(), left=kind == "left")
         current = self._roster.get(address)
         if current is not None and current.incarnation != incarnation:
             self._sessions.peer_gone(address, incarnation, kind, current, None)

@@ -33,7 +33,7 @@ import time
 from typing import Any, Awaitable, Callable, Coroutine
 
 from . import wire
-from ._arrival import bulk_header
+from ._delivery import Inflow, Kept, SendLog
 from ..errors import AuthenticationError, ClosedError, PeerLostError, TransportUnavailableError, WouldBlock
 from ..info import WorkerInfo
 from .routing import BULK
@@ -117,7 +117,8 @@ class OutMessage:
     ``discard()`` is called if the message is dropped unsent.
     """
 
-    __slots__ = ("entry", "frames", "nbytes", "future", "large", "started", "transport", "copying", "discard")
+    __slots__ = ("entry", "frames", "nbytes", "future", "large", "started", "transport", "copying", "discard",
+                 "pending", "acked")
 
     def __init__(self, entry: list, frames: list, nbytes: int, future: asyncio.Future | None, large: bool,
                  *, transport: str = "zmq", copying: asyncio.Future | None = None,
@@ -130,6 +131,8 @@ class OutMessage:
         self.transport = transport
         self.copying = copying
         self.discard = discard
+        self.pending = 0          # a large message: its sendings the transport has not released yet
+        self.acked = False        # a large message: the receiver acknowledged it
         # fire-and-forget small sends complete at once: no latency to measure
         self.started = time.perf_counter() if future is not None else 0.0
 
@@ -163,7 +166,14 @@ class Outbox:
         #: another node), set by the communicator when routing picks it; None: ZeroMQ.
         self.bulk: Callable[[], Awaitable[Any]] | None = None
         self._bulk_link = None
-        self._zmq_sent = 0        # frame sets handed to the ZeroMQ link (see rlinf.core._arrival)
+        #: numbering and what is kept until acknowledged (see rlinf.core._delivery)
+        self.log = SendLog()
+        #: what we received from the peer: its acknowledgement rides on our frame sets
+        self.inflow: Inflow | None = None
+        #: ``redial(exc)``: the link broke while the peer may live (set by the sessions);
+        #: None: the outbox fails instead
+        self.redial: Callable[[BaseException], None] | None = None
+        self._settled: list[asyncio.Future] = []   # drains waiting for every frame set to be acknowledged
         self._sent_at = -IN_FLIGHT  # clock() at the last send to the link
         self._tasks: set[asyncio.Task] = set()   # releases, bulk sends and writability awaited
 
@@ -209,15 +219,26 @@ class Outbox:
             self.flush()
 
     def attach(self, link, info: WorkerInfo) -> None:
-        """Use ``link`` from now on and send what waited for it."""
+        """Use ``link`` from now on and send what waited for it: first, again, every
+        frame set not acknowledged yet (a previous link may have lost it)."""
         self.link, self.info = link, info
+        kept = self.log.kept
+        if kept:
+            self.log.resend_from = kept[0].seq
         self.flush()
+        if self.inflow is not None and self.inflow.owed:
+            self.send_ack()
 
     def flush(self) -> None:
-        """Send queued messages in order, as far as the link accepts them without blocking."""
+        """Send queued messages in order, as far as the link accepts them without blocking
+        (after what is being sent again, see :meth:`resend`)."""
         self._batched = 0
         link, queue = self.link, self.queue
-        if link is None or self._blocked or self._held or self.error is not None:
+        if link is None or self._blocked or self.error is not None:
+            return
+        if self.log.resend_from is not None and not self._resend(link):
+            return
+        if self._held:
             return
         while queue:
             head = queue[0]
@@ -249,7 +270,7 @@ class Outbox:
                         batch.append(msg)
                         size += _wire_bytes(msg)
             if head.large:
-                frames = [self._header.pack([head.entry]), *head.frames]
+                sent, tracker = self._send_set(link, [head.entry], False, head.frames, head)
             else:   # coalesced: one packed frame for every buffer of the batch
                 entries, pieces = [], []
                 for msg in batch:
@@ -259,10 +280,7 @@ class Outbox:
                     else:
                         entries.append(entry)
                     pieces.extend(msg.frames)
-                frames = [self._header.pack(entries, True)]
-                if pieces:
-                    frames.append(b"".join(pieces))
-            sent, tracker = self._transmit(link, frames, head.large)
+                sent, tracker = self._send_set(link, entries, True, [b"".join(pieces)] if pieces else [])
             if not sent:
                 return
             sent = 0
@@ -278,6 +296,106 @@ class Outbox:
             if head.large:
                 self._spawn(self._await_release(link, tracker, head))
 
+    def _send_set(self, link, entries: list, packed: bool, payload: list,
+                  msg: OutMessage | None = None) -> tuple[bool, Any]:
+        """Number, send and keep one frame set of ``entries`` (``msg``: the large message
+        it carries, whose frames are tracked)."""
+        log, inflow, header = self.log, self.inflow, self._header
+        body = header.body(entries, packed)
+        seq = log.next
+        if inflow is None:
+            sealed = header.seal(body, log.packed, seq, b"\x00", 0)
+        else:
+            sealed = header.seal(body, log.packed, seq, inflow.packed, inflow.expected)
+        sent, tracker = self._transmit(link, [sealed, *payload], msg is not None)
+        if sent:
+            if inflow is not None:
+                inflow.owed = False
+            log.keep(seq, entries, body, payload, msg)
+            if msg is not None:
+                msg.pending += 1
+        return sent, tracker
+
+    def _resend(self, link) -> bool:
+        """Send again the kept frame sets from ``log.resend_from`` on, in order; False
+        when the link pushed back or broke first (it goes on from there later)."""
+        log, inflow, header = self.log, self.inflow, self._header
+        start = log.resend_from
+        ack_epoch, ack = (inflow.packed, inflow.expected) if inflow is not None else (b"\x00", 0)
+        for kept in list(log.kept):
+            if kept.end <= start or kept.payload is None:
+                continue
+            msg = kept.msg
+            sealed = header.seal(kept.body, log.packed, kept.seq, ack_epoch, ack)
+            sent, tracker = self._transmit(link, [sealed, *kept.payload], msg is not None)
+            if not sent:
+                if log.resend_from is not None:
+                    log.resend_from = kept.seq
+                return False
+            self._counters.resent(self.address)
+            if msg is not None:
+                msg.pending += 1
+                self._spawn(self._await_release(link, tracker, msg))
+        log.resend_from = None
+        return True
+
+    def resend(self) -> None:
+        """Send every kept frame set again (the receiver reported a gap, or nothing was
+        acknowledged for the resend timeout); what is queued waits behind them."""
+        kept = self.log.kept
+        if kept and self.error is None:
+            self.log.resend_from = kept[0].seq
+            self.flush()
+
+    def acked(self, epoch: int, upto: int) -> None:
+        """The peer acknowledged every message of our log ``epoch`` below ``upto`` (a
+        negative ``upto``, ``-(n + 1)``: below ``n``, and asks for a resend from there)."""
+        log = self.log
+        if epoch != log.epoch:
+            return     # about a log of ours that is gone
+        nack = upto < 0
+        if nack:
+            upto = -upto - 1
+        for kept in log.ack(upto):
+            msg = kept.msg
+            if msg is not None:
+                msg.acked = True
+                if msg.pending == 0:
+                    msg.frames = []
+                    self._complete(msg)
+        if nack:
+            self.resend()
+        if not log.kept and self._settled:
+            self._settle()
+
+    def _settle(self) -> None:
+        for waiter in self._settled:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._settled.clear()
+
+    def settled(self) -> asyncio.Future | None:
+        """A future done once every frame set sent is acknowledged (None: already)."""
+        if not self.log.kept or self.error is not None:
+            return None
+        waiter = asyncio.get_running_loop().create_future()
+        self._settled.append(waiter)
+        return waiter
+
+    def send_ack(self, nack: bool = False) -> None:
+        """Acknowledge, in a frame set of its own, what we received from the peer (with
+        ``nack``, also ask for a resend of what is missing). Without a link now, the
+        acknowledgement rides on the next frame set or goes once one is attached."""
+        link, inflow = self.link, self.inflow
+        if link is None or inflow is None or self._blocked or self.error is not None:
+            return
+        ack = -(inflow.expected + 1) if nack else inflow.expected
+        log = self.log
+        sealed = self._header.seal(self._header.body([]), log.packed, log.next, inflow.packed, ack)
+        if self._transmit(link, [sealed], False)[0]:
+            inflow.owed = False
+            inflow.acked_sent = inflow.expected
+
     def _send_bulk(self, msg: OutMessage) -> None:
         """Hand the head to the bulk stream; the queue waits until the receiver has it
         (its acknowledgement), so nothing sent later through ZeroMQ can overtake it."""
@@ -288,8 +406,9 @@ class Outbox:
     async def _bulk_send(self, msg: OutMessage) -> None:
         """The bulk send of the head. A stream that cannot be opened is not an error:
         this message and the later ones go through ZeroMQ. One that breaks while sending
-        fails this message (the peer may have it, so it is not sent again) and the later
-        ones go through ZeroMQ."""
+        sends this message again through ZeroMQ (the peer drops it if it had it), and
+        the later ones go through ZeroMQ."""
+        kept = None
         try:
             if self._bulk_link is None:
                 try:
@@ -304,20 +423,33 @@ class Outbox:
                     elif msg.future is not None and not msg.future.done():
                         msg.future.set_exception(self.error)
                     return
-            await self._bulk_link.send(bulk_header(self._zmq_sent, self._header.pack([msg.entry])), msg.frames)
+            log_, inflow, header = self.log, self.inflow, self._header
+            body = header.body([msg.entry])
+            seq = log_.next
+            kept = log_.keep(seq, [msg.entry], body, None, msg)    # never sent again as it is
+            ack_epoch, ack = (inflow.packed, inflow.expected) if inflow is not None else (b"\x00", 0)
+            await self._bulk_link.send(header.seal(body, log_.packed, seq, ack_epoch, ack), msg.frames)
         except (ClosedError, PeerLostError) as exc:
             if self.error is None:
                 log.warning("rlinf: bulk TCP to %s broke (%s); large payloads go through ZeroMQ", self.address, exc)
                 self._drop_bulk()
-            if msg.future is not None and not msg.future.done():
+            if kept is not None and self.error is None:   # again, through ZeroMQ
+                _to_zmq(msg)
+                kept.entries = [msg.entry]
+                kept.body = self._header.body(kept.entries)
+                kept.payload = msg.frames
+                if self.log.resend_from is None or self.log.resend_from > kept.seq:
+                    self.log.resend_from = kept.seq
+            elif msg.future is not None and not msg.future.done():
                 msg.future.set_exception(self.error or exc)
         except asyncio.CancelledError:    # the communicator closed under it
             self._fail_sent(msg)
             raise
-        else:
+        else:     # the receiver has it: the bulk link acknowledged it
             self._sent_at = self._clock()
             self._counters.sent(self.address, msg.nbytes, msg.transport)
             msg.frames = []
+            kept.msg = None
             self._complete(msg)
         finally:
             self._held = False
@@ -344,10 +476,8 @@ class Outbox:
         entry, pieces = msg.entry, msg.frames
         if entry[wire.LAYOUT] is None:
             entry = wire.with_layout(entry, [len(f) for f in pieces])
-        frames = [self._header.pack([entry], True)]
-        if pieces:
-            frames.append(pieces[0] if len(pieces) == 1 else b"".join(pieces))
-        if self._transmit(link, frames, False)[0]:
+        payload = [pieces[0] if len(pieces) == 1 else b"".join(pieces)] if pieces else []
+        if self._send_set(link, [entry], True, payload)[0]:
             self.queue.popleft()
             self._counters.sent(self.address, msg.nbytes, msg.transport)
             if msg.future is not None:
@@ -358,15 +488,26 @@ class Outbox:
         pushed back (flushing resumes once it is writable) or broke (the queue fails)."""
         try:
             tracker = link.try_send(frames, track=track)
-            self._zmq_sent += 1
             self._sent_at = self._clock()
             return True, tracker
         except WouldBlock:
             self._blocked = True
             self._spawn(self._wait_writable())
         except (ClosedError, PeerLostError) as exc:
-            self.fail(exc)
+            self._broken(link, exc)
         return False, None
+
+    def _broken(self, link, exc: BaseException) -> None:
+        """``link`` broke: dial again while the peer may live (what was sent and not
+        acknowledged goes again on the new link), else fail."""
+        if self.redial is None or self.error is not None or link is not self.link:
+            if link is self.link:
+                self.fail(exc)
+            return
+        self.link = None
+        self._blocked = False
+        link.close(None)
+        self.redial(exc)
 
     @staticmethod
     def _drop(msg: OutMessage, copying: asyncio.Future) -> None:
@@ -413,31 +554,42 @@ class Outbox:
             msg.future.set_exception(self.error or ClosedError(f"the link to {self.address} is closed"))
 
     async def _await_release(self, link, tracker, msg: OutMessage) -> None:
+        """One sending of large ``msg`` released by the transport (sent, or dropped with
+        a closed link: then it is sent again on the next one, or failed with the outbox);
+        the send completes once every sending is released and the peer acknowledged it."""
         try:
             await link.released(tracker)
         except asyncio.CancelledError:
             self._fail_sent(msg)
             raise
-        msg.frames = []
-        if link is not self.link and self.error is not None:
-            # the link was closed under the message (its peer was lost): the transport
-            # dropped the frames it had not sent, so the send did not happen
-            if msg.future is not None and not msg.future.done():
-                msg.future.set_exception(self.error)
-            return
-        self._complete(msg)
+        msg.pending -= 1
+        if msg.acked and msg.pending == 0:
+            msg.frames = []
+            self._complete(msg)
 
     async def _wait_writable(self) -> None:
+        link = self.link
         try:
-            await self.link.wait_writable()
+            await link.wait_writable()
         except (ClosedError, PeerLostError) as exc:
-            self.fail(exc)
+            self._blocked = False
+            self._broken(link, exc)
+            return
+        if link is not self.link:
             return
         self._blocked = False
         self.flush()
+        if self.inflow is not None and self.inflow.owed:
+            self.send_ack()
 
     def fail(self, exc: BaseException) -> None:
-        """Fail every queued send with ``exc`` and refuse new ones until :meth:`reset`."""
+        """Fail every queued send with ``exc`` and refuse new ones.
+
+        Sent messages not yet acknowledged stay in the log, for the same incarnation of
+        the peer if it comes back (see :mod:`rlinf.core._delivery`), except those whose
+        buffers are not ours to keep (large ones, whose send fails now, and those in
+        shared memory or CUDA IPC slots): they become *void* entries, which tell the
+        receiver that these messages are lost."""
         self.error = exc
         while self.queue:
             msg = self.queue.popleft()
@@ -445,10 +597,24 @@ class Outbox:
                 msg.future.set_exception(exc)
             if msg.discard is not None:
                 msg.discard()
+        for kept in self.log.kept:
+            if kept.msg is not None or any(len(e) > 4 for e in kept.entries):
+                self._void(kept, exc)
+        self.log.resend_from = None
         if self.link is not None:
             self.link.close(exc if isinstance(exc, PeerLostError) else None)
             self.link = None
         self._drop_bulk()
+        self._settle()
+
+    def _void(self, kept: Kept, exc: BaseException) -> None:
+        msg = kept.msg
+        if msg is not None and msg.future is not None and not msg.future.done():
+            msg.future.set_exception(exc)
+        kept.msg = None
+        kept.entries = [wire.void_entry(e) for e in kept.entries]
+        kept.body = self._header.body(kept.entries)
+        kept.payload = []
 
     def close(self, linger_ms: int, exc: BaseException) -> Awaitable | None:
         """Graceful close: flushed frames still go out for up to ``linger_ms``. Returns

@@ -1,11 +1,14 @@
-"""Per-peer sessions: what this communicator keeps for one remote incarnation it sends to.
+"""Per-peer sessions: what this communicator keeps for one remote incarnation.
 
 A :class:`PeerSession` is the unit of per-peer state: the link(s) to the peer and its
-:class:`~rlinf.core._outbox.Outbox` (ordering, coalescing, backpressure), the lookup or
-dial task that gets the link, the route memo, and its failure. :class:`PeerSessions`
-is the communicator's small registry of them: it opens a session on first use, dials
-it, and is the one place a departed or restarted peer's state goes, its session's and
-what the shared-memory, pull and CUDA IPC sessions hold for it.
+:class:`~rlinf.core._outbox.Outbox` (ordering, coalescing, backpressure, the numbered
+log of what was sent), the lookup or dial task that gets the link, the route memo, and
+its failure. :class:`PeerSessions` is the communicator's registry of them and of what
+arrived from each sender incarnation (the receive side of the delivery protocol, see
+:mod:`rlinf.core._delivery`): it opens a session on first use, dials it (again, when a
+link breaks), runs the resend timers and sends the acknowledgements, and is the one
+place a departed or restarted peer's state goes, its session's and what the
+shared-memory, pull and CUDA IPC sessions hold for it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from ..transports.stream import StreamTransport
 from ..transports.zeromq import ZmqTransport
 from ..util.bounded import Recent
 from . import routing, wire
+from ._delivery import ACK_DELAY, GAP_DELAY, RTO, TICK, Inflow
 from ._gpu_paths import GpuPaths
 from ._mailbox import Mailbox
 from ._outbox import Outbox
@@ -64,20 +68,21 @@ class PeerSession:
     * ``task`` (the lookup, or the dial of a stream link) is cancelled when the session
       fails; it is None once the outbox has its link.
 
-    Not here yet: the receive side of the peer (its messages queued in the mailbox, its
-    arrival order) and the per-peer bookkeeping the shared-memory, pull and CUDA IPC
-    sessions keep by address (slots it holds, releases we owe it, mappings of its
-    slots). :meth:`PeerSessions.peer_gone` is the one place they learn that a peer
-    incarnation is gone, and the send path reaches them with the session's address.
+    Delivery (:mod:`rlinf.core._delivery`): the outbox numbers what it sends in its
+    ``log`` and keeps it until acknowledged; a link that breaks while the peer may live
+    is dialled again (``redials``, with a back-off) and the kept frame sets go first on
+    the new one. What arrives *from* the peer is its :class:`~rlinf.core._delivery.Inflow`,
+    kept by the registry per sender incarnation (it outlives sessions: a peer declared
+    lost that comes back resumes it), and linked to the outbox, whose frame sets carry
+    its acknowledgement.
 
-    This is where the next steps of the delivery protocol go: per-peer sequence numbers
-    (stamped in the order messages enter the outbox), acknowledgements and resends
-    (kept here until acknowledged, sent again on a new link of the same incarnation),
-    the credit window the receiver grants (waited for before the outbox), and with
-    them the receive side (a session then opens on the first frame set received too).
+    Not here yet: the per-peer bookkeeping the shared-memory, pull and CUDA IPC sessions
+    keep by address (slots it holds, releases we owe it, mappings of its slots), and the
+    mailbox's lost-state. :meth:`PeerSessions.peer_gone` is the one place they learn
+    that a peer incarnation is gone. The credit window of flow control goes here.
     """
 
-    __slots__ = ("address", "outbox", "shm_route", "task", "closed")
+    __slots__ = ("address", "outbox", "shm_route", "task", "closed", "redials")
 
     def __init__(self, address: str, outbox: Outbox) -> None:
         self.address = address
@@ -85,6 +90,7 @@ class PeerSession:
         self.shm_route: bool | None = None    # large CPU payloads to it go by shared memory
         self.task: asyncio.Task | None = None
         self.closed = False
+        self.redials = 0                      # links dialled again after one broke
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "failed" if self.error else "open"
@@ -140,6 +146,13 @@ class PeerSessions:
         self._closed_kept = Recent()           # addresses of closed sessions, oldest first
         self._dropped: list[Outbox] = []       # outboxes of forgotten sessions with tasks left
         self.valid: set[str] = set()           # addresses already checked (hot-path memo)
+        #: what arrived from each sender incarnation, by its links' identity (the receive
+        #: side of the delivery protocol, see rlinf.core._delivery)
+        self.inflows: dict[bytes, Inflow] = {}
+        self._lost_inflows = Recent()          # identities of lost senders' inflows, oldest first
+        self._logs = Recent()                  # (address, incarnation) -> the log of a dropped session
+        self._watch: asyncio.Task | None = None   # the resend timers
+        self._closing = False
         # set by start()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._me: WorkerInfo | None = None
@@ -156,6 +169,7 @@ class PeerSessions:
         """What dialling and departures need, once the communicator has it."""
         self._loop, self._me, self._zmq, self._stream, self._bulk = loop, me, zmq, stream, bulk
         self._control, self._shm, self._pull = control_client, shm, pull
+        self._watch = loop.create_task(self._resend_timers())
 
     def __iter__(self) -> Iterator[PeerSession]:
         return iter(self._sessions.values())
@@ -185,6 +199,7 @@ class PeerSessions:
         if lost is not None:
             raise PeerLostError(str(lost), peer=address)
         session = self._sessions[address] = PeerSession(address, Outbox(address, self._header, self._counters))
+        session.outbox.redial = functools.partial(self._redial, session)
         info = self._roster.get(address)
         if info is not None:
             self._connect(session, info)
@@ -195,7 +210,15 @@ class PeerSessions:
     def _connect(self, session: PeerSession, info: WorkerInfo) -> None:
         """Give the session its link to ``info``: at once for ZeroMQ; for a stream, once
         it is connected and authenticated (sends queue meanwhile). A link that cannot be
-        made fails the session (its sends raise; none waits for a link that never comes)."""
+        made fails the session (its sends raise; none waits for a link that never comes).
+        A new session to an incarnation we had one with before resumes its log."""
+        outbox = session.outbox
+        identity = f"{info.address}|{info.incarnation}".encode()
+        outbox.inflow = self.inflows.get(identity)
+        if outbox.log.next == 0:
+            log_ = self._logs.pop((info.address, info.incarnation), None)
+            if log_ is not None:
+                outbox.log = log_
         try:
             self._dial(session, info)
         except RlinfError as exc:
@@ -281,6 +304,106 @@ class PeerSessions:
             route = session.shm_route = chosen.transport == routing.SHM
         return route
 
+    def _redial(self, session: PeerSession, exc: BaseException) -> None:
+        """The session's link broke: dial it again while its peer may live (the outbox
+        sends again what was not acknowledged), else fail the session."""
+        info, address = session.info, session.address
+        if (info is None or self._closing or session.closed or self._mailbox.is_lost(address) is not None
+                or control.process_gone_here(info)):
+            error = PeerLostError(f"the link to {address} broke: {exc}", peer=address)
+            error.__cause__ = exc
+            session.fail(error)
+            return
+        session.redials += 1
+        delay = 0.0 if session.redials == 1 else min(1.0, 0.05 * 2 ** (session.redials - 2))
+        log.warning("rlinf %s: the link to %s broke (%s); dialling it again", self._address, address, exc)
+        session.task = self._loop.create_task(self._dial_again(session, info, delay))
+
+    async def _dial_again(self, session: PeerSession, info: WorkerInfo, delay: float) -> None:
+        if delay:
+            await asyncio.sleep(delay)     # a back-off between dials, not a synchronisation
+        session.task = None
+        if session.error is None and session.outbox.link is None:
+            self._connect(session, info)
+
+    async def _resend_timers(self) -> None:
+        """Every :data:`TICK`: send again what a peer has not acknowledged for the resend
+        timeout (see :meth:`rlinf.core._delivery.SendLog.due`)."""
+        while True:
+            await asyncio.sleep(TICK)     # a periodic timer, not a synchronisation
+            for session in list(self._sessions.values()):
+                outbox = session.outbox
+                if outbox.error is None and outbox.log.due() and outbox.link is not None:
+                    log.info("rlinf %s: nothing acknowledged by %s for a while; sending %d frame sets again",
+                             self._address, session.address, len(outbox.log.kept))
+                    outbox.resend()
+
+    # -- the receive side of the delivery protocol -------------------------------------------
+    def new_inflow(self, identity: bytes, address: str, incarnation: str) -> Inflow:
+        """The first frame set from ``address``'s ``incarnation``: what arrives from it
+        is numbered from now on (its acknowledgements ride on our session to it)."""
+        inflow = self.inflows[identity] = Inflow(address, incarnation, identity)
+        session = self._sessions.get(address)
+        if session is not None and session.info is not None and session.info.incarnation == incarnation:
+            session.outbox.inflow = inflow
+        return inflow
+
+    def owe_ack(self, inflow: Inflow, urgent: bool) -> None:
+        """``inflow`` has something to acknowledge: within :data:`ACK_DELAY` (on the next
+        frame set to its sender, or on its own), or in this loop turn when ``urgent``."""
+        inflow.owed = True
+        if inflow.timer is None:
+            inflow.timer = self._loop.call_later(0.0 if urgent else ACK_DELAY, self._ack, inflow)
+        elif urgent:
+            self._loop.call_soon(self._ack, inflow)
+
+    def gap(self, inflow: Inflow) -> None:
+        """A frame set from ``inflow``'s sender arrived ahead of one before it: ask for a
+        resend if the gap lasts (a frame set on another link may just be late)."""
+        if inflow.gap_timer is None:
+            inflow.gap_timer = self._loop.call_later(GAP_DELAY, self._gap_lasts, inflow)
+
+    def gap_closed(self, inflow: Inflow) -> None:
+        if inflow.gap_timer is not None:
+            inflow.gap_timer.cancel()
+            inflow.gap_timer = None
+
+    def _gap_lasts(self, inflow: Inflow) -> None:
+        inflow.gap_timer = None
+        if inflow.parked and self.inflows.get(inflow.identity) is inflow:
+            self._ack(inflow, nack=True)
+            inflow.gap_timer = self._loop.call_later(RTO, self._gap_lasts, inflow)
+
+    def _ack(self, inflow: Inflow, nack: bool = False) -> None:
+        """Send what ``inflow`` owes its sender (now, on its own frame set)."""
+        inflow.timer = None
+        if not (inflow.owed or nack) or self._closing:
+            return
+        session = self._sessions.get(inflow.address)
+        if session is None:
+            try:
+                session = self.open(inflow.address)
+            except PeerLostError:
+                return
+        if session.error is not None or session.closed:
+            return
+        if session.outbox.inflow is inflow:    # else: not connected yet, it acknowledges once it is
+            session.outbox.send_ack(nack)
+
+    def forget_inflow(self, identity: bytes, left: bool) -> None:
+        """A sender incarnation is gone: what arrived from it is forgotten when it left
+        (it will not send again); a lost one's is kept a while in case it comes back."""
+        if left:
+            inflow = self.inflows.pop(identity, None)
+            if inflow is not None:
+                inflow.cancel_timers()
+            return
+        forgotten = self._lost_inflows.add(identity, DEAD_KEPT)
+        if forgotten is not None:
+            inflow = self.inflows.pop(forgotten, None)
+            if inflow is not None:
+                inflow.cancel_timers()
+
     # -- membership -------------------------------------------------------------------------
     def changed(self, address: str) -> None:
         """``address``'s membership changed: its routes are chosen again."""
@@ -294,10 +417,15 @@ class PeerSessions:
         any). A failed session, or one for an earlier incarnation, is closed and
         forgotten: the next message opens one to the new incarnation."""
         self._gpu.joined(address, info)    # restarted, maybe: its old slots go
+        if old is not None and old.incarnation != info.incarnation:
+            self.forget_inflow(f"{address}|{old.incarnation}".encode(), left=True)
         session = self._sessions.get(address)
         if session is not None and (session.error is not None or (old and old.incarnation != info.incarnation)):
             self._drop(address)
             session.close(PeerLostError(f"{address} restarted", peer=address))
+        resumed = self._logs.get((address, info.incarnation))
+        if resumed is not None and resumed.kept and address not in self._sessions and not self._closing:
+            self.open(address)     # it came back: what it had not acknowledged goes again
 
     def peer_gone(self, address: str, incarnation: str, kind: str, current: WorkerInfo | None,
                   error: PeerLostError | None) -> None:
@@ -323,11 +451,31 @@ class PeerSessions:
                 self._drop(forgotten)   # bounded: a send there now waits for it to join
 
     # -- our close --------------------------------------------------------------------------
+    async def drain(self, timeout: float) -> list[str]:
+        """Wait up to ``timeout`` s until every live peer acknowledged all we sent it;
+        the addresses of those that did not."""
+        waiting = {}
+        for session in self._sessions.values():
+            if session.error is None and not session.closed:
+                settled = session.outbox.settled()
+                if settled is not None:
+                    waiting[settled] = session.address
+        if not waiting:
+            return []
+        _, pending = await asyncio.wait(waiting, timeout=timeout)
+        for settled in pending:
+            settled.cancel()
+        return sorted(waiting[w] for w in pending
+                      if (s := self._sessions.get(waiting[w])) is not None and s.error is None)
+
     def close_all(self, linger_ms: int, error: BaseException) -> list:
         """Close every session (we close): what was flushed still goes out for up to
         ``linger_ms``; the rest fails with ``error``. Returns what to await for the links
         whose own loop writes what they buffered (stream links)."""
         flushing = []
+        self._closing = True
+        for inflow in self.inflows.values():
+            inflow.cancel_timers()
         for session in self._sessions.values():
             if session.closed:     # failed its sends already
                 continue
@@ -346,12 +494,16 @@ class PeerSessions:
         """Forget ``address``'s session; its outbox's tasks (a release still awaited)
         stay owned here until they end, so our close still cancels them."""
         session = self._sessions.pop(address)
+        if session.info is not None and session.outbox.log.next:   # the same incarnation may come back
+            self._logs.add((address, session.info.incarnation), DEAD_KEPT, session.outbox.log)
         self._dropped = [o for o in self._dropped if o.tasks]
         if session.outbox.tasks:
             self._dropped.append(session.outbox)
 
     def tasks(self) -> Iterator[asyncio.Task]:
         """Every task the sessions run (lookups, dials, the outboxes'), not yet done."""
+        if self._watch is not None and not self._watch.done():
+            yield self._watch
         for session in self._sessions.values():
             if session.task is not None and not session.task.done():
                 yield session.task
@@ -363,6 +515,8 @@ class PeerSessions:
         """After :meth:`close_all` and the transports closed: cancel what the outboxes
         still await (nothing, normally: the transports released every buffer), those of
         forgotten sessions included."""
+        if self._watch is not None:
+            self._watch.cancel()
         for session in self._sessions.values():
             session.outbox.cancel_tasks()
         for outbox in self._dropped:

@@ -1,7 +1,7 @@
 """The receive path: frame sets in, decoded objects out.
 
-:class:`ReceivePath` takes each frame set the transports deliver (in call order, see
-:mod:`rlinf.core._arrival`), checks whom it claims to come from, has
+:class:`ReceivePath` takes each frame set the transports deliver, checks whom it claims
+to come from, puts it in its sender's order (see :mod:`rlinf.core._delivery`), has
 :class:`~rlinf.core._inbound.FrameReader` rebuild its buffers wherever they travelled,
 and delivers user messages to the :class:`~rlinf.core._mailbox.Mailbox` and SYSTEM
 messages to their handlers. Receives take messages from the mailbox and decode them:
@@ -15,9 +15,11 @@ import asyncio
 import logging
 from typing import Any, Awaitable, Callable
 
+import msgpack
+
 from ..codec import Codec
 from ..codec.into import copy_into
-from ..errors import CommTimeoutError, DecodeError, ProtocolError, RlinfError
+from ..errors import CommTimeoutError, DecodeError, PeerLostError, ProtocolError, RlinfError
 from ..transports.base import Received
 from ..transports.shm import PullSession, ShmSession
 from ..util.bounded import Recent
@@ -86,10 +88,14 @@ class ReceivePath:
 
     # -- arrivals ----------------------------------------------------------------------------
     def on_frames(self, received: Received) -> None:
+        """Handler of every data listener: a frame set in, in the sender's order (see
+        :mod:`rlinf.core._delivery`): delivered now, parked until the ones before it
+        came, or dropped as a duplicate. Its acknowledgement of our own log is taken."""
         frames = received.frames
+        peer = received.peer
         try:
-            src, incarnation, entries, packed = wire.unpack_header(received.header, frames)
-            if received.peer != f"{src}|{incarnation}".encode():
+            src, incarnation, entries, packed, epoch, seq, ack_epoch, ack = wire.unpack(received.header, frames)
+            if peer != f"{src}|{incarnation}".encode():
                 raise ProtocolError("frame set claims a source other than its connection's")
         except ProtocolError as exc:
             self._counters.dropped()
@@ -98,6 +104,49 @@ class ReceivePath:
         if (src, incarnation) in self._dead:
             self._counters.dropped()
             return
+        sessions = self._sessions
+        if ack_epoch:
+            session = sessions.get(src)
+            if session is not None and session.info is not None and session.info.incarnation == incarnation:
+                session.outbox.acked(ack_epoch, ack)
+        if not entries:
+            return
+        inflow = sessions.inflows.get(peer)
+        if inflow is None:
+            inflow = sessions.new_inflow(peer, src, incarnation)
+        if epoch != inflow.epoch and inflow.adopt(epoch):
+            self._restarted(src, incarnation)
+        if seq != inflow.expected:
+            if seq < inflow.expected:     # sent again, arrived before: acknowledge it again
+                self._counters.duplicate()
+                sessions.owe_ack(inflow, True)
+            elif seq not in inflow.parked:
+                inflow.parked[seq] = (entries, frames, packed)
+                sessions.gap(inflow)
+            return
+        self._deliver(src, incarnation, entries, frames, packed)
+        inflow.expected = seq + len(entries)
+        parked = inflow.parked
+        if parked:
+            while (early := parked.pop(inflow.expected, None)) is not None:
+                self._deliver(src, incarnation, *early)
+                inflow.expected += len(early[0])
+            if not parked:
+                sessions.gap_closed(inflow)
+        if not inflow.owed or not packed:
+            sessions.owe_ack(inflow, not packed)
+
+    def _restarted(self, src: str, incarnation: str) -> None:
+        """``src`` numbers its messages anew though we had some of the old numbering:
+        some may be missing. Its pending receives fail (not its later ones)."""
+        error = PeerLostError(f"{src} restarted its message sequence to {self._address}: "
+                              "messages from it may be missing", peer=src)
+        log.error("rlinf %s: %s", self._address, error)
+        self._mailbox.peer_lost(src, error)
+        self._mailbox.peer_joined(src, incarnation)
+
+    def _deliver(self, src: str, incarnation: str, entries: list, frames: list, packed: bool) -> None:
+        """The entries of one frame set, in order: to the mailbox or their handlers."""
         for entry, buffers, nbytes, in_shm, error, ready, pulling in self._inbound.entries(
                 src, entries, frames, packed, incarnation):
             if entry.kind == wire.USER:
@@ -110,6 +159,8 @@ class ReceivePath:
                 log.warning("rlinf %s: dropped system message %r: %s", self._address, entry.tag, error)
             elif entry.tag == "bye":
                 self._on_bye(src, incarnation)
+            elif entry.tag == wire.VOID:
+                self._void(src, incarnation, entry.codec_header)
             else:
                 handler = self._handlers.get(entry.tag)
                 if handler is None:
@@ -121,6 +172,20 @@ class ReceivePath:
                     handler(src, self._codec.decode(entry.codec_header, buffers))
                 except Exception:   # a subsystem bug must not kill the reader
                     log.exception("rlinf %s: system handler %r failed", self._address, entry.tag)
+
+    def _void(self, src: str, incarnation: str, codec_header: bytes) -> None:
+        """A message ``src`` sent but could not send again (see ``wire.void_entry``):
+        the receive it was for raises."""
+        try:
+            kind, tag = msgpack.unpackb(codec_header)
+        except Exception:     # msgpack raises many types for garbage input
+            log.warning("rlinf %s: dropped a malformed void entry from %s", self._address, src)
+            return
+        log.error("rlinf %s: a message from %s (tag %r) was lost on its way", self._address, src, tag)
+        if kind == wire.USER:
+            error = PeerLostError(f"a message from {src} with tag {tag!r} was lost on its way: its sender "
+                                  "could not send it again after losing touch with us", peer=src)
+            self._mailbox.deliver(Message(src, incarnation, tag, b"", [], error=error))
 
     # -- receives ----------------------------------------------------------------------------
     def get_nowait(self, src: str | None, tag: Any) -> Message | None:

@@ -22,6 +22,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from typing import Any, AsyncIterator, Callable, Iterable, Self
 
 import zmq
@@ -30,7 +31,7 @@ from ..config import Settings, visible_devices
 from ..codec import Codec
 from ..control import client as control, devices
 from ..control.security import ClusterKeys, ZapHandler
-from ..errors import ClosedError, TransportUnavailableError
+from ..errors import ClosedError, CommTimeoutError, TransportUnavailableError
 from ..info import MembershipEvent, WorkerInfo, check_plain, check_timeout, parse_address
 from ..transports import leftovers, shm, tcp_bulk
 from ..transports.cuda import ipc as cuda_ipc
@@ -40,7 +41,6 @@ from ..transports.zeromq import ZmqTransport
 from ..util.bounded import Recent
 from . import routing, wire
 from ._access import CoreAccess
-from ._arrival import ArrivalOrder
 from ._busypoll import BusyPoll
 from ._gpu_paths import GpuPaths
 from ._inbound import FrameReader
@@ -132,7 +132,6 @@ class CoreCommunicator:
         self._zap: ZapHandler | None = None
         self._transport: ZmqTransport | None = None
         self._listener = self._bulk_listener = self._stream_listener = None
-        self._arrival: ArrivalOrder | None = None
         self._inbound: FrameReader | None = None
         self._control: control.ControlClient | None = None
         self._shm: shm.ShmSession | None = None
@@ -202,7 +201,6 @@ class CoreCommunicator:
             self._transport = ZmqTransport(self._context, self._keys, tcp_host=bind, advertise_host=advertise,
                                            encrypt_tcp=settings.tcp_encryption)
             self._listener = await self._transport.listen()
-            self._arrival = ArrivalOrder(self._receive.on_frames, self._loop)   # ZeroMQ and bulk, in call order
             endpoints = dict(self._listener.endpoints)
             transports = (routing.INLINE,)
             if routing.BULK not in self._routing.disabled and "tcp" in endpoints:
@@ -225,8 +223,8 @@ class CoreCommunicator:
                                         self._gpu.open, self._gpu.refuse, self._pull)
             # the receiving parts are ready before any handler can hand them a frame set
             self._receive.start(self._loop, self._shm, self._pull, self._inbound)
-            self._membership.start(self._loop, self._arrival)
-            self._listener.set_handler(self._arrival.zmq)
+            self._membership.start(self._loop)
+            self._listener.set_handler(self._receive.on_frames)
             if routing.STREAM not in self._routing.disabled and StreamTransport.available():
                 transports += await self._start_stream(endpoints)
             gpus = devices.discover_devices(no_torch=settings.no_torch, visible=self._visible_devices)
@@ -266,7 +264,7 @@ class CoreCommunicator:
                         "through ZeroMQ", self.address, exc)
             self._bulk = None
             return ()
-        self._bulk_listener.set_handler(self._arrival.bulk)
+        self._bulk_listener.set_handler(self._receive.on_frames)
         endpoints.update(self._bulk_listener.endpoints)
         return (routing.BULK,)
 
@@ -281,7 +279,7 @@ class CoreCommunicator:
                         self.address, exc)
             self._stream = None
             return ()
-        self._stream_listener.set_handler(self._arrival.zmq)   # one link per peer: counted as ZeroMQ's
+        self._stream_listener.set_handler(self._receive.on_frames)
         endpoints.update(self._stream_listener.endpoints)
         return (routing.STREAM,)
 
@@ -299,8 +297,12 @@ class CoreCommunicator:
     async def aclose(self) -> None:
         """Deregister, fail pending operations with ``ClosedError``, release everything.
 
-        Messages already handed to the transport still go out (bounded linger).
-        Idempotent; safe to call from a cancelled task.
+        What was sent is delivered first: the close waits (up to 2 s) until every live
+        receiver acknowledged it. Idempotent; safe to call from a cancelled task.
+
+        Raises:
+            CommTimeoutError: a live receiver did not acknowledge everything within
+                that linger (the communicator is closed all the same).
         """
         if self._closed is not None:
             if self._closing is not None:
@@ -323,10 +325,20 @@ class CoreCommunicator:
 
     async def _teardown(self, *, deregister: bool) -> None:
         error = self._closed or ClosedError(f"communicator {self.address} failed to start")
-        cancelled = None
+        cancelled = undelivered = None
+        deadline = time.monotonic() + _GRACEFUL_LINGER_MS / 1000     # one linger for every drain below
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        if deregister and self._started:
+            try:   # what we sent is acknowledged by its receivers (or the linger ends)
+                undelivered = await self._sessions.drain(left())
+            except asyncio.CancelledError as exc:
+                cancelled = exc
         if self._shm is not None and deregister:
             try:   # readers of our last slots must map them before we unlink the files
-                await self._shm.drain(_GRACEFUL_LINGER_MS / 1000)
+                await self._shm.drain(left())
             except asyncio.CancelledError as exc:   # finish closing, then re-raise
                 cancelled = exc
             self._shm.close()      # releases owed to peers go out ahead of the bye
@@ -335,7 +347,7 @@ class CoreCommunicator:
         if self._pull is not None:
             if deregister:
                 try:   # receivers still reading what we hold for them: let them finish
-                    await self._pull.drain(_GRACEFUL_LINGER_MS / 1000)
+                    await self._pull.drain(left())
                 except asyncio.CancelledError as exc:
                     cancelled = exc
             self._pull.close(error)
@@ -381,6 +393,10 @@ class CoreCommunicator:
             self._sessions.cancel_tasks()
         if cancelled is not None:
             raise cancelled
+        if undelivered:
+            raise CommTimeoutError(f"communicator {self.address} closed, but {', '.join(undelivered)} did not "
+                                   f"acknowledge all it was sent within {_GRACEFUL_LINGER_MS / 1000:g} s: some of "
+                                   "those messages may not have been delivered")
 
     def _check_open(self) -> None:
         if self._closed is not None:

@@ -26,7 +26,7 @@ __all__ = ["Core", "HasCore", "SMALL_MESSAGE", "SYSTEM_TAGS"]
 
 #: SYSTEM message tags the core handles itself (shared-memory and CUDA IPC notices,
 #: pulls, the in-order goodbye): ``on_system`` refuses them.
-SYSTEM_TAGS = frozenset({"shm", "pull", "cuda", "bye"})
+SYSTEM_TAGS = frozenset({"shm", "pull", "cuda", "bye", "void"})
 
 
 class Core(Protocol):

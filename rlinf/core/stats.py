@@ -50,6 +50,10 @@ class CommStats:
     transports: dict[str, TransportStats] = field(default_factory=dict)
     connections: int = 0
     dropped_frames: int = 0
+    #: frame sets sent again (a link was dialled anew, a gap, no acknowledgement in time)
+    resent_frames: int = 0
+    #: frame sets received twice (a resend of what had arrived), dropped
+    duplicate_frames: int = 0
 
     @property
     def msgs_out(self) -> int:
@@ -74,7 +78,8 @@ class CommStats:
     def to_dict(self) -> dict:
         return {
             "address": self.address, "uptime": self.uptime, "connections": self.connections,
-            "dropped_frames": self.dropped_frames,
+            "dropped_frames": self.dropped_frames, "resent_frames": self.resent_frames,
+            "duplicate_frames": self.duplicate_frames,
             "msgs_out": self.msgs_out, "msgs_in": self.msgs_in,
             "bytes_out": self.bytes_out, "bytes_in": self.bytes_in,
             "transports": {k: {"msgs": v.msgs, "bytes": v.bytes} for k, v in self.transports.items()},
@@ -107,6 +112,8 @@ class Counters:
         self.peers: dict[str, _Peer] = collections.defaultdict(_Peer)
         self.transports: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
         self.dropped_frames = 0
+        self.resent_frames = 0
+        self.duplicate_frames = 0
 
     def sent(self, peer: str, nbytes: int, transport: str = "zmq") -> None:
         p = self.peers[peer]
@@ -119,6 +126,14 @@ class Counters:
     def dropped(self) -> None:
         """A frame set (or one of its messages) was dropped as malformed."""
         self.dropped_frames += 1
+
+    def resent(self, peer: str) -> None:
+        """A frame set to ``peer`` was sent again."""
+        self.resent_frames += 1
+
+    def duplicate(self) -> None:
+        """A frame set that had arrived before arrived again (and was dropped)."""
+        self.duplicate_frames += 1
 
     def received(self, peer: str, nbytes: int) -> None:
         p = self.peers[peer]
@@ -137,7 +152,7 @@ class Counters:
             peers[name] = PeerStats(p.msgs_out, p.bytes_out, p.msgs_in, p.bytes_in, p50, p99, name in connected)
         transports = {k: TransportStats(v[0], v[1]) for k, v in self.transports.items()}
         return CommStats(self.address, time.monotonic() - self.started, peers, transports,
-                         len(connected), self.dropped_frames)
+                         len(connected), self.dropped_frames, self.resent_frames, self.duplicate_frames)
 
 
 #: The names the CommStats part of a report takes.

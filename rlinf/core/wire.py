@@ -1,8 +1,13 @@
 """The data-plane frame layout, packed and validated in one place.
 
 A frame set on a data link is ``[header, *payload_frames]``. The header is a msgpack
-array ``[VERSION, src, incarnation, entries, packed]``; each entry describes one
-message::
+array ``[VERSION, src, incarnation, entries, packed, epoch, seq, ack_epoch, ack]``;
+the last four carry the delivery protocol of the pair (see :mod:`rlinf.core._delivery`):
+the entries are messages ``seq``, ``seq + 1``, ... of the sender's log ``epoch`` to this
+receiver, and ``ack`` acknowledges the receiver's own log ``ack_epoch`` to the sender
+(every message below ``ack`` arrived; a negative ``ack``, ``-(n + 1)``, also asks for
+everything from ``n`` on to be sent again; ``ack_epoch`` 0: no acknowledgement). A
+frame set without entries only acknowledges. Each entry describes one message::
 
     [kind, tag, codec_header, layout]
 
@@ -87,14 +92,14 @@ from ..transports.descriptors import (
     parse_segment_name, slot_layout, unpack_gpu, unpack_pull, unpack_relays, unpack_slot,
 )
 
-__all__ = ["VERSION", "USER", "SYSTEM", "MAX_FRAME", "Entry", "pack_header", "HeaderPacker", "unpack_header",
-           "check_tag", "plain_entry", "system_entry", "gpu_entry", "slot_entry", "pull_entry", "with_layout", "CODEC_HEADER",
+__all__ = ["VERSION", "USER", "SYSTEM", "MAX_FRAME", "Entry", "pack_header", "HeaderPacker", "unpack_header", "unpack",
+           "check_tag", "plain_entry", "system_entry", "void_entry", "VOID", "gpu_entry", "slot_entry", "pull_entry", "with_layout", "CODEC_HEADER",
            "LAYOUT",
            # the transports' descriptors and limits, re-exported (see the module docstring)
            "SLOT_ALIGN", "MAX_SLOT", "MAX_FRAMES", "MAX_HEADER", "INT_MIN", "INT_MAX", "SlotRef", "FdRef", "GpuRef",
            "PullRef", "slot_layout", "parse_segment_name"]
 
-VERSION = 1
+VERSION = 2
 USER = 0
 SYSTEM = 1
 #: Largest payload frame; bigger buffers are chunked (page-fault cost of huge frames).
@@ -102,6 +107,8 @@ MAX_FRAME = 16 << 20
 #: Headers shorter than this are unpacked with msgpack's defaults (see unpack_header).
 _SMALL_HEADER = 1 << 16
 MAX_ENTRIES = 1 << 20
+_U32 = (1 << 32) - 1
+_SEQ_END = 1 << 63
 
 _packer_opts = {"use_bin_type": True}
 
@@ -170,6 +177,17 @@ def pull_entry(tag: Any, codec_header: bytes, layout: list, pull: list) -> list:
     """A user message whose large buffers the receiver pulls from our memory (``pull``,
     see :class:`PullRef`)."""
     return [USER, tag, codec_header, layout, None, None, None, pull]
+
+
+#: The SYSTEM tag of a void entry: it stands for a message that was sent but can no
+#: longer be sent again (see :func:`void_entry`).
+VOID = "void"
+
+
+def void_entry(entry: list) -> list:
+    """A SYSTEM entry taking the place of ``entry`` in a sender's log: its codec header
+    is ``msgpack([kind, tag])`` of the message, which its receiver reports as lost."""
+    return [SYSTEM, VOID, msgpack.packb([entry[KIND], entry[TAG]], **_packer_opts), []]
 
 
 def with_layout(entry: list, layout: list) -> list:
@@ -243,39 +261,50 @@ def _unpack_pull_entry(raw: list, limit: int, low: int) -> tuple[Entry, int]:
     return Entry(kind, tag, codec_header, counts, pull=unpack_pull(pull, pulled)), total
 
 
-def pack_header(src: str, incarnation: str, entries: list[list], packed: bool = False) -> bytes:
+def pack_header(src: str, incarnation: str, entries: list[list], packed: bool = False, epoch: int = 0,
+                seq: int = 0, ack_epoch: int = 0, ack: int = 0) -> bytes:
     """Pack a frame-set header. ``entries`` are ``[kind, tag, codec_header, layout]``,
     optionally followed by a slot descriptor (see the module docstring)."""
-    return msgpack.packb([VERSION, src, incarnation, entries, packed], **_packer_opts)
+    return msgpack.packb([VERSION, src, incarnation, entries, packed, epoch, seq, ack_epoch, ack], **_packer_opts)
 
 
 class HeaderPacker:
     """Packs the frame-set headers of one sender, as :func:`pack_header` does.
 
     The constant start of the header (version, ``src``, ``incarnation``) is packed once
-    and the packer is reused: a small message's header costs one pack of its entries.
-    Not thread-safe: one per communicator, shared by its sending queues (loop thread);
-    its msgpack buffer takes 256 KiB.
+    and the packer is reused. A header is packed in two steps: :meth:`body` (the
+    entries: once per frame set, kept for a resend) and :meth:`seal` (the delivery
+    fields, packed again for each sending). Not thread-safe: one per communicator,
+    shared by its sending queues (loop thread); its msgpack buffer takes 256 KiB.
     """
 
     __slots__ = ("_prefix", "_pack")
 
     def __init__(self, src: str, incarnation: str) -> None:
         packer = msgpack.Packer(**_packer_opts)
-        # fixarray of 5 items: VERSION, src, incarnation, entries, packed
-        self._prefix = b"\x95" + packer.pack(VERSION) + packer.pack(src) + packer.pack(incarnation)
+        # fixarray of 9 items: VERSION, src, incarnation, entries, packed, epoch, seq, ack_epoch, ack
+        self._prefix = b"\x99" + packer.pack(VERSION) + packer.pack(src) + packer.pack(incarnation)
         self._pack = packer.pack
 
-    def pack(self, entries: list[list], packed: bool = False) -> bytes:
-        """The header of a frame set carrying ``entries`` (see :func:`pack_header`)."""
+    def body(self, entries: list[list], packed: bool = False) -> bytes:
+        """The header up to its delivery fields."""
         return self._prefix + self._pack(entries) + (b"\xc3" if packed else b"\xc2")
 
+    def seal(self, body: bytes, epoch: bytes, seq: int, ack_epoch: bytes, ack: int) -> bytes:
+        """``body`` completed with the delivery fields (epochs already packed)."""
+        pack = self._pack
+        return body + epoch + pack(seq) + ack_epoch + pack(ack)
 
-def unpack_header(data, frames: list) -> tuple[str, str, list[Entry], bool]:
+    def pack(self, entries: list[list], packed: bool = False) -> bytes:
+        """A whole header with delivery fields 0 (see :func:`pack_header`)."""
+        return self.body(entries, packed) + b"\x00\x00\x00\x00"
+
+
+def unpack(data, frames: list) -> tuple[str, str, list[Entry], bool, int, int, int, int]:
     """Validate and unpack a frame-set header against the payload frames that came with it.
 
     Returns:
-        ``(src, incarnation, entries, packed)``.
+        ``(src, incarnation, entries, packed, epoch, seq, ack_epoch, ack)``.
 
     Raises:
         ProtocolError: wrong version, bad shape, or a layout that does not match the frames.
@@ -295,14 +324,19 @@ def unpack_header(data, frames: list) -> tuple[str, str, list[Entry], bool]:
             )
     except Exception as exc:  # msgpack raises many types for garbage input
         raise ProtocolError(f"undecodable data header: {exc}") from exc
-    if not (isinstance(obj, list) and len(obj) == 5):
-        raise ProtocolError("data header is not a 5-item array")
-    version, src, incarnation, raw_entries, packed = obj
+    if not (isinstance(obj, list) and len(obj) == 9):
+        if isinstance(obj, list) and obj and obj[0] != VERSION:
+            raise ProtocolError(f"unsupported wire version {obj[0]!r} (expected {VERSION})")
+        raise ProtocolError("data header is not a 9-item array")
+    version, src, incarnation, raw_entries, packed, epoch, seq, ack_epoch, ack = obj
     if version != VERSION:
         raise ProtocolError(f"unsupported wire version {version!r} (expected {VERSION})")
     if (not isinstance(src, str) or not isinstance(incarnation, str) or not isinstance(raw_entries, list)
             or not isinstance(packed, bool)):
         raise ProtocolError("data header has fields of the wrong type")
+    if not (type(epoch) is int and type(seq) is int and type(ack_epoch) is int and type(ack) is int
+            and 0 <= epoch <= _U32 and 0 <= ack_epoch <= _U32 and 0 <= seq < _SEQ_END and -_SEQ_END < ack < _SEQ_END):
+        raise ProtocolError("data header has bad delivery fields")
     entries = []
     append = entries.append
     total = 0
@@ -330,5 +364,10 @@ def unpack_header(data, frames: list) -> tuple[str, str, list[Entry], bool]:
             raise ProtocolError(f"header announces {total} packed bytes, {have} arrived")
     elif total != len(frames):
         raise ProtocolError(f"header announces {total} payload frames, {len(frames)} arrived")
-    return src, incarnation, entries, packed
+    return src, incarnation, entries, packed, epoch, seq, ack_epoch, ack
+
+
+def unpack_header(data, frames: list) -> tuple[str, str, list[Entry], bool]:
+    """:func:`unpack` without the delivery fields: ``(src, incarnation, entries, packed)``."""
+    return unpack(data, frames)[:4]
 

@@ -386,7 +386,10 @@ class Cluster:
             atexit.unregister(self._kill_now)
         try:
             for comm in self._comms:
-                await comm.aclose()
+                try:
+                    await comm.aclose()
+                except CommTimeoutError as exc:   # its peers are being stopped: what they missed is moot
+                    log.warning("rlinf: %s", exc)
             await asyncio.gather(*(g._stop(self._stop_timeout) for g in self._groups))
         except BaseException:   # cancelled (Ctrl-C) or broken: still leave nothing running
             self._kill_now()

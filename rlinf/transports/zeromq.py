@@ -424,6 +424,11 @@ class ZmqTransport(Transport):
         sock.linger = 0
         sock.rcvhwm = _RCVHWM
         sock.rcvbuf = _SOCKET_BUFFER
+        # A peer that reconnects (its link dropped by the network, the old connection not
+        # yet timed out here) presents the same identity: the new connection takes it
+        # over. Without this the ROUTER refuses the new one and drops every frame set
+        # it brings while the stale one lingers (issue 23, finding 4).
+        sock.router_handover = 1
         self._keys.secure_server(sock, encrypt=encrypt)
         return sock
 

@@ -140,7 +140,9 @@ async def test_a_send_given_up_before_its_read_never_delivers_the_reused_buffer(
             else:
                 sending = asyncio.ensure_future(sender.send({"x": buf}, "puller:0"))
                 await until(lambda: sender._pull.offered == 1, what="the pulled send to be queued")
-                await sender.aclose()      # waits a moment for the read (none comes), then revokes
+                with pytest.raises(rlinf.CommTimeoutError, match="puller:0"):
+                    await sender.aclose()  # waits a moment for the read (none comes), then revokes;
+                                           # raises: the frozen receiver acknowledged nothing
                 with pytest.raises(rlinf.ClosedError):
                     await sending
             assert not sender._pull._held

@@ -164,13 +164,13 @@ async def test_a_small_slot_comes_back_right_after_the_reply_a_large_one_in_it(c
     from rlinf.transports.shm._session import AHEAD_BYTES
 
     frame_sets = []
-    deliver = driver._arrival._deliver
+    deliver = driver._receive._deliver
 
-    def record(received):
-        frame_sets.append([(e.kind, e.tag) for e in wire.unpack_header(received.header, received.frames)[2]])
-        deliver(received)
+    def record(src, incarnation, entries, frames, packed):     # each frame set with messages, in order
+        frame_sets.append([(e.kind, e.tag) for e in entries])
+        deliver(src, incarnation, entries, frames, packed)
 
-    driver._arrival._deliver = record
+    driver._receive._deliver = record
     async with asyncio.timeout(60):
         group = await cluster.spawn(workers_shm.drop_and_ack, "acker", 1, args=("driver:0", 6))
         for i, nbytes in enumerate([AHEAD_BYTES // 4] * 3 + [AHEAD_BYTES] * 3):
@@ -332,9 +332,10 @@ async def test_bad_slot_descriptor_is_a_decode_error(cluster, driver):
             rlinf.control.security.ClusterKeys(cluster.token).secure_client(s, encrypt=False)
             s.connect(driver.info.endpoints["ipc"])
             header, _ = rlinf.codec.encode(np.zeros(100))
-            for name in ("rlinf-1-ff-ab-0", f"rlinf-{os.getpid()}-ff-00-999999"):
+            for seq, name in enumerate(("rlinf-1-ff-ab-0", f"rlinf-{os.getpid()}-ff-00-999999")):
                 slot = [name, 0, 1 << 20, 1, False]
-                s.send_multipart([rlinf.core.wire.pack_header("evil:0", "i1", [[0, 0, header, [-800], slot]], True), b""])
+                s.send_multipart([rlinf.core.wire.pack_header("evil:0", "i1", [[0, 0, header, [-800], slot]], True,
+                                                              epoch=1, seq=seq), b""])
                 with pytest.raises(rlinf.DecodeError):
                     await driver.recv("evil:0", timeout=10)
             await driver.send("ok", "driver:0")

@@ -83,3 +83,20 @@ async def link_kind(comm, peer: str):
 async def public_communicator(comm):
     """Whether a spawned worker is given the public Communicator (groups and channels)."""
     return isinstance(comm, rlinf.Communicator) and callable(comm.group) and callable(comm.channel)
+
+
+async def send_paced(comm, dst: str, n: int, pause: float):
+    """Send 0..n-1 to ``dst``, ``pause`` seconds apart (messages are in flight at any
+    moment), then wait for its "done"."""
+    for i in range(n):
+        await comm.send(i, dst, timeout=60)
+        await asyncio.sleep(pause)
+    assert await comm.recv(dst, timeout=60) == "done"
+    return n
+
+
+async def send_and_return(comm, dst: str, n: int):
+    """Send 0..n-1 to ``dst`` and return at once (the communicator closes)."""
+    for i in range(n):
+        await comm.send(i, dst, timeout=60)
+    return n

@@ -12,7 +12,6 @@ import pytest
 import rlinf
 from rlinf.codec import Codec
 from rlinf.core import routing, wire
-from rlinf.core._arrival import ArrivalOrder
 from rlinf.core._gpu_paths import GpuPaths
 from rlinf.core._mailbox import Mailbox
 from rlinf.core._membership import Membership
@@ -69,7 +68,7 @@ class _Core:
         self.send.start(loop, None, None)
         self.membership = Membership(ME.address, self.roster, Recent(), self.mailbox, self.sessions,
                                      closed=lambda: False)
-        self.membership.start(loop, ArrivalOrder(lambda received: None, loop))
+        self.membership.start(loop)
 
     def queue(self, obj: object) -> asyncio.Future:
         return self.send.enqueue(obj, "peer:0", 0, wire.USER, need_future=True)

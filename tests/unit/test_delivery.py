@@ -1,0 +1,94 @@
+"""rlinf.core._delivery and the outbox's log: numbering, acknowledgement, resend timing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+
+from rlinf.core import _delivery as delivery, wire
+from rlinf.core._outbox import OutMessage, Outbox
+from rlinf.core.stats import Counters
+
+from ..recording_link import RecordingLink
+
+
+def _small(i: int) -> OutMessage:
+    return OutMessage(wire.plain_entry(wire.USER, 0, b"h", None), [bytes([i])], 1, None, False)
+
+
+def test_a_log_numbers_frame_sets_and_forgets_what_is_acknowledged():
+    log = delivery.SendLog()
+    log.keep(0, [1, 2, 3], b"a", [])
+    log.keep(3, [4], b"b", [])
+    log.keep(4, [5, 6], b"c", [])
+    assert log.next == 6
+    assert log.ack(2) == []                       # a frame set goes only when all of it arrived
+    assert [k.seq for k in log.ack(4)] == [0, 3]
+    assert log.ack(3) == []                       # acknowledgements only move forward
+    assert [k.seq for k in log.ack(6)] == [4] and not log.kept
+
+
+def test_the_resend_timer_waits_for_silence_and_backs_off():
+    log = delivery.SendLog()
+    assert not log.due()                          # nothing kept: never due
+    log.keep(0, [1], b"", [])
+    ticks = 0
+    while not log.due():
+        ticks += 1
+    assert ticks * delivery.TICK >= delivery.RTO - delivery.TICK
+    again = 0
+    while not log.due():
+        again += 1
+    assert again > ticks                          # doubled
+    log.keep(1, [2], b"", [])
+    log.ack(1)                                    # progress: back to the first timeout
+    for _ in range(int(delivery.RTO / delivery.TICK) - 1):
+        assert not log.due()
+
+
+def test_an_inflow_reports_a_restarted_numbering_only_once_it_had_begun():
+    inflow = delivery.Inflow("a:0", "i", b"a:0|i")
+    assert not inflow.adopt(7)                    # first contact
+    inflow.expected = 3
+    assert inflow.adopt(8) and inflow.expected == 0 and inflow.epoch == 8
+
+
+async def test_the_outbox_keeps_until_acknowledged_and_resends_in_order():
+    loop = asyncio.get_running_loop()
+    link = RecordingLink()
+    box = Outbox("peer:0", ("me:0", "inc0"), Counters("me:0"))
+    box.attach(link, None)
+    for i in range(3):
+        box.put(_small(i), loop)
+        box.flush()
+    sent = [wire.unpack(f[0], f[1:]) for f in link.sent]
+    seqs = [(s[5], len(s[2])) for s in sent]
+    assert [s for s, _ in seqs] == [0, 1, 2] and all(s[4] == box.log.epoch for s in sent)
+    box.acked(box.log.epoch, 1)
+    assert [k.seq for k in box.log.kept] == [1, 2]
+    box.acked(box.log.epoch + 1, 3)               # about another log: ignored
+    assert len(box.log.kept) == 2
+    link.sent.clear()
+    box.acked(box.log.epoch, -(1 + 1))            # "I have 0, resend from 1"
+    again = [wire.unpack(f[0], f[1:]) for f in link.sent]
+    assert [s[5] for s in again] == [1, 2]
+    assert [f[1] for f in link.sent] == [b"\x01", b"\x02"]     # the same payloads
+
+
+async def test_a_failed_outbox_voids_what_it_cannot_send_again():
+    loop = asyncio.get_running_loop()
+    link = RecordingLink()
+    box = Outbox("peer:0", ("me:0", "inc0"), Counters("me:0"))
+    box.attach(link, None)
+    future = loop.create_future()
+    big = OutMessage(wire.plain_entry(wire.USER, 5, b"h", [1]), [memoryview(bytes(2 << 20))], 2 << 20, future, True)
+    box.put(big, loop)
+    box.flush()
+    box.put(_small(1), loop)
+    box.flush()
+    box.fail(ConnectionError("gone"))
+    assert future.done() and isinstance(future.exception(), ConnectionError)
+    kinds = [(e[wire.KIND], e[wire.TAG]) for k in box.log.kept for e in k.entries]
+    assert kinds == [(wire.SYSTEM, wire.VOID), (wire.USER, 0)]          # the small copy stays
+    assert msgpack.unpackb(box.log.kept[0].entries[0][wire.CODEC_HEADER]) == [wire.USER, 5]
