@@ -364,7 +364,8 @@ class Settings:
     node_id: str | None = _knob(
         "RLINF_NODE_ID", "str", None,
         "Which node this process is on, equal ids meaning the same node (unset: derived from "
-        "the host name, machine id and boot id).")
+        "the host name, machine id, boot id and a token file in /dev/shm, so processes that "
+        "do not share /dev/shm never share an id).")
     # launcher to child
     address: str | None = _knob(
         "RLINF_ADDRESS", "str", None,

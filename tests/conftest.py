@@ -10,11 +10,14 @@ import os
 import pytest
 
 import rlinf
+from rlinf.control.devices import NODE_TOKEN
+
+_NODE_TOKEN = NODE_TOKEN.format(uid=os.getuid())    # kept for the life of /dev/shm, by design
 
 
 def _shm_entries() -> set[str]:
     try:
-        return {name for name in os.listdir("/dev/shm") if "rlinf" in name}
+        return {name for name in os.listdir("/dev/shm") if "rlinf" in name and name != _NODE_TOKEN}
     except FileNotFoundError:
         return set()
 

@@ -17,17 +17,24 @@ import importlib.util
 import ipaddress
 import logging
 import os
+import secrets
 import socket
+import stat
 import struct
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 from ..info import DeviceInfo
+from ..transports import leftovers
+from ..transports.leftovers import SHM_DIR
 
 __all__ = [
     "BufferInfo",
+    "NODE_TOKEN",
     "node_id",
+    "node_token",
+    "ipc_visible",
     "discover_devices",
     "host_addresses",
     "preferred_address",
@@ -46,30 +53,149 @@ _SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of one interface
 
 
 def node_id(override: str | None = None) -> str:
-    """Return the identity of this host; equal ids mean "same node" to the router.
+    """Return the identity of this node; equal ids mean "same node" to the router.
 
     ``override`` wins when given and not blank (the communicator passes
     ``RLINF_NODE_ID``, read when it is constructed, so a launcher can set it late).
-    Otherwise the id is ``"<hostname>-<hash>"`` where the hash covers the machine id and
-    the kernel boot id. The hostname separates containers on one kernel (each has its
-    own ``/dev/shm`` and IPC namespace, so they must not count as one node); the boot id
-    separates hosts cloned from one image (which share ``/etc/machine-id``).
+    Otherwise the id is ``"<hostname>-<hash>"`` where the hash covers the machine id,
+    the kernel boot id and the **node token**: random bytes kept in
+    ``/dev/shm/rlinf-node-<uid>`` (:data:`NODE_TOKEN`), made by the first process of
+    the user that asks (:func:`node_token`).
+
+    Why a file in ``/dev/shm``: "same node" tells the router that the two processes can
+    reach each other's shared-memory segments (``/dev/shm``) and sockets. The hostname,
+    machine id and boot id do not say that: containers with host networking share the
+    hostname (and the kernel, so the boot id, often the machine id too) but each has its
+    own ``/dev/shm`` and ``/tmp``. Reading one file is the direct test: two processes see
+    the same token exactly when they see the same ``/dev/shm``, whatever their mount or
+    PID namespaces (a ``/dev/shm`` bind-mounted into a container counts as shared, as
+    it is; the mount namespace or the mount's device number would get both cases
+    wrong). The file is per user because segments are made ``0600``: processes of two
+    users cannot open each other's. Processes that share ``/dev/shm`` but not ``/tmp``
+    (systemd's ``PrivateTmp``) keep one id and shared memory; their socket links fall
+    back to TCP (:func:`ipc_visible`).
+
+    Where there is no usable token (no writable ``/dev/shm``: then there is no shared
+    memory either), the user and the device of the ``/dev/shm`` (or ``/``) file system
+    stand in for it (one tmpfs mount, one device number, on one kernel).
 
     Returns:
-        A non-empty string, stable for the life of the host's boot.
+        A non-empty string, stable for the life of the node's ``/dev/shm``.
     """
     if override is not None and override.strip():
         return override.strip()
     return _host_identity()
 
 
+#: The node token's file in ``/dev/shm`` (``{uid}``: the user's id). Never removed by
+#: rlinf's clean-up: its names are ``rlinf-<pid>-...``.
+NODE_TOKEN = "rlinf-node-{uid}"
+_TOKEN_BYTES = 16
+
+
 @functools.cache
 def _host_identity() -> str:
     parts = [_read_first_line(p) for p in ("/etc/machine-id", "/var/lib/dbus/machine-id")]
     parts.append(_read_first_line("/proc/sys/kernel/random/boot_id"))
+    token = node_token()
+    parts.append(f"token:{token}" if token is not None else f"mount:{os.getuid()}:{_mount_identity()}")
     hostname = socket.gethostname() or "localhost"
     digest = hashlib.sha1("|".join(parts).encode(), usedforsecurity=False).hexdigest()[:12]
     return f"{hostname}-{digest}"
+
+
+def node_token(directory: str = SHM_DIR) -> str | None:
+    """The node token of this user in ``directory`` (see :func:`node_id`), made if missing.
+
+    Race-free for any number of processes starting at once: the token is written to a
+    file of this process's own and then hard-linked to its name, which fails if another
+    process got there first (then its token is read): the name never shows a partly
+    written token. The file is ``0644`` (the token is no secret: it only names a
+    ``/dev/shm``) and is accepted only when it is a regular file of this user holding a
+    token, so another user cannot choose it.
+
+    Returns:
+        32 hex digits, or None where ``directory`` cannot hold one (missing, read-only)
+        or the name is taken by something else (logged).
+    """
+    path = os.path.join(directory, NODE_TOKEN.format(uid=os.getuid()))
+    for _ in range(3):
+        token = _read_token(path)
+        if token is not None:
+            return token or None
+        try:
+            token = _make_token(directory, path)
+        except OSError as exc:
+            _log.debug("rlinf: no node token in %s: %s", directory, exc)
+            return None
+        if token is not None:
+            return token
+    return None
+
+
+def _read_token(path: str) -> str | None:
+    """The token at ``path``; None when there is no file; "" when the name is unusable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:      # a symlink (ELOOP), no permission
+        _log.warning("rlinf: cannot read the node token %s (%s); node identity falls back to the /dev/shm "
+                     "mount", path, exc)
+        return ""
+    try:
+        st = os.fstat(fd)
+        data = os.read(fd, 2 * _TOKEN_BYTES + 1) if stat.S_ISREG(st.st_mode) else b""
+    finally:
+        os.close(fd)
+    token = data.decode("ascii", "replace").strip()
+    if st.st_uid != os.getuid() or len(token) != 2 * _TOKEN_BYTES or any(c not in "0123456789abcdef" for c in token):
+        _log.warning("rlinf: %s is not a node token of this user; node identity falls back to the /dev/shm "
+                     "mount", path)
+        return ""
+    return token
+
+
+def _make_token(directory: str, path: str) -> str | None:
+    """Publish a new token at ``path``; None when another process published one first."""
+    token = secrets.token_hex(_TOKEN_BYTES)
+    # named as this process's leftovers: removed if it dies before unlinking it
+    draft = os.path.join(directory, f"{leftovers.prefix()}node-{secrets.token_hex(4)}")
+    fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    try:
+        try:
+            os.fchmod(fd, 0o644)       # whatever the umask
+            os.write(fd, token.encode() + b"\n")
+        finally:
+            os.close(fd)
+        try:
+            os.link(draft, path)
+        except FileExistsError:
+            return None
+        return token
+    finally:
+        os.unlink(draft)
+
+
+def _mount_identity() -> str:
+    """The device of the ``/dev/shm`` (else ``/``) file system: unique per mount on one kernel."""
+    for path in (SHM_DIR, "/"):
+        try:
+            return f"{path}:{os.stat(path).st_dev}"
+        except OSError:
+            continue
+    return ""
+
+
+def ipc_visible(endpoint: str) -> bool:
+    """Whether a ZeroMQ ``ipc://`` endpoint's socket file exists in this process's view
+    of the file system (True for any other endpoint). A peer with this node's id whose
+    ``/tmp`` is not ours (another mount namespace) advertises one we cannot see: ZeroMQ
+    would wait for it forever, so the caller takes the peer's ``tcp://`` endpoint."""
+    scheme, sep, path = endpoint.partition("://")
+    if scheme != "ipc" or not sep or path.startswith("@"):    # "@": abstract, no file
+        return True
+    return os.path.exists(path)
 
 
 def _read_first_line(path: str) -> str:

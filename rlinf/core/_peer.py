@@ -249,6 +249,8 @@ class PeerSessions:
 
     def _zmq_link(self, info: WorkerInfo, scheme: str):
         endpoint = info.endpoints.get(scheme) or info.endpoints.get("ipc") or info.endpoints["tcp"]
+        if not devices.ipc_visible(endpoint) and "tcp" in info.endpoints:   # its /tmp is not ours: TCP
+            endpoint = info.endpoints["tcp"]
         return self._zmq.connect_now(endpoint, identity=self.identity)
 
     async def _dial_stream(self, session: PeerSession, info: WorkerInfo) -> None:

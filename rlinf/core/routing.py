@@ -20,7 +20,10 @@ cuda   no         any    nccl, staged
 
 "Large" means ``nbytes >= RoutingConfig.shm_threshold`` between processes of one node
 and ``nbytes >= RoutingConfig.bulk_threshold`` between nodes; "same node" means equal
-:attr:`~rlinf.info.WorkerInfo.node_id`.
+:attr:`~rlinf.info.WorkerInfo.node_id`, which by default processes share only when they
+share ``/dev/shm`` (see :func:`~rlinf.control.devices.node_id`). What this module picks
+is what to try: a same-node socket the dialler cannot see (``/tmp`` not shared) makes it
+take the peer's ``tcp://`` endpoint (:func:`~rlinf.control.devices.ipc_visible`).
 """
 
 from __future__ import annotations

@@ -556,3 +556,26 @@ def test_recycled_memory_is_not_reused_while_a_derived_array_lives():
     del obj, again
     gc.collect()
     assert recycler._kept >= 3 << 20        # both came back for reuse
+
+
+async def test_a_slot_the_receiver_cannot_open_goes_back_to_its_sender():
+    """Issue 23, finding 5: a receiver that cannot see the sender's /dev/shm (equal node
+    ids for processes that do not share it) got an error for the message, but the slot
+    stayed busy in the sender's pool for as long as both lived."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    sender = shm.ShmSession(loop, lambda dst, obj: None)
+    receiver = shm.ShmSession(loop, lambda dst, obj: None)
+    try:
+        slot, layout, _ = sender.export([memoryview(b"x" * 1000)], [1000], {"b:0": 1})
+        ref = slot.ref()
+        os.unlink(os.path.join(shm.SHM_DIR, ref.segment))     # as if the receiver's /dev/shm were another
+        with pytest.raises(ProtocolError, match="node ids"):
+            receiver.open("a:0", ref, layout, os.getpid())
+        assert sender.pool.busy == 1
+        sender.on_notice("b:0", receiver.take("a:0"))
+        assert sender.pool.busy == 0
+    finally:
+        receiver.close()
+        sender.close()

@@ -12,8 +12,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from rlinf.control.devices import (BufferInfo, describe_buffer, discover_devices, host_addresses, node_id,
-                                   preferred_address, preferred_peer_address)
+from rlinf.control.devices import (NODE_TOKEN, BufferInfo, describe_buffer, discover_devices, host_addresses,
+                                   ipc_visible, node_id, node_token, preferred_address, preferred_peer_address)
 from rlinf.config import Settings, visible_devices
 from rlinf.info import DeviceInfo
 
@@ -50,6 +50,71 @@ def test_blank_node_id_env_is_ignored():
     host = node_id()
     assert node_id(Settings.from_env({"RLINF_NODE_ID": "  "}).node_id) == host
     assert node_id("  ") == node_id("") == node_id(None) == host
+
+
+def test_node_token_is_made_once_and_kept(tmp_path):
+    """The token behind the node id: 32 hex digits in a 0644 file of this user, the same
+    on every call; the draft it was written to is gone."""
+    token = node_token(str(tmp_path))
+    assert token is not None and len(token) == 32 and int(token, 16) >= 0
+    path = tmp_path / NODE_TOKEN.format(uid=os.getuid())
+    assert path.read_text().strip() == token and (path.stat().st_mode & 0o777) == 0o644
+    assert node_token(str(tmp_path)) == token
+    assert os.listdir(tmp_path) == [path.name]
+
+
+def test_processes_starting_at_once_agree_on_the_node_token(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys, time
+        from rlinf.control.devices import node_token
+        time.sleep(max(0.0, float(sys.argv[1]) - time.time()))    # all start together
+        print(node_token({str(tmp_path)!r}))
+    """)
+    import time
+
+    start = str(time.time() + 2.0)
+    procs = [subprocess.Popen([sys.executable, "-c", script, start], stdout=subprocess.PIPE, text=True)
+             for _ in range(8)]
+    tokens = {p.communicate(timeout=60)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert len(tokens) == 1 and len(tokens.pop()) == 32
+    assert os.listdir(tmp_path) == [NODE_TOKEN.format(uid=os.getuid())]
+
+
+@pytest.mark.parametrize("bad", ["garbage", "symlink", "directory", "other user"])
+def test_a_node_token_name_taken_by_something_else_is_not_used(tmp_path, bad):
+    path = tmp_path / NODE_TOKEN.format(uid=os.getuid())
+    if bad == "garbage":
+        path.write_text("not a token\n")
+    elif bad == "symlink":
+        (tmp_path / "elsewhere").write_text("0" * 32)
+        path.symlink_to(tmp_path / "elsewhere")
+    elif bad == "directory":
+        path.mkdir()
+    else:
+        if os.getuid() != 0:
+            pytest.skip("needs root to give a file away")
+        path.write_text("0" * 32)
+        os.chown(path, 65534, 65534)
+    assert node_token(str(tmp_path)) is None
+    assert node_token(str(tmp_path / "missing")) is None
+
+
+def test_leftover_cleanup_keeps_the_node_token(tmp_path):
+    from rlinf.transports import leftovers
+    from rlinf.transports.shm import sweep
+
+    token = node_token(str(tmp_path))
+    leftovers.remove_orphans([str(tmp_path)])
+    sweep(os.getpid(), str(tmp_path))
+    assert node_token(str(tmp_path)) == token and len(os.listdir(tmp_path)) == 1
+
+
+def test_ipc_visible(tmp_path):
+    assert ipc_visible("tcp://127.0.0.1:5555") and ipc_visible("unix:///nowhere/s")
+    assert not ipc_visible(f"ipc://{tmp_path}/d")
+    (tmp_path / "d").write_text("")
+    assert ipc_visible(f"ipc://{tmp_path}/d")
 
 
 # ----------------------------------------------------------------- discovery

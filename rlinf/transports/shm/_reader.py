@@ -230,6 +230,10 @@ class ShmReader:
         path = os.path.join(self._dir, slot.segment)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError as exc:
+            raise ProtocolError(f"cannot open shared-memory segment {slot.segment}: {exc} (is the sender's "
+                                f"{self._dir} ours? Processes that do not share it need different node ids: "
+                                "RLINF_NODE_ID)") from exc
         except OSError as exc:
             raise ProtocolError(f"cannot open shared-memory segment {slot.segment}: {exc}") from exc
         try:

@@ -12,7 +12,7 @@ from .. import descriptors
 from ...codec import is_device_buffer
 from ...util.copier import Copier
 from ...util.procs import process_gone
-from ...errors import RlinfError
+from ...errors import ProtocolError, RlinfError
 from ._fdshare import DEFAULT_FD_CACHE, FD_RELEASE, FdMaps, FdShares
 from ._relay import Relay
 from ._common import DEFAULT_OFFLOAD, sweep
@@ -159,8 +159,17 @@ class ShmSession:
 
     # -- receiving -------------------------------------------------------------------------
     def open(self, src: str, slot: descriptors.SlotRef, counts: Sequence[Any], pid: int | None) -> list[memoryview]:
-        """Views of an entry's slot buffers (``counts``: its layout); see :meth:`ShmReader.open`."""
-        return self.reader.open(src, slot, [-c for c in counts if type(c) is int and c < 0], pid)
+        """Views of an entry's slot buffers (``counts``: its layout); see :meth:`ShmReader.open`.
+
+        A slot that cannot be opened (its sender's ``/dev/shm`` is not ours, say) is
+        released at once, so that it does not stay busy in the sender's pool; the error
+        reaches the receive that takes the message."""
+        try:
+            return self.reader.open(src, slot, [-c for c in counts if type(c) is int and c < 0], pid)
+        except ProtocolError:
+            if not self.reader.closed:
+                self._note(src, slot.segment, slot.generation)
+            raise
 
     def open_relayed(self, src: str, relays: list[descriptors.SlotRef | descriptors.FdRef], counts: Sequence[Any],
                      pid: int | None) -> list[memoryview]:
