@@ -108,11 +108,13 @@ async def collective(comm, ctl, members: list[str], root: str, nbytes: int):
 
 
 async def channel_owner(comm, ctl, name: str):
-    """Create channel ``name`` (served from a new process on this node); close it when told."""
+    """Create channel ``name`` (served from a new process on this node, which lives as
+    long as we do); close it when told; exit when told."""
     ch = await comm.create_channel(name, timeout=60)
     ctl.emit("created")
     await ctl.command("close")
     await ch.close(timeout=30)
+    await ctl.command("exit")
     return {}
 
 
