@@ -50,14 +50,22 @@ class Control:
             if cmd["command"] == name:
                 return self._pending.pop(i)
         async with asyncio.timeout(timeout):
-            while True:
-                line = await self._reader.readline()
-                if not line:
-                    raise EOFError(f"the test closed our stdin while we waited for {name!r}")
-                cmd = json.loads(line)
-                if cmd["command"] == name:
-                    return cmd
+            while (cmd := await self._read(name))["command"] != name:
                 self._pending.append(cmd)
+        return cmd
+
+    async def next(self, timeout: float = 300.0) -> dict:
+        """The test's next command, whatever it is."""
+        if self._pending:
+            return self._pending.pop(0)
+        async with asyncio.timeout(timeout):
+            return await self._read("a command")
+
+    async def _read(self, what: str) -> dict:
+        line = await self._reader.readline()
+        if not line:
+            raise EOFError(f"the test closed our stdin while we waited for {what}")
+        return json.loads(line)
 
 
 async def _main(function: str, kwargs: dict) -> None:

@@ -149,11 +149,12 @@ async def consume(comm, ctl, name: str, nbytes: list[int]):
 
 
 async def ledger(comm, ctl, peer: str, period: float = 0.02, big_every: int = 25, big_size: int = 2 * MiB,
-                 flowing_after: int = 20, finish_timeout: float = 10.0, send_timeout: float = 10.0):
+                 flowing_after: int = 20, finish_timeout: float = 4.0, send_timeout: float = 10.0):
     """Exchange numbered messages with ``peer`` (running the same) both ways until told
     ``finish``; then send an end marker and wait for the peer's, at most ``finish_timeout``
     seconds. Every ``big_every``-th message carries ``big_size`` bytes (the bulk path),
-    the others are small.
+    the others are small. Emits ``flowing`` once ``flowing_after`` messages came in, and
+    again that many messages after each ``mark`` command.
 
     Reports ``sent`` (``[seq, "ok" | error]`` per send call), ``received`` (seqs in
     arrival order, with a flag when the content was wrong), the errors each side saw
@@ -164,7 +165,7 @@ async def ledger(comm, ctl, peer: str, period: float = 0.02, big_every: int = 25
     corrupt: list[int] = []
     send_errors: list[list] = []
     recv_errors: list[list] = []
-    state = {"end_sent": False, "end_received": False, "flowing": False}
+    state = {"end_sent": False, "end_received": False}
     stop = asyncio.Event()
 
     async def sender():
@@ -210,12 +211,14 @@ async def ledger(comm, ctl, peer: str, period: float = 0.02, big_every: int = 25
             received.append(seq)
             if obj["data"] is not None and not intact(seq, obj["data"], big_size):
                 corrupt.append(seq)
-            if len(received) == flowing_after:
-                state["flowing"] = True
-                ctl.emit("flowing")
+            if len(received) == mark["at"]:
+                ctl.emit("flowing", received=len(received))
 
+    mark = {"at": flowing_after}
     tasks = [asyncio.create_task(sender()), asyncio.create_task(receiver())]
-    await ctl.command("finish", timeout=300)
+    while (cmd := await ctl.next())["command"] != "finish":
+        if cmd["command"] == "mark":     # "tell me when flowing_after more have come"
+            mark["at"] = len(received) + flowing_after
     stop.set()
     finished = time.monotonic()
     done, pending = await asyncio.wait(tasks, timeout=finish_timeout)
@@ -262,33 +265,25 @@ async def watch(comm, ctl, peer: str):
 
 async def big_transfer(comm, ctl, peer: str, role: str, nbytes: int, timeout: float):
     """One ``nbytes`` message from the ``"send"`` side to the ``"recv"`` side, then a
-    small one; each side reports what its operations did (and how long they took)."""
+    small one, all within ``timeout`` seconds; each side reports what its operations did
+    and how long they took."""
     report = {}
     started = time.monotonic()
-    if role == "send":
-        assert await comm.recv(peer, timeout=30) == "ready"
-        for name, obj in (("big", {"data": payload(3, nbytes)}), ("small", "after")):
-            t = time.monotonic()
-            try:
-                await comm.send(obj, peer, timeout=timeout)
+    for name, obj in (("big", {"data": payload(3, nbytes)}), ("small", "after")):
+        t = time.monotonic()
+        left = max(1.0, started + timeout - t)
+        try:
+            if role == "send":
+                await comm.send(obj, peer, timeout=left)
                 report[name] = "ok"
-            except (rlinf.RlinfError, TimeoutError) as exc:
-                report[name] = _error(exc)
-                report[name + "_timed_out"] = isinstance(exc, TimeoutError)
-            report[name + "_seconds"] = time.monotonic() - t
-    else:
-        await comm.send("ready", peer, timeout=30)
-        for name in ("big", "small"):
-            t = time.monotonic()
-            try:
-                obj = await comm.recv(peer, timeout=timeout)
-                report[name] = ("intact" if name == "small" and obj == "after" or
-                                name == "big" and intact(3, obj["data"], nbytes) else "corrupt")
-            except (rlinf.RlinfError, TimeoutError) as exc:
-                report[name] = _error(exc)
-                report[name + "_timed_out"] = isinstance(exc, TimeoutError)
-            report[name + "_seconds"] = time.monotonic() - t
-    report["seconds"] = time.monotonic() - started
+            else:
+                got = await comm.recv(peer, timeout=left)
+                report[name] = ("intact" if name == "small" and got == "after" or
+                                name == "big" and intact(3, got["data"], nbytes) else "corrupt")
+        except (rlinf.RlinfError, TimeoutError) as exc:
+            report[name] = _error(exc)
+            report[name + "_timed_out"] = isinstance(exc, TimeoutError)
+        report[name + "_seconds"] = time.monotonic() - t
     ctl.emit("report", **report)
     await ctl.command("exit", timeout=120)
     return {}

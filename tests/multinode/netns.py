@@ -193,10 +193,11 @@ class NodeProcess:
         return f"<NodeProcess {self.name} on {self.node.name} pid={self.pid}>"
 
     # -- talking to it --------------------------------------------------------------------
-    def expect(self, kind: str, timeout: float = 30.0) -> dict:
+    def expect(self, kind: str, timeout: float = 30.0, *, required: bool = True) -> dict | None:
         """The next event of this ``kind`` (earlier events of other kinds are kept in
-        ``seen``); fails the test, with the process's log, after ``timeout`` seconds or
-        when the process reports an error or ends."""
+        ``seen``); fails the test, with the process's log, after ``timeout`` seconds
+        (returns None instead when not ``required``) or when the process reports an
+        error or ends."""
         deadline = time.monotonic() + timeout
         for event in self.seen:
             if event["kind"] == kind and not event.get("_taken"):
@@ -205,6 +206,8 @@ class NodeProcess:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
+                if not required:
+                    return None
                 raise AssertionError(f"{self.name}: no {kind!r} event in {timeout} s\n{self.describe()}")
             try:
                 event = self.events.get(timeout=min(left, 0.2))
