@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import zlib
 
 import numpy as np
 

@@ -22,6 +22,16 @@ def multinode_allowed() -> None:
         pytest.skip(reason)
 
 
+@pytest.fixture
+def netem(multinode_allowed) -> None:
+    """Skips the test where the kernel has no ``netem`` qdisc (delay, loss)."""
+    if not netns.netem_available():
+        reason = "no netem qdisc in this kernel (module sch_netem): tests of delay and loss skipped"
+        if reason not in _skipped:
+            _skipped.append(reason)
+        pytest.skip(reason)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
@@ -57,5 +67,5 @@ def nodes(request, multinode_allowed):
 
 
 def pytest_terminal_summary(terminalreporter):
-    if _skipped:
-        terminalreporter.write_line(f"tests/multinode skipped: {_skipped[0]}")
+    for reason in _skipped:
+        terminalreporter.write_line(f"tests/multinode skipped: {reason}")

@@ -84,6 +84,25 @@ def _child_of(pid: int, timeout: float = 10.0) -> int:
     raise HarnessError(f"process {pid} started no child in {timeout} s")
 
 
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _end(popen: subprocess.Popen) -> None:
+    """Wait for ``popen`` (killing it if it takes over 10 s) and close its pipes."""
+    try:
+        popen.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        popen.kill()
+        popen.wait(timeout=10)
+    for stream in (popen.stdin, popen.stdout, popen.stderr):
+        if stream is not None:
+            stream.close()
+
+
 def _keep_paths() -> list[str]:
     """Directories a node's Python needs that a fresh ``/tmp`` would hide: the repository,
     the interpreter's prefixes, the import path (under both their given and real names)."""
@@ -262,10 +281,7 @@ class NodeProcess:
 
     def signal(self, signum: int) -> None:
         if self._popen.poll() is None:
-            try:
-                os.kill(self.pid, signum)
-            except ProcessLookupError:
-                pass
+            _signal(self.pid, signum)
 
     def kill(self) -> None:
         """SIGKILL it (and wake nsenter, should it be stopped, so that it reaps it)."""
@@ -284,23 +300,16 @@ class NodeProcess:
         # nsenter stops itself when its child stops (job control), and would then never
         # reap it: a dead child left unreaped keeps the node's PID 1 from exiting.
         if self._popen.poll() is None:
-            try:
-                os.kill(self._popen.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+            _signal(self._popen.pid, signal.SIGCONT)
 
     def _reap(self) -> None:
+        """Kill it, wait for it, and close its pipes once the readers have seen their end
+        (a child it started still holds them until the node dies: kill the node first)."""
         self.kill()
-        try:
-            self._popen.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._popen.kill()
-            self._popen.wait(timeout=10)
-        for stream in (self._popen.stdin, self._popen.stdout, self._popen.stderr):
-            try:
-                stream.close()
-            except OSError:
-                pass
+        self._popen.wait(timeout=10)
+        for t in self._readers:
+            t.join(timeout=10)
+        _end(self._popen)
 
 
 class Node:
@@ -322,11 +331,15 @@ class Node:
             ["unshare", "--net", "--uts", "--ipc", "--mount", "--pid", "--fork", "--kill-child",
              sys.executable, str(_HOLDER), name, *_keep_paths()],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.pid = _child_of(self._holder.pid)
-        line = self._holder.stdout.readline()     # holder.py prints "ready" when set up
-        if not line.startswith("ready"):
-            self._holder.kill()
-            raise HarnessError(f"node {name}: holder failed: {line.strip()} {self._holder.stderr.read()[-500:]}")
+        try:
+            self.pid = _child_of(self._holder.pid)
+            line = self._holder.stdout.readline()     # holder.py prints "ready" when set up
+            if not line.startswith("ready"):
+                raise HarnessError(f"node {name}: holder failed: {line.strip()} {self._holder.stderr.read()[-500:]}")
+        except BaseException:
+            self._holder.kill()                       # unshare --kill-child takes the holder along
+            _end(self._holder)
+            raise
         self.alive = True
 
     def __repr__(self) -> str:
@@ -336,18 +349,8 @@ class Node:
         """Kill the holder: as PID 1 of the node, every process in it dies with it."""
         if self.alive:
             self.alive = False
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if self._holder.poll() is None:
-            try:
-                self._holder.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._holder.kill()
-                self._holder.wait(timeout=10)
-        for stream in (self._holder.stdin, self._holder.stdout, self._holder.stderr):
-            stream.close()
+            _signal(self.pid, signal.SIGKILL)
+        _end(self._holder)
 
 
 class Nodes:
@@ -523,14 +526,16 @@ class Nodes:
         self._closed = True
         errors = []
         for proc in self.processes:
-            try:
-                proc._reap()
-            except Exception as exc:  # keep removing the rest
-                errors.append(exc)
+            proc.kill()
         for node in self.nodes:
             try:
                 self.unlimit(node.index)
-                node.kill()
+                node.kill()           # and everything left in it
+            except Exception as exc:  # keep removing the rest
+                errors.append(exc)
+        for proc in self.processes:
+            try:
+                proc._reap()
             except Exception as exc:
                 errors.append(exc)
         for node in self.nodes:

@@ -5,7 +5,6 @@ through their links, and leave nothing behind."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -79,7 +78,7 @@ def test_a_link_can_be_rate_limited(nodes):
     assert _transfer_seconds(n, 0, 1, 8 << 20) < seconds / 2
 
 
-def test_netem_is_detected():
+def test_netem_is_detected(multinode_allowed):
     """Not every kernel has netem (this one may not): tests that need it skip by this."""
     assert isinstance(netns.netem_available(), bool)
 
@@ -139,15 +138,19 @@ def _links() -> list[str]:
 
 
 def _transfer_seconds(n: netns.Nodes, i: int, j: int, nbytes: int) -> float:
-    server = ("import socket\n"
-              "s=socket.socket(); s.bind(('0.0.0.0',0)); s.listen(); print(s.getsockname()[1], flush=True)\n"
-              "c,_=s.accept(); got=0\n"
-              "while (b:=c.recv(1<<20)): got+=len(b)\n"
-              "print(got, flush=True)\n")
-    receiver = n.spawn(j, [sys.executable, "-c", server], name="sink")
-    port = int(receiver.expect_line("", timeout=20))
-    started = time.monotonic()
-    n.sh(i, f"{sys.executable} -c \"import socket; s=socket.create_connection(('{n[j].address}',{port}),10); "
-            f"s.sendall(bytes({nbytes})); s.close()\"", timeout=60)
-    assert int(receiver.expect_line("", timeout=60)) == nbytes
-    return time.monotonic() - started
+    """Seconds to move ``nbytes`` over TCP from node ``i`` to node ``j`` (timed in the
+    sending process, from connect to the receiver's acknowledgement of the last byte)."""
+    sink = ("import socket\n"
+            "s=socket.socket(); s.bind(('0.0.0.0',0)); s.listen(); print(s.getsockname()[1], flush=True)\n"
+            "c,_=s.accept(); got=0\n"
+            "while (b:=c.recv(1<<20)): got+=len(b)\n"
+            "c.sendall(str(got).encode()); c.close()\n")
+    source = ("import socket, sys, time\n"
+              "t=time.monotonic(); s=socket.create_connection((sys.argv[1],int(sys.argv[2])),10)\n"
+              "s.sendall(bytes(int(sys.argv[3]))); s.shutdown(socket.SHUT_WR); got=s.recv(64)\n"
+              "print(got.decode(), time.monotonic()-t)\n")
+    receiver = n.spawn(j, [sys.executable, "-c", sink], name="sink")
+    port = receiver.expect_line("", timeout=20).strip()
+    got, seconds = n.sh(i, f"{sys.executable} -c '{source}' {n[j].address} {port} {nbytes}", timeout=60).split()
+    assert int(got) == nbytes
+    return float(seconds)
