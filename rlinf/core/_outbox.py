@@ -426,14 +426,19 @@ class Outbox:
             log_, inflow, header = self.log, self.inflow, self._header
             body = header.body([msg.entry])
             seq = log_.next
-            kept = log_.keep(seq, [msg.entry], body, None, msg)    # never sent again as it is
+            kept = log_.keep(seq, [msg.entry], body, None)    # never sent again as it is
             ack_epoch, ack = (inflow.packed, inflow.expected) if inflow is not None else (b"\x00", 0)
             await self._bulk_link.send(header.seal(body, log_.packed, seq, ack_epoch, ack), msg.frames)
         except (ClosedError, PeerLostError) as exc:
             if self.error is None:
                 log.warning("rlinf: bulk TCP to %s broke (%s); large payloads go through ZeroMQ", self.address, exc)
                 self._drop_bulk()
-            if kept is not None and self.error is None:   # again, through ZeroMQ
+            if kept is not None and self.log.acked > kept.seq:   # it arrived before the stream broke
+                self._counters.sent(self.address, msg.nbytes, msg.transport)
+                msg.frames = []
+                self._complete(msg)
+            elif kept is not None and self.error is None:   # again, through ZeroMQ
+                kept.msg = msg
                 _to_zmq(msg)
                 kept.entries = [msg.entry]
                 kept.body = self._header.body(kept.entries)
@@ -449,7 +454,6 @@ class Outbox:
             self._sent_at = self._clock()
             self._counters.sent(self.address, msg.nbytes, msg.transport)
             msg.frames = []
-            kept.msg = None
             self._complete(msg)
         finally:
             self._held = False
@@ -588,8 +592,9 @@ class Outbox:
         Sent messages not yet acknowledged stay in the log, for the same incarnation of
         the peer if it comes back (see :mod:`rlinf.core._delivery`), except those whose
         buffers are not ours to keep (large ones, whose send fails now, and those in
-        shared memory or CUDA IPC slots): they become *void* entries, which tell the
-        receiver that these messages are lost."""
+        shared memory or CUDA IPC slots, and those on a bulk stream): they become *void*
+        entries, which tell the receiver that these messages are lost (one that had
+        arrived is dropped there as a duplicate)."""
         self.error = exc
         while self.queue:
             msg = self.queue.popleft()
@@ -598,7 +603,7 @@ class Outbox:
             if msg.discard is not None:
                 msg.discard()
         for kept in self.log.kept:
-            if kept.msg is not None or any(len(e) > 4 for e in kept.entries):
+            if kept.msg is not None or kept.payload is None or any(len(e) > 4 for e in kept.entries):
                 self._void(kept, exc)
         self.log.resend_from = None
         if self.link is not None:

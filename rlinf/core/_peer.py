@@ -428,6 +428,9 @@ class PeerSessions:
         resumed = self._logs.get((address, info.incarnation))
         if resumed is not None and resumed.kept and address not in self._sessions and not self._closing:
             self.open(address)     # it came back: what it had not acknowledged goes again
+        elif session is not None and session.error is None and self._sessions.get(address) is session:
+            session.outbox.resend()    # it may have dropped what we sent while it was taken for lost
+            session.outbox.log.rto = RTO
 
     def peer_gone(self, address: str, incarnation: str, kind: str, current: WorkerInfo | None,
                   error: PeerLostError | None) -> None:

@@ -3,12 +3,12 @@ numbered, and after the fault each one must have arrived exactly once and in ord
 an operation must have raised on both sides (DESIGN.md §4: never a silent gap). Between
 two live workers delivery must resume after the fault, and nothing may hang.
 
-Tests marked ``xfail(strict=False)`` fail on today's code (issue 23); the reason says how.
+Each test here failed before issue 23's delivery protocol (its docstring says how);
+one marked ``xfail`` still does.
 """
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -140,19 +140,17 @@ def test_a_killed_node_fails_pending_and_new_operations_within_seconds(nodes, ho
 # --------------------------------------------------------------------------- link down
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 23 (finding 4): messages sent into the outage are lost with no error to their sender, and "
-    "afterwards the small messages from the worker that stayed up never reach the returning one "
-    "(its large ones, over the bulk stream, do); the end marker never arrives"))
 @pytest.mark.parametrize("outage", [
     pytest.param(5, id="5s"),
-    pytest.param(30, id="30s", marks=[pytest.mark.slow, pytest.mark.skipif(
-        not os.environ.get("MULTINODE_LONG"), reason="a 30 s outage takes a minute: set MULTINODE_LONG=1")]),
+    pytest.param(30, id="30s", marks=pytest.mark.slow),
 ])
 def test_a_link_down_then_up_loses_nothing_silently(nodes, outage):
     """Node 1's cable is pulled for ``outage`` seconds (longer than the peer timeout: its
     worker is declared lost, then comes back with the same incarnation), then plugged
-    back. Worker a:0 (node 1) and b:0 (node 2) exchange numbered messages throughout."""
+    back. Worker a:0 (node 1) and b:0 (node 2) exchange numbered messages throughout.
+    Before issue 23 (finding 4): messages sent into the outage were lost with no error to
+    their sender, and afterwards the small messages from the worker that stayed up never
+    reached the returning one (a stale ZeroMQ identity); the end marker never arrived."""
     n = nodes(3)
     n.start_manager(0)
     a, b = start_pair(n, 1, 2)
@@ -192,13 +190,11 @@ def test_a_lossy_delayed_link_delivers_everything_in_order(nodes, netem):
 # --------------------------------------------------------------------------- stall
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 23 (finding 2): a few messages the stalled worker sent around its stall never arrive, and "
-    "none of its sends raised"))
 def test_a_stalled_worker_loses_nothing_when_it_comes_back(nodes):
     """a:0 (node 1) is stopped (SIGSTOP) for 1.6 times the peer timeout, so the manager
     declares it lost, then continued; b:0 (node 2) exchanges numbered messages with it
-    throughout."""
+    throughout. Before issue 23 (finding 2): a few messages the stalled worker sent
+    around its stall never arrived, and none of its sends raised."""
     n = nodes(3)
     n.start_manager(0)
     a, b = start_pair(n, 1, 2)
@@ -211,13 +207,13 @@ def test_a_stalled_worker_loses_nothing_when_it_comes_back(nodes):
 # --------------------------------------------------------------------------- shared hostname
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 23 (finding 5): one node id for both: the 40 MiB send hangs until its timeout (nothing "
-    "arrives), and a small message after it is sent without error and never arrives"))
 def test_two_nodes_with_one_hostname_deliver_a_large_message_or_fail(nodes):
     """Two nodes with the same hostname (containers on host networking) but their own
     /dev/shm and /tmp: a 40 MiB message from one to the other, then a small one, must
-    arrive, or the operations must fail with an error on both sides; never hang."""
+    arrive, or the operations must fail with an error on both sides; never hang.
+    Before issue 23 (finding 5): one node id for both; the 40 MiB send hung until its
+    timeout (nothing arrived), and a small message after it was sent without error and
+    never arrived."""
     n = nodes(3, ["node0", "twin", "twin"])
     n.start_manager(0)
     timeout = 6

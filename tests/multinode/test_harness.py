@@ -22,7 +22,8 @@ def test_nodes_are_separate_machines_that_see_the_repository(nodes):
     n.sh(0, " && ".join(f"echo here > {f}" for f in files))
     for i in range(2):
         seen = n.sh(i, "hostname; ip -o -4 addr show; ls /tmp /dev/shm; echo pid $$; "
-                       f"cd / && {sys.executable} -c 'import rlinf, tests.multinode; print(rlinf.__file__)'")
+                       f"cd / && PYTHONPATH={netns.REPO} {sys.executable} -c "
+                       "'import rlinf, tests.multinode; print(rlinf.__file__)'")
         assert seen.splitlines()[0] == f"node{i}"
         assert f"inet {n[i].address}/24" in seen and "inet 127.0.0.1/8" in seen   # eth0, and loopback up
         assert ("rlinf-mn-" in seen) == (i == 0)                                       # /tmp, /dev/shm private
