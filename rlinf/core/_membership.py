@@ -123,7 +123,9 @@ class Membership:
         if current is not None and current.incarnation != incarnation:
             self._sessions.peer_gone(address, incarnation, kind, current, None)
             return   # a newer incarnation already joined
-        error = PeerLostError(f"{address} {'left' if kind == 'left' else 'was lost'}", peer=address)
+        error = PeerLostError(f"{address} left" if kind == "left" else
+                              f"{address} was lost: messages on their way to or from it may be missing "
+                              "(if it comes back, what it had not acknowledged is sent again)", peer=address)
         self._mailbox.peer_lost(address, error)
         self._sessions.peer_gone(address, incarnation, kind, current, error)
         for hook in self._hooks:
