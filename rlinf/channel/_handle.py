@@ -159,6 +159,13 @@ class HandleBase:
         self._blocked: collections.deque[list] = collections.deque()
         self._remote_closed = False
         self._rejected = 0
+        self._closing = False         # its communicator is closing: no more puts
+        # Puts sent, and how many of them the server has confirmed: it answers a call
+        # after applying the ops sent before it, so a call's answer confirms the puts
+        # sent before the call (``_call_marks``: rid -> puts sent by then).
+        self._puts_sent = 0
+        self._puts_confirmed = 0
+        self._call_marks: dict[int, int] = {}
         # consumer
         self._buffers: dict[Any, collections.deque] = {}
         self._buffer_waiters: dict[Any, list[asyncio.Future]] = {}
@@ -186,6 +193,8 @@ class HandleBase:
         self._check_usable()
         if self._remote_closed or self._drained:
             raise ClosedError(f"channel {self.name!r} is closed")
+        if self._closing:
+            raise ClosedError(f"channel {self.name!r}: communicator {self._core.address} is closing")
         if self._rejected:
             raise ClosedError(f"channel {self.name!r} is closed: {self._rejected} put(s) were refused")
 
@@ -196,6 +205,7 @@ class HandleBase:
 
     def _send_put(self, op: tuple, large: bool) -> asyncio.Future | None:
         self._ops.append(op)
+        self._puts_sent += 1
         if op[4][0] == 2:
             self._large = True
         if large:
@@ -395,6 +405,7 @@ class HandleBase:
             raise self._gone_drained()
         rid = next(self._rids)
         future = self._calls[rid] = self._loop.create_future()
+        self._call_marks[rid] = self._puts_sent
         self._op((kind, rid, *args))
         return rid, future
 
@@ -460,6 +471,9 @@ class HandleBase:
                 self._op(("ret", self._credits))
                 self._credits = 0
             elif kind in ("info", "reply"):
+                confirmed = self._call_marks.pop(op[1], 0)
+                if confirmed > self._puts_confirmed:
+                    self._puts_confirmed = confirmed
                 future = self._calls.pop(op[1], None)
                 if future is not None and not future.done():
                     future.set_result(op[2])
@@ -469,7 +483,8 @@ class HandleBase:
             elif kind == "rejected":
                 self._rejected += op[1]
             elif kind == "drained":
-                self._drained = True
+                self._drained = True       # our puts were applied, or refused as the channel closed
+                self._puts_confirmed = self._puts_sent
                 self._fail_puts(lambda: ClosedError(f"channel {self.name!r} is closed"))
                 for future in self._gets.values():
                     if not future.done():
@@ -483,6 +498,31 @@ class HandleBase:
             if not waiter.done():
                 waiter.set_result(None)
 
+    async def _drain_puts(self, linger: float) -> None:
+        """Its communicator is closing (still open): refuse puts from now on, send the
+        queued ones and wait until the server has applied every put this handle made,
+        within ``linger`` seconds. Puts still waiting for space fail with ClosedError
+        (they never returned).
+
+        Raises:
+            PeerLostError, CommTimeoutError, ClosedError: some puts may not have arrived
+                (the message says how many).
+        """
+        self._closing = True
+        self._fail_puts(lambda: ClosedError(f"channel {self.name!r}: communicator {self._core.address} is closing"))
+        unsettled = self._puts_sent - self._puts_confirmed
+        if not unsettled or self._drained or self._detached:
+            return    # (a detached handle's puts went out with its goodbye, before this close)
+        try:
+            await self._await_call(self._call_start("sync"), linger, "the confirmation of its puts")
+        except (PeerLostError, CommTimeoutError, ClosedError) as exc:
+            if self._drained:
+                return
+            message = f"{exc}; {unsettled} put(s) from {self._core.address} may not have arrived"
+            if isinstance(exc, PeerLostError):
+                raise PeerLostError(message, peer=self._server) from exc
+            raise type(exc)(message) from exc
+
     def _fail_puts(self, error: Callable[[], BaseException]) -> None:
         while self._blocked:
             future = self._blocked.popleft()[2]
@@ -494,6 +534,7 @@ class HandleBase:
         if self._error is None:
             self._error = error
         self._unacked.clear()      # the server takes them back (or they are lost with it)
+        self._call_marks.clear()
         for table in (self._gets, self._calls):
             for future in table.values():
                 if not future.done():

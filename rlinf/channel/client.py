@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import os
 import pickle
 import weakref
@@ -27,6 +28,8 @@ from .server import ChannelServer, ServerProcess, check_name, server_address
 from .stats import ChannelStats
 
 __all__ = ["Channel", "create_channel", "open_channel", "create_cluster_channel", "default_free_memory"]
+
+log = logging.getLogger("rlinf.channel")
 
 
 class Channel(HandleBase):
@@ -89,12 +92,15 @@ class Channel(HandleBase):
         Returns once the item is on its way to the channel, in order with this handle's
         other operations, and its buffers may be reused (large items are sent zero-copy
         and awaited). With ``maxsize``, waits for space first; a put that times out or is
-        cancelled while waiting for space is withdrawn.
+        cancelled while waiting for space is withdrawn. When the communicator closes, it
+        first delivers the puts that returned (or its ``aclose`` raises, saying how many
+        may not have arrived).
 
         Raises:
             ValueError: ``weight`` is not finite and >= 0. TypeError: bad key or weight.
             EncodeError: ``item`` cannot be encoded.
-            ClosedError: the channel is closed (or this handle detached).
+            ClosedError: the channel is closed (or this handle detached, or its
+                communicator is closing).
             CommTimeoutError: no space within ``timeout``.
             PeerLostError: the channel process is gone.
         """
@@ -434,6 +440,7 @@ def _track(core: Core, ch: Channel) -> None:
     handles = _registry.get(core)
     if handles is None:
         handles = _registry[core] = []
+        core.add_drainer(lambda linger: _drain_handles(core, linger))
         core.add_closer(lambda: _close_handles(core))
     handles.append(ch)
 
@@ -442,6 +449,17 @@ def _untrack(core: Core, ch: Channel) -> None:
     handles = _registry.get(core)
     if handles is not None and ch in handles:
         handles.remove(ch)
+
+
+async def _drain_handles(core: Core, linger: float) -> None:
+    """The communicator is closing: every handle's puts reach their channel first."""
+    handles = list(_registry.get(core, ()))
+    results = await asyncio.gather(*(h._drain_puts(linger) for h in handles), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    for error in errors[1:]:
+        log.warning("rlinf %s: closing: %s", core.address, error)
+    if errors:
+        raise errors[0]
 
 
 def _close_handles(core: Core) -> None:

@@ -94,5 +94,8 @@ class CoreAccess:
     def add_closer(self, closer: Callable[[], Any]) -> None:
         self._comm.add_closer(closer)
 
+    def add_drainer(self, drainer: Callable[[float], Awaitable[None]]) -> None:
+        self._comm.add_drainer(drainer)
+
     def add_stats_provider(self, name: str, provider: Callable[[], dict]) -> None:
         self._comm.add_stats_provider(name, provider)

@@ -23,7 +23,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Iterable, Self
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Self
 
 import zmq
 
@@ -110,6 +110,7 @@ class CoreCommunicator:
         self._dead = Recent()     # (address, incarnation) of peers known gone
         self._closing: asyncio.Future | None = None   # the close in progress (a second aclose waits for it)
         self._closers: list[Callable[[], Any]] = []
+        self._drainers: list[Callable[[float], Awaitable[None]]] = []
         self._reports = StatsReports(address, self.stats)      # what heartbeats carry
         self._reports.add("busy_poll", self._busy_poll.report)
         self._counters = Counters(address)
@@ -297,23 +298,57 @@ class CoreCommunicator:
     async def aclose(self) -> None:
         """Deregister, fail pending operations with ``ClosedError``, release everything.
 
-        What was sent is delivered first: the close waits (up to 2 s) until every live
-        receiver acknowledged it. Idempotent; safe to call from a cancelled task.
+        What was handed over is delivered first, within a bounded linger (2 s each):
+        the work subsystems accepted (channel puts reach their channel while the
+        communicator is still open), then every message sent, which each live receiver
+        must acknowledge. Idempotent; safe to call from a cancelled task.
 
         Raises:
-            CommTimeoutError: a live receiver did not acknowledge everything within
-                that linger (the communicator is closed all the same).
+            PeerLostError, CommTimeoutError, ClosedError: some of that could not be
+                delivered in time (or its peer is gone): it may not have arrived. The
+                communicator is closed all the same.
         """
-        if self._closed is not None:
+        if self._closed is not None or self._closing is not None:
             if self._closing is not None:
                 await asyncio.shield(self._closing)
             return
-        self._closed = ClosedError(f"communicator {self.address} is closed")
         self._closing = closing = asyncio.get_running_loop().create_future()   # what a second aclose awaits
+        cancelled = None
         try:
-            await self._teardown(deregister=True)
+            undelivered = await self._drain()
+        except asyncio.CancelledError as exc:   # finish closing, then re-raise
+            cancelled, undelivered = exc, None
+        try:
+            if self._closed is None:
+                self._closed = ClosedError(f"communicator {self.address} is closed")
+                await self._teardown(deregister=True)
+            elif self._closing is not closing:      # superseded while draining: its teardown runs
+                await asyncio.shield(self._closing)
         finally:
             closing.set_result(None)
+        if cancelled is not None:
+            raise cancelled
+        if undelivered is not None:
+            raise undelivered
+
+    async def _drain(self) -> BaseException | None:
+        """Await the drainers (still open: they may send), bounded by the linger.
+        Returns the first error (the others are logged)."""
+        if not self._drainers or not self._started:
+            return None
+        linger = _GRACEFUL_LINGER_MS / 1000
+        tasks = [asyncio.ensure_future(drainer(linger)) for drainer in self._drainers]
+        try:
+            _done, late = await asyncio.wait(tasks, timeout=linger + 0.5)
+        finally:
+            for task in tasks:
+                task.cancel()
+        errors = [CommTimeoutError(f"communicator {self.address}: closing, what a subsystem held was not "
+                                   f"delivered within {linger} s and may not have arrived") for _ in late]
+        errors += [t.exception() for t in tasks if t not in late and not t.cancelled() and t.exception()]
+        for error in errors[1:]:
+            log.warning("rlinf %s: closing: %s", self.address, error)
+        return errors[0] if errors else None
 
     def _superseded(self, why: str) -> None:
         """The manager took us for lost and another incarnation holds our address now
@@ -553,6 +588,12 @@ class CoreCommunicator:
     def add_closer(self, closer: Callable[[], Any]) -> None:
         """Run ``closer()`` (sync or async) when the communicator closes, newest first."""
         self._closers.append(closer)
+
+    def add_drainer(self, drainer: Callable[[float], Awaitable[None]]) -> None:
+        """Await ``drainer(linger)`` when :meth:`aclose` starts, before anything closes:
+        it sends what its subsystem accepted and waits until it has arrived, within
+        ``linger`` seconds, or raises (and :meth:`aclose` raises that error once closed)."""
+        self._drainers.append(drainer)
 
     def add_stats_provider(self, name: str, provider: Callable[[], dict]) -> None:
         """Report ``provider()`` under ``name`` in the stats sent with heartbeats.

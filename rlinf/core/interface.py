@@ -16,7 +16,7 @@ Everything here runs on the communicator's loop thread.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 from ..codec import Codec
 from ..info import WorkerInfo
@@ -120,6 +120,12 @@ class Core(Protocol):
 
     def add_closer(self, closer: Callable[[], Any]) -> None:
         """Run ``closer()`` (sync or async) when the communicator closes, newest first."""
+
+    def add_drainer(self, drainer: Callable[[float], Awaitable[None]]) -> None:
+        """Await ``drainer(linger)`` when the communicator starts closing, while it is
+        still open: the subsystem sends what it accepted and not yet delivered (a
+        channel handle's queued puts) and waits until it has arrived, within ``linger``
+        seconds, or raises; ``aclose`` raises that error once everything is closed."""
 
     def add_stats_provider(self, name: str, provider: Callable[[], dict]) -> None:
         """Report ``provider()`` under ``name`` with the heartbeats' stats.

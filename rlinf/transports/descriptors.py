@@ -31,6 +31,7 @@ sender's): those checks need the file or the sender and live in the transport.
 from __future__ import annotations
 
 import functools
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -38,8 +39,8 @@ from typing import Any
 from ..errors import ProtocolError
 
 __all__ = ["SlotRef", "FdRef", "GpuRef", "PullRef", "unpack_slot", "unpack_relays", "unpack_gpu", "unpack_pull",
-           "slot_layout", "parse_segment_name", "MAX_HEADER", "MAX_FRAMES", "MAX_SLOT", "MAX_RELAYS", "SLOT_ALIGN",
-           "INT_MIN", "INT_MAX"]
+           "slot_layout", "parse_segment_name", "max_frame_set", "MAX_HEADER", "MAX_FRAMES", "MAX_SLOT", "MAX_RELAYS",
+           "SLOT_ALIGN", "INT_MIN", "INT_MAX"]
 
 #: The integers msgpack carries (descriptor fields, user tags, channel keys): [-2**63, 2**64 - 1].
 INT_MIN, INT_MAX = -(1 << 63), (1 << 64) - 1
@@ -59,6 +60,18 @@ _PAGE = 4096
 #: :mod:`rlinf.transports.leftovers`; the pid lets a sweeper find a dead process's
 #: segments). Nothing else may appear, so a name can never leave ``/dev/shm``.
 _SEGMENT_NAME = re.compile(r"rlinf-([0-9]{1,10})-(?:[0-9a-f]{1,16}|x)-[0-9a-f]{1,32}-[0-9]{1,12}")
+
+
+@functools.cache
+def max_frame_set() -> int:
+    """The most bytes one frame set received over a stream (frame table included) may
+    claim: no more than this machine's memory (it is held whole until delivered), and
+    never more than :data:`MAX_SLOT`. A larger claim is refused before allocating."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):      # not reported here
+        return MAX_SLOT
+    return min(MAX_SLOT, memory) if memory > 0 else MAX_SLOT
 
 
 @dataclass(frozen=True, slots=True)

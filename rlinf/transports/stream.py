@@ -23,8 +23,9 @@ Protocol, client to server::
     then per frame set:  u32 count | u64 size * count | frame 0 (the header) | frame 1 | ...
 
 Links are one-way (a peer's replies come over its own link to us), so after the ack
-the server only reads. Sizes are checked before anything is allocated; a connection
-that sends anything malformed is closed, and the listener serves its other peers.
+the server only reads. Sizes are checked before anything is allocated (a frame set may
+not claim more than this machine's memory); a connection that sends anything malformed,
+or a frame set there is no memory for, is closed, and the listener serves its other peers.
 
 Backpressure: a link's write buffer is bounded (:data:`_HIGH_WATER`); past it,
 :meth:`StreamLink.try_send` raises :class:`~.base.WouldBlock` until the kernel took
@@ -53,7 +54,7 @@ from typing import Any, Callable, Sequence
 from ..errors import AuthenticationError, ClosedError, PeerLostError, TransportUnavailableError
 from ._proof import MAC, NONCE, mac, nonce, same
 from .base import Inbox, Link, Listener, Received, Transport, WouldBlock
-from .descriptors import MAX_FRAMES, MAX_HEADER
+from .descriptors import MAX_FRAMES, MAX_HEADER, max_frame_set
 from .shm import Recycler
 
 __all__ = ["StreamTransport", "StreamLink", "StreamListener", "SCHEME"]
@@ -131,7 +132,7 @@ class _Server(asyncio.BufferedProtocol):
         self._listener = listener
         self._block = memoryview(b"")
         self._start = self._end = 0         # unparsed bytes: self._block[start:end]
-        self._need = 0                      # bytes the frame set at ``start`` spans (0: unknown)
+        self._need = 0                      # bytes the frame set at ``start`` needs to be parsed on (0: unknown)
         self._transport: asyncio.Transport | None = None
         self._identity: bytes | None = None       # set once the client proved itself
         self._hello: tuple[bytes, bytes, bytes] | None = None
@@ -160,13 +161,18 @@ class _Server(asyncio.BufferedProtocol):
 
     # -- reading ---------------------------------------------------------------------
     def get_buffer(self, sizehint: int) -> memoryview:
+        # (a frame set's own size was made room for by _frames, where a failure is handled)
+        self._make_room(max(self._need, self._end - self._start + _MIN_READ))
+        return self._block[self._end:]
+
+    def _make_room(self, want: int) -> None:
+        """Let the block hold ``want`` bytes from the unparsed start: if it has no room,
+        a new block, with the unparsed tail."""
         block, start, end = self._block, self._start, self._end
-        want = max(self._need, end - start + _MIN_READ)
-        if start + want > len(block):     # no room: a new block, with the unparsed tail
+        if start + want > len(block):
             fresh = memoryview(self._listener._recycler.take(max(_BLOCK, want)))
             fresh[:end - start] = block[start:end]
             self._block, self._start, self._end = fresh, 0, end - start
-        return self._block[self._end:]
 
     def buffer_updated(self, nbytes: int) -> None:
         self._end += nbytes
@@ -179,6 +185,7 @@ class _Server(asyncio.BufferedProtocol):
         try:
             self._frames()
         except ValueError as exc:
+            self._need = 0            # (nothing more is read for it)
             self._listener.dropped += 1
             log.warning("rlinf: closed a stream connection from %r: %s", self._identity, exc)
             self.close()
@@ -232,12 +239,15 @@ class _Server(asyncio.BufferedProtocol):
                 raise ValueError(f"bad frame count {count}")
             table = 4 + 8 * count
             if end - at < table:
+                self._need = table
                 break
             sizes = struct.unpack_from(f"<{count}Q", block, at + 4)
             if sizes[0] > MAX_HEADER or max(sizes) > _MAX_FRAME:
                 raise ValueError("frame too large")
             total = table + sum(sizes)
             if end - at < total:
+                if total > max_frame_set():
+                    raise ValueError(f"a frame set of {total} bytes is more than this machine can hold")
                 self._need = total
                 break
             offset = at + table + sizes[0]
@@ -256,6 +266,11 @@ class _Server(asyncio.BufferedProtocol):
                 asyncio.get_running_loop().call_soon(self._resume)
                 break
         self._start = at
+        if self._need:
+            try:     # now, not in get_buffer: asyncio has no way to refuse there but a fatal error
+                self._make_room(self._need)
+            except MemoryError:
+                raise ValueError(f"no memory for a frame set of {self._need} bytes") from None
 
     def _resume(self) -> None:
         self._paused = False

@@ -59,7 +59,7 @@ from ..errors import AuthenticationError, ClosedError, PeerLostError, TransportU
 from . import _aead
 from ._proof import MAC as _MAC, NONCE as _NONCE, mac as _mac, nonce as _new_nonce, same as _same
 from .base import Inbox, Link, Listener, Received, Transport
-from .descriptors import MAX_FRAMES, MAX_HEADER
+from .descriptors import MAX_FRAMES, MAX_HEADER, max_frame_set
 from .shm import Recycler
 
 __all__ = ["BulkTransport", "BulkLink", "BulkListener", "SCHEME"]
@@ -190,9 +190,15 @@ class _Stream:
             header = bytes(head[4 + 8 * count:])
         if any(k > _MAX_FRAME for k in sizes):
             raise ValueError("bulk frame too large")
+        total = 4 + 8 * count + sum(sizes)
+        if total > max_frame_set():
+            raise ValueError(f"a bulk frame set of {total} bytes is more than this machine can hold")
         frames = []
         for k in sizes[1:]:
-            buf = memoryview(recycler.take(k)) if k else memoryview(bytearray(0))
+            try:
+                buf = memoryview(recycler.take(k)) if k else memoryview(bytearray(0))
+            except MemoryError:
+                raise ValueError(f"no memory for a bulk frame of {k} bytes") from None
             if self.into is None:
                 _recv_into(self.sock, buf)
             else:

@@ -66,3 +66,15 @@ async def create_and_hang(comm, name: str):
     await comm.create_channel(name)
     await comm.send("created", "driver:0", tag=5, timeout=30)
     await asyncio.Event().wait()
+
+
+async def put_and_leave(comm, name: str, n: int, size: int, close: bool):
+    """Put ``n`` numbered items (with ``size`` bytes of data each) and leave at once: the
+    worker function returns (the runtime closes the communicator), or with ``close``
+    it closes its communicator itself first. Nothing is flushed or awaited."""
+    ch = await comm.channel(name, timeout=30)
+    for i in range(n):
+        await ch.put({"i": i, "data": np.full(size, i % 251, dtype=np.uint8)}, timeout=30)
+    if close:
+        await comm.aclose()
+    return n

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
 import socket
+import threading
 
 import numpy as np
 import pytest
 
 import rlinf
+from rlinf.transports.shm import Recycler
 
 
 async def closed_by_peer(sock: socket.socket) -> bool:
@@ -54,3 +59,42 @@ async def check_more_than_65536_buffers_arrive(transport, key: bytes, listener, 
     assert [g.header for g in got] == [b"many", b"next"] and len(got[0].frames) == 70_000
     assert bytes(got[0].frames[69_999]) == bytes([69_999 % 251]) * 3
     link.close()
+
+
+#: Bytes of memory this machine has: a claim beyond it can never be honoured here.
+PHYSICAL_MEMORY = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def sizes_past_memory(frame: int) -> list[int]:
+    """Frame sizes of at most ``frame`` bytes adding up to 100 GiB, or to twice this
+    machine's memory where that is more (the claim must exceed it everywhere)."""
+    total = max(100 << 30, 2 * PHYSICAL_MEMORY)
+    return [frame] * -(-total // frame)
+
+
+@contextlib.contextmanager
+def watched(caplog, logger: str):
+    """Within: record what reaches the running loop's exception handler, the threads'
+    excepthook and the logs. On leaving, assert nothing reached the first two and no
+    "Fatal error" was logged; the block reads ``records()`` for ``logger``'s warnings."""
+    loop = asyncio.get_running_loop()
+    unhandled: list = []
+    loop.set_exception_handler(lambda _loop, context: unhandled.append(context))
+    previous, threading.excepthook = threading.excepthook, unhandled.append
+    try:
+        with caplog.at_level(logging.WARNING):
+            yield lambda: [r.getMessage() for r in caplog.records if r.name == logger]
+    finally:
+        loop.set_exception_handler(None)
+        threading.excepthook = previous
+    assert unhandled == []
+    assert not [r for r in caplog.records if "Fatal error" in r.getMessage() or r.name == "asyncio"]
+
+
+class ShortOfMemory(Recycler):
+    """Receive memory on a machine short of it: nothing over 1 MiB at once."""
+
+    def take(self, n: int):
+        if n > 1 << 20:
+            raise MemoryError(f"cannot allocate {n} bytes")
+        return super().take(n)

@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 
 import rlinf
+from rlinf.transports.descriptors import MAX_HEADER
 from rlinf.transports.stream import StreamTransport
 
 from ..integration.wait import until
 from ._keyed import (check_a_client_without_the_key_is_refused, check_it_still_serves,
-                     check_more_than_65536_buffers_arrive, closed_by_peer)
+                     check_more_than_65536_buffers_arrive, ShortOfMemory, closed_by_peer, sizes_past_memory,
+                     watched)
 
 KEY = b"k" * 32
 
@@ -77,21 +79,57 @@ async def test_junk_does_not_break_the_listener(listener, junk):
         await check_it_still_serves(StreamTransport, KEY, listener, "stream")
 
 
-@pytest.mark.parametrize("announce", [struct.pack("<I", 0), struct.pack("<I", 1 << 23),
-                                      struct.pack("<IQ", 1, 1 << 40)], ids=["no-frames", "too-many", "too-large"])
-async def test_oversized_announcements_close_that_connection_only(listener, announce):
-    """Sizes are checked before anything is allocated."""
-    async with asyncio.timeout(20):
-        bad = await StreamTransport(KEY).connect(listener.endpoints["stream"], identity=b"bad|1")
-        bad._transport.write(announce)
-        await until(lambda: listener.dropped == 1, what="the dropped connection")
-        await until(lambda: bad._closed is not None, what="the sender to see it")
-        with pytest.raises(rlinf.PeerLostError):
-            bad.try_send([b"h"])
-        ok = await StreamTransport(KEY).connect(listener.endpoints["stream"], identity=b"ok|1")
-        await ok.send(b"still", [])
-        assert (await listener.recv()).header == b"still"
-        ok.close()
+def _table(sizes: list[int]) -> bytes:
+    return struct.pack(f"<I{len(sizes)}Q", len(sizes), *sizes)
+
+
+_ANNOUNCEMENTS = {
+    "no-frames": struct.pack("<I", 0),
+    "too-many": struct.pack("<I", 1 << 23),
+    "too-large": struct.pack("<IQ", 1, 1 << 40),
+    "header-too-long": _table([MAX_HEADER + 1]),
+    "frame-too-large": _table([16, (4 << 30) + 1]),
+    "100GiB": _table([16, *sizes_past_memory(4 << 30)]),      # each frame within its limit
+    "256TiB": _table([16] + [4 << 30] * (1 << 16)),
+}
+
+
+@pytest.mark.parametrize("announce", _ANNOUNCEMENTS.values(), ids=_ANNOUNCEMENTS.keys())
+async def test_oversized_announcements_close_that_connection_only(listener, announce, caplog):
+    """Sizes are checked before anything is allocated; a frame set this machine cannot
+    hold is refused like any malformed one: that connection is closed, the refusal is
+    logged once, nothing reaches asyncio's handler of unhandled errors."""
+    with watched(caplog, "rlinf.transports.stream") as logged:
+        async with asyncio.timeout(20):
+            bad = await StreamTransport(KEY).connect(listener.endpoints["stream"], identity=b"bad|1")
+            bad._transport.write(announce)
+            await until(lambda: listener.dropped == 1, what="the dropped connection")
+            await until(lambda: bad._closed is not None, what="the sender to see it")
+            with pytest.raises(rlinf.PeerLostError):
+                bad.try_send([b"h"])
+            ok = await StreamTransport(KEY).connect(listener.endpoints["stream"], identity=b"ok|1")
+            await ok.send(b"still", [])
+            assert (await listener.recv()).header == b"still"
+            ok.close()
+        assert len(logged()) == 1 and "closed a stream connection from b'bad|1'" in logged()[0]
+
+
+async def test_a_frame_set_there_is_no_memory_for_closes_that_connection_only(caplog):
+    listener = await StreamTransport(KEY, recycler=ShortOfMemory()).listen()
+    try:
+        with watched(caplog, "rlinf.transports.stream") as logged:
+            async with asyncio.timeout(20):
+                bad = await StreamTransport(KEY).connect(listener.endpoints["stream"], identity=b"bad|1")
+                bad._transport.write(_table([16, 8 << 20]) + b"h" * 16 + bytes(1000))
+                await until(lambda: listener.dropped == 1, what="the dropped connection")
+                ok = await StreamTransport(KEY).connect(listener.endpoints["stream"], identity=b"ok|1")
+                await ok.send(b"still", [b"x" * 1000])
+                assert bytes((await listener.recv()).frames[0]) == b"x" * 1000
+                ok.close()
+                bad.close()
+            assert len(logged()) == 1 and "no memory for a frame set" in logged()[0]
+    finally:
+        listener.close()
 
 
 async def test_a_full_buffer_pushes_back_and_nothing_is_lost(listener):

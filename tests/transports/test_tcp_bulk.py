@@ -12,11 +12,13 @@ import pytest
 
 import rlinf
 from rlinf.transports import _aead
+from rlinf.transports.descriptors import MAX_HEADER
 from rlinf.transports.tcp_bulk import BulkTransport
 
 from ..integration.wait import until
 from ._keyed import (check_a_client_without_the_key_is_refused, check_it_still_serves,
-                     check_more_than_65536_buffers_arrive, closed_by_peer)
+                     check_more_than_65536_buffers_arrive, ShortOfMemory, closed_by_peer, sizes_past_memory,
+                     watched)
 
 KEY = b"k" * 32
 
@@ -63,23 +65,62 @@ async def test_junk_does_not_break_the_listener(listener, junk):
         await check_it_still_serves(BulkTransport, KEY, listener, "bulk")
 
 
-async def test_oversized_announcements_close_the_connection(listener):
+def _claim(link, sizes: list[int]) -> bytes:
+    """A frame table claiming a 16-byte header and frames of ``sizes``, then that header:
+    sealed when the link is (a peer holding the key may claim anything)."""
+    head = struct.pack(f"!I{len(sizes) + 1}Q", len(sizes) + 1, 16, *sizes) + b"h" * 16
+    if not link.encrypted:
+        return head
+    record = memoryview(bytearray(head))
+    tag = link._stream.out.seal(record, record)
+    return struct.pack("!I", len(head)) + bytes(record) + tag
+
+
+_CLAIMS = [[(1 << 40) + 1], [1 << 40, 1 << 40], sizes_past_memory(4 << 30)]
+
+
+async def test_oversized_announcements_close_the_connection(listener, caplog):
     """Sizes are checked before anything is allocated: a frame count or a size past the
-    limits ends that connection only."""
-    async with asyncio.timeout(20):
-        if listener._encrypt:     # a sealed table: its length, then a record that fails its tag
-            bad = [struct.pack("!I", 0), struct.pack("!I", 1 << 30), struct.pack("!I", 40) + bytes(40 + 32)]
-        else:
-            bad = [struct.pack("!I", 0), struct.pack("!I", 1 << 23), struct.pack("!IQ", 1, 1 << 50)]
-        for announce in bad:
-            link = await BulkTransport(KEY, encrypt=False).connect(listener.endpoints["bulk"], identity=b"a|1")
-            link._sock.sendall(announce)
-            assert await closed_by_peer(link._sock)
-            link.close()
-        ok = await BulkTransport(KEY).connect(listener.endpoints["bulk"], identity=b"a|2")
-        await ok.send(b"still", [])
-        assert (await listener.recv()).header == b"still"
-        ok.close()
+    limits, or frames adding up to more than this machine holds, end that connection
+    only, each logged once, none as an unhandled error in the reader thread."""
+    with watched(caplog, "rlinf.transports.tcp_bulk") as logged:
+        async with asyncio.timeout(20):
+            if listener._encrypt:     # a sealed table: its length, then a record that fails its tag
+                bad = [struct.pack("!I", 0), struct.pack("!I", 1 << 30), struct.pack("!I", 40) + bytes(40 + 32)]
+            else:
+                bad = [struct.pack("!I", 0), struct.pack("!I", 1 << 23), struct.pack("!IQ", 1, 1 << 50),
+                       struct.pack("!IQ", 1, MAX_HEADER + 1)]
+            for announce in [*bad, *_CLAIMS]:
+                link = await BulkTransport(KEY, encrypt=False).connect(listener.endpoints["bulk"], identity=b"a|1")
+                link._sock.sendall(announce if isinstance(announce, bytes) else _claim(link, announce))
+                assert await closed_by_peer(link._sock)
+                link.close()
+            ok = await BulkTransport(KEY).connect(listener.endpoints["bulk"], identity=b"a|2")
+            await ok.send(b"still", [])
+            assert (await listener.recv()).header == b"still"
+            ok.close()
+            await until(lambda: len(logged()) == len(bad) + len(_CLAIMS), what="a log line per connection")
+        assert all("bulk connection dropped" in line for line in logged())
+
+
+@pytest.mark.parametrize("encrypt", [True, False], ids=["sealed", "plain"])
+async def test_a_frame_there_is_no_memory_for_closes_that_connection_only(caplog, encrypt):
+    listener = await BulkTransport(KEY, encrypt=encrypt, recycler=ShortOfMemory()).listen()
+    try:
+        with watched(caplog, "rlinf.transports.tcp_bulk") as logged:
+            async with asyncio.timeout(20):
+                bad = await BulkTransport(KEY, encrypt=False).connect(listener.endpoints["bulk"], identity=b"a|1")
+                bad._sock.sendall(_claim(bad, [8 << 20]))
+                assert await closed_by_peer(bad._sock)
+                bad.close()
+                ok = await BulkTransport(KEY).connect(listener.endpoints["bulk"], identity=b"a|2")
+                await ok.send(b"still", [b"x" * 1000])
+                assert bytes((await listener.recv()).frames[0]) == b"x" * 1000
+                ok.close()
+                await until(lambda: logged(), what="the log line")
+            assert len(logged()) == 1 and "no memory for a bulk frame" in logged()[0]
+    finally:
+        listener.close()
 
 
 async def test_a_send_to_a_closed_listener_is_peer_lost(listener):
@@ -170,6 +211,7 @@ async def test_a_message_of_more_than_65536_buffers_arrives(listener):
 
 _EMFILE_SCRIPT = r"""
 import asyncio, logging, os, resource, socket
+from rlinf.transports.descriptors import MAX_HEADER
 from rlinf.transports.tcp_bulk import BulkTransport
 
 class Seen(logging.Handler):
