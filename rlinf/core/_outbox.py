@@ -474,7 +474,8 @@ class Outbox:
         """Send ``msg``, the only queued message, now: :meth:`flush` for one small
         message that waits for nothing (the wire format of a one-message batch)."""
         link = self.link
-        if msg.large or msg.copying is not None or link is None or self._blocked or self._held:
+        if (msg.large or msg.copying is not None or link is None or self._blocked or self._held
+                or self.log.resend_from is not None):
             self.flush()
             return
         entry, pieces = msg.entry, msg.frames

@@ -3,8 +3,7 @@ numbered, and after the fault each one must have arrived exactly once and in ord
 an operation must have raised on both sides (DESIGN.md §4: never a silent gap). Between
 two live workers delivery must resume after the fault, and nothing may hang.
 
-Each test here failed before issue 23's delivery protocol (its docstring says how);
-one marked ``xfail`` still does.
+Each fault test here failed before issue 23's delivery protocol (its docstring says how).
 """
 
 from __future__ import annotations
@@ -237,11 +236,11 @@ def test_two_nodes_with_one_hostname_deliver_a_large_message_or_fail(nodes):
 # --------------------------------------------------------------------------- clean exit
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 23 (finding 1): the producer's clean close drops its queued puts: 0 of 100 items arrive"))
 def test_a_producer_that_returns_after_its_puts_loses_no_item(nodes):
     """A producer on node 1 puts 100 items into a channel served on node 0 and returns
-    (its communicator closes cleanly): every item must reach the consumer on node 2."""
+    (its communicator closes cleanly): every item must reach the consumer on node 2.
+    Before issue 23 (finding 1): the producer's clean close dropped its queued puts: 0
+    of 100 items arrived."""
     n = nodes(3)
     n.start_manager(0)
     sizes = [100, 200 << 10]
