@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import msgpack
 
@@ -92,3 +93,44 @@ async def test_a_failed_outbox_voids_what_it_cannot_send_again():
     kinds = [(e[wire.KIND], e[wire.TAG]) for k in box.log.kept for e in k.entries]
     assert kinds == [(wire.SYSTEM, wire.VOID), (wire.USER, 0)]          # the small copy stays
     assert msgpack.unpackb(box.log.kept[0].entries[0][wire.CODEC_HEADER]) == [wire.USER, 5]
+
+
+class _PushesBack(RecordingLink):
+    """Refuses frame sets while ``full``; ``wait_writable`` returns once it is cleared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.full = False
+        self.writable = asyncio.Event()
+
+    def try_send(self, frames, *, track=False):
+        from rlinf.errors import WouldBlock
+        if self.full:
+            raise WouldBlock()
+        super().try_send(frames, track=track)
+
+    async def wait_writable(self) -> None:
+        await self.writable.wait()
+
+
+async def test_a_new_message_never_overtakes_a_resend_that_was_pushed_back():
+    """A resend paused by the link's backpressure: a message sent meanwhile (which would
+    go out at once, alone, on an idle link) waits behind it, so numbers stay in order."""
+    loop = asyncio.get_running_loop()
+    link = _PushesBack()
+    ticks = itertools.count(0.0, 1.0)
+    box = Outbox("peer:0", ("me:0", "inc0"), Counters("me:0"), clock=lambda: next(ticks))   # always idle
+    box.attach(link, None)
+    box.put(_small(0), loop)
+    box.put(_small(1), loop)
+    box.flush()
+    link.full = True
+    box.resend()                                   # pushed back at once
+    link.full = False
+    box.put(_small(2), loop)                       # must not go ahead of the resend
+    link.writable.set()
+    async with asyncio.timeout(5):
+        while len(link.sent) < 5:
+            await asyncio.sleep(0)
+    seqs = [wire.unpack(f[0], f[1:])[5] for f in link.sent]
+    assert seqs == [0, 1, 0, 1, 2], seqs     # sent, sent again, then the new one
