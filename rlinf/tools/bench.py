@@ -328,7 +328,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"rlinf bench: {name} {status} in {results[name]['seconds']:.1f} s", file=sys.stderr, flush=True)
         if "error" in results[name]:
             print(results[name]["error"], file=sys.stderr)
-    command = "rlinf bench" + (" --quick" if args.quick else "") + (f" --only {','.join(wanted)}" if wanted else "")
+    flags = (" --markdown" + (" --full" if args.full else "") if args.markdown else
+             " --json" if args.json else "") + (" --quick" if args.quick and not args.markdown else "")
+    command = "rlinf bench" + flags + (f" --only {','.join(wanted)}" if wanted else "")
     if args.json:
         print(json.dumps({"machine": _machine(), "command": command, "results": results}, indent=2))
     elif args.markdown:
