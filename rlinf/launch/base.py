@@ -221,6 +221,8 @@ class WorkerGroup:
         self._call_ids = itertools.count(1)
         #: being started by ``Cluster.spawn``: its ranks (maybe none yet) are still to come
         self._launching = False
+        #: reaping after ``kill`` (held here: the loop keeps only weak references to tasks)
+        self._reaping: set[asyncio.Task] = set()
 
     def __repr__(self) -> str:
         alive = sum(p.alive for p in self._ranks)
@@ -354,21 +356,39 @@ class WorkerGroup:
         self._release_if_idle()
         return results
 
-    async def kill(self, rank: int | None = None) -> None:
+    def kill(self, rank: int | None = None) -> asyncio.Task[None]:
         """Kill (SIGKILL; a Ray actor: ``ray.kill``) one rank, or every rank when
         ``rank`` is None, and reap it.
 
         For fault handling and tests: the worker gets no chance to clean up; its peers
         see it as lost (``PeerLostError``), and the driver removes its ipc socket files
         and shared memory.
+
+        Acts when called, awaited or not: the signal is sent before ``kill`` returns
+        (forgetting ``await`` cannot leave the worker running). The returned task
+        completes once the killed ranks are reaped (bounded): ``await group.kill(1)``
+        waits for that; the task runs to completion on its own when not awaited.
+        Must be called from the driver's event loop.
         """
-        await self._kill(self._ranks if rank is None else self._select([rank]), deliberate=True)
+        ranks = self._ranks if rank is None else self._select([rank])
+        self._signal_kill(ranks, deliberate=True)
+        task = asyncio.get_running_loop().create_task(self._reaped(ranks), name=f"reap {self.name}")
+        self._reaping.add(task)
+        task.add_done_callback(self._reaping.discard)
+        return task
 
     async def _kill(self, ranks: list[RankHandle], *, deliberate: bool) -> None:
+        self._signal_kill(ranks, deliberate=deliberate)
+        await self._reaped(ranks)
+
+    @staticmethod
+    def _signal_kill(ranks: list[RankHandle], *, deliberate: bool) -> None:
         for p in ranks:
             if p.alive:
                 p.killed = p.killed or deliberate
                 p.kill()
+
+    async def _reaped(self, ranks: list[RankHandle]) -> None:
         await _wait_exited(ranks, REAP_TIMEOUT)
         self._release_if_idle()
 

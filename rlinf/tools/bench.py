@@ -9,7 +9,11 @@ others down. A baseline that is not installed shows as "skipped"; so does a whol
 script whose optional dependency is missing (an ``ImportError``) or that cannot run on
 this machine (it raises ``unittest.SkipTest("why")``, e.g. no CUDA device).
 
-    rlinf bench [--quick] [--only codec,p2p] [--markdown | --json]
+    rlinf bench [--quick] [--only codec,p2p] [--markdown [--full] | --json]
+
+``--markdown`` prints the table of current figures that opens ``docs/benchmarks.md``:
+each script in its quick mode (``--full`` for the full runs), one row per metric with
+the machine and the date of the run.
 """
 
 from __future__ import annotations
@@ -197,13 +201,18 @@ def run_module(name: str, path: Path, *, quick: bool, timeout: float | None,
         return result
 
 
-def _machine() -> str:
+def _machine_short() -> str:
+    """CPUs and memory: the machine column of the markdown table."""
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError):
         mem = 0.0
+    return f"{os.cpu_count()} CPUs, {mem:.0f} GiB"
+
+
+def _machine() -> str:
     torch = _dist_version("torch")
-    return (f"{os.cpu_count()} CPUs, {mem:.0f} GiB, Python {platform.python_version()}, torch {torch}, "
+    return (f"{_machine_short()}, Python {platform.python_version()}, torch {torch}, "
             f"{platform.system()} {platform.machine()}")
 
 
@@ -240,11 +249,14 @@ _HEADER = ["metric", "rlinf", "baseline", "baseline value", "ratio (>1: rlinf be
 
 
 def print_markdown(results: dict[str, dict], command: str) -> None:
+    """The table with two more columns, machine and date (each row is from this run)."""
+    header = [*_HEADER, "machine", "date"]
+    extra = [_machine_short(), time.strftime("%Y-%m-%d")]
     print(f"`{command}` on {_machine()}\n")
-    print("| " + " | ".join(_HEADER) + " |")
-    print("|" + "---|" * len(_HEADER))
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
     for row in _table_rows(results):
-        print("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
+        print("| " + " | ".join(cell.replace("|", "\\|") for cell in [*row, *extra]) + " |")
 
 
 def print_table(results: dict[str, dict], command: str) -> None:
@@ -278,8 +290,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder with the benchmark scripts (default: benchmarks/ of the checkout)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds allowed per benchmark")
     fmt_group = parser.add_mutually_exclusive_group()
-    fmt_group.add_argument("--markdown", action="store_true", help="print a Markdown table (for docs)")
+    fmt_group.add_argument("--markdown", action="store_true",
+                           help="print a Markdown table for docs/benchmarks.md, with machine and date "
+                                "(runs each script in quick mode unless --full)")
     fmt_group.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--full", action="store_true", help="with --markdown: the full runs, not quick mode")
     parser.add_argument("--verbose", action="store_true", help="show each benchmark's own output")
 
 
@@ -302,6 +317,8 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     selected = {n: found[n] for n in (wanted or found)}
+    if args.markdown and not args.full:
+        args.quick = True
     results: dict[str, dict] = {}
     for name, path in selected.items():
         print(f"rlinf bench: running {name}{' (quick)' if args.quick else ''} ...", file=sys.stderr, flush=True)
@@ -311,7 +328,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"rlinf bench: {name} {status} in {results[name]['seconds']:.1f} s", file=sys.stderr, flush=True)
         if "error" in results[name]:
             print(results[name]["error"], file=sys.stderr)
-    command = "rlinf bench" + (" --quick" if args.quick else "") + (f" --only {','.join(wanted)}" if wanted else "")
+    flags = (" --markdown" + (" --full" if args.full else "") if args.markdown else
+             " --json" if args.json else "") + (" --quick" if args.quick and not args.markdown else "")
+    command = "rlinf bench" + flags + (f" --only {','.join(wanted)}" if wanted else "")
     if args.json:
         print(json.dumps({"machine": _machine(), "command": command, "results": results}, indent=2))
     elif args.markdown:

@@ -275,6 +275,28 @@ def test_bench_runs_scripts_by_path_and_prints_one_table(tmp_path: Path):
     assert "_helper" not in table and "kaboom" in out.stderr
 
 
+def test_bench_markdown_is_the_docs_table(tmp_path: Path):
+    """``rlinf bench --markdown``: quick mode without asking (the fake asserts it), and
+    the machine and date of the run on every row (the table that opens benchmarks.md)."""
+    import subprocess
+    import time
+
+    from rlinf.tools import bench
+
+    (tmp_path / "fake.py").write_text(_FAKE_ROWS)
+    out = subprocess.run([sys.executable, "-m", "rlinf", "bench", "--dir", str(tmp_path), "--markdown"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("`rlinf bench --markdown` on ")
+    header = "| metric | rlinf | baseline | baseline value | ratio (>1: rlinf better) | target | machine | date |"
+    assert header in lines
+    suffix = f" | {bench._machine_short()} | {time.strftime('%Y-%m-%d')} |"
+    rows = [line for line in lines if line.startswith("| X")]
+    assert len(rows) == 3 and all(row.endswith(suffix) for row in rows), rows
+    assert rows[0] == "| X1 thing | 2.00 ms | raw | 4.00 ms | 2.00x | >= 1.5x ok" + suffix
+
+
 def test_bench_quick_subset():
     """The real runner on a real, fast benchmark (the balance simulation)."""
     import subprocess

@@ -245,6 +245,24 @@ async def test_spawn_call_join_round_trip(launcher, cluster):
         assert "alive=0" in repr(group)
 
 
+async def test_kill_acts_without_await(cluster, driver):
+    """``group.kill(rank)`` called as a plain function (the ``await`` forgotten) still
+    kills: the signal goes out at call time; the task it returns only reaps."""
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(idle, "forgot", 2)
+        pid = group.pids[0]
+        reaping = group.kill(0)                                # no await
+        assert isinstance(reaping, asyncio.Task)
+        # the worker idles forever: only a kill makes it exit, and join then reports it
+        with pytest.raises(rlinf.WorkerFailedError, match=r"forgot:0 .*killed by group.kill\(\)"):
+            await group.join(ranks=[0], timeout=20)
+        assert reaped(pid)
+        await reaping                                          # awaiting it later is fine too
+        assert reaping.result() is None
+        await group.kill(1)                                    # the usual spelling
+        assert "alive=0" in repr(group)
+
+
 async def test_kill_one_rank(launcher, cluster, driver):
     async with asyncio.timeout(60):
         group = await cluster.spawn(Counter, "k", 3, launcher=launcher)
