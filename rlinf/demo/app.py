@@ -332,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     missing = [m for m in ("torch", "gymnasium", "rich") if _missing(m)]
     if missing:
-        print(f"rlinf demo needs {', '.join(missing)}: pip install 'rlinf[demo,torch]'", file=sys.stderr)
+        print(f"rlinf demo needs {', '.join(missing)}: pip install 'aiorlinf[demo,torch]'", file=sys.stderr)
         return 2
     cfg = _config(args)
     display = Display(cfg["iterations"], args.plain)

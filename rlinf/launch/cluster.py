@@ -263,7 +263,7 @@ class Cluster:
                 (so ``CUDA_VISIBLE_DEVICES``, ``RLINF_NODE_ID``, ``OMP_NUM_THREADS`` work).
             ready_timeout: seconds for all of them to connect (and run ``setup()``).
             launcher: ``"local"`` (processes of this machine), ``"ray"`` (Ray actors,
-                placed by Ray: see ``docs/ray.md``; needs ``rlinf[ray]``), or a launcher
+                placed by Ray: see ``docs/ray.md``; needs ``aiorlinf[ray]``), or a launcher
                 object such as ``rlinf.ray.RayLauncher(...)``.
             resources, placement, max_restarts: for ``launcher="ray"`` only; see
                 :class:`rlinf.ray.RayLauncher`.

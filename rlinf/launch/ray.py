@@ -49,7 +49,7 @@ try:
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 except ImportError as exc:   # pragma: no cover - depends on the environment
-    raise ImportError("rlinf.ray needs Ray: pip install 'rlinf[ray]'") from exc
+    raise ImportError("rlinf.ray needs Ray: pip install 'aiorlinf[ray]'") from exc
 
 from ..errors import WorkerFailedError
 from ..control.cleanup import remove_leftovers

@@ -53,7 +53,7 @@ def test_channel_pipeline():
     assert "produced 60, consumed 60" in _example("channel_pipeline.py")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed (pip install 'rlinf[ray]')")
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed (pip install 'aiorlinf[ray]')")
 def test_ray_pipeline(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)              # a local Ray of its own
     out = _example("ray_pipeline.py", timeout=180)
