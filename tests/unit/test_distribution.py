@@ -23,9 +23,10 @@ def _site_with(tmp_path: pathlib.Path, name: str, version: str, summary: str) ->
 
 
 def _import_rlinf(extra_path: pathlib.Path) -> subprocess.CompletedProcess:
-    # the fake site comes after the source tree (our rlinf imports) and before the real
-    # site-packages (its metadata is found first), as an overwritten install would be
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(extra_path)])}
+    # the fake site holds metadata only (no package): first on the path, its metadata is
+    # found before any other (also a stale rlinf.egg-info of an old editable install in
+    # the source tree), while our rlinf still imports from the source tree
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(extra_path), str(ROOT)])}
     return subprocess.run([sys.executable, "-c", "import rlinf; print('imported', rlinf.__file__)"],
                           capture_output=True, text=True, timeout=60, env=env)
 
