@@ -28,7 +28,7 @@ def _import_rlinf(extra_path: pathlib.Path) -> subprocess.CompletedProcess:
     # the source tree), while our rlinf still imports from the source tree
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(extra_path), str(ROOT)])}
     return subprocess.run([sys.executable, "-c", "import rlinf; print('imported', rlinf.__file__)"],
-                          capture_output=True, text=True, timeout=60, env=env)
+                          capture_output=True, text=True, timeout=60, env=env, cwd=extra_path)   # '' too
 
 
 def test_pyproject_names_our_distribution_not_the_taken_one():
