@@ -53,9 +53,12 @@ class Membership:
         self._timers: set[asyncio.TimerHandle] = set()    # goodbyes still awaited
         # set by start()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._resume: Callable[[str, str], None] | None = None
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def start(self, loop: asyncio.AbstractEventLoop, resume: Callable[[str, str], None] | None = None) -> None:
+        """``resume(address, incarnation)``: a peer taken for lost is back (the receive
+        path delivers what it held from it)."""
+        self._loop, self._resume = loop, resume
 
     def on_peer_gone(self, hook: Callable[[str, str], None]) -> None:
         self._hooks.append(hook)
@@ -80,9 +83,11 @@ class Membership:
         if event.kind == "joined" and event.info is not None:
             old = self._roster.get(event.address)
             self._roster[event.address] = event.info
-            self._dead.discard((event.address, event.incarnation))
+            back = self._dead.pop((event.address, event.incarnation), False) is not False
             self._mailbox.peer_joined(event.address, event.incarnation)
             self._sessions.joined(event.address, old, event.info)
+            if back and self._resume is not None:
+                self._resume(event.address, event.incarnation)
         else:
             info = self._roster.get(event.address)
             if info is not None and event.incarnation and info.incarnation != event.incarnation:
@@ -117,7 +122,7 @@ class Membership:
         key = (address, incarnation)
         if key in self._dead or self._closed():
             return
-        self._dead.add(key, _peer.DEAD_KEPT)
+        self._dead.add(key, _peer.DEAD_KEPT, kind)     # "lost": what it still sends is held (it may come back)
         self._sessions.forget_inflow(f"{address}|{incarnation}".encode(), left=kind == "left")
         current = self._roster.get(address)
         if current is not None and current.incarnation != incarnation:

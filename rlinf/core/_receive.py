@@ -101,10 +101,20 @@ class ReceivePath:
             self._counters.dropped()
             log.warning("rlinf %s: dropped a bad frame set: %r", self._address, exc)
             return
-        if (src, incarnation) in self._dead:
-            self._counters.dropped()
-            return
         sessions = self._sessions
+        if (src, incarnation) in self._dead:
+            if entries and self._dead[(src, incarnation)] == "lost":
+                # taken for lost, maybe not gone: held, unacknowledged, until it is back
+                # (resume) or forgotten. A bulk link acknowledged this frame set already:
+                # its sender will not send it again.
+                held = sessions.inflows.get(peer) or sessions.new_inflow(peer, src, incarnation)
+                if epoch != held.epoch:
+                    held.adopt(epoch)     # (its receives raise already: it is taken for lost)
+                if seq >= held.expected:
+                    held.parked.setdefault(seq, (entries, frames, packed))
+            else:
+                self._counters.dropped()
+            return
         if ack_epoch:
             session = sessions.get(src)
             if session is not None and session.info is not None and session.info.incarnation == incarnation:
@@ -135,6 +145,23 @@ class ReceivePath:
                 sessions.gap_closed(inflow)
         if not inflow.owed or not packed:
             sessions.owe_ack(inflow, not packed)
+
+    def resume(self, address: str, incarnation: str) -> None:
+        """``address``'s ``incarnation``, taken for lost, is back: deliver what it sent
+        meanwhile (held in order) and acknowledge it."""
+        identity = f"{address}|{incarnation}".encode()
+        inflow = self._sessions.inflows.get(identity)
+        if inflow is None or not inflow.parked:
+            return
+        delivered = False
+        while (early := inflow.parked.pop(inflow.expected, None)) is not None:
+            self._deliver(address, incarnation, *early)
+            inflow.expected += len(early[0])
+            delivered = True
+        if inflow.parked:
+            self._sessions.gap(inflow)
+        if delivered:
+            self._sessions.owe_ack(inflow, True)
 
     def _restarted(self, src: str, incarnation: str) -> None:
         """``src`` numbers its messages anew though we had some of the old numbering:

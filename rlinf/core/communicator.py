@@ -224,7 +224,7 @@ class CoreCommunicator:
                                         self._gpu.open, self._gpu.refuse, self._pull)
             # the receiving parts are ready before any handler can hand them a frame set
             self._receive.start(self._loop, self._shm, self._pull, self._inbound)
-            self._membership.start(self._loop)
+            self._membership.start(self._loop, self._receive.resume)
             self._listener.set_handler(self._receive.on_frames)
             if routing.STREAM not in self._routing.disabled and StreamTransport.available():
                 transports += await self._start_stream(endpoints)
