@@ -482,6 +482,8 @@ class HandleBase:
                 self._fail_puts(lambda: ClosedError(f"channel {self.name!r} is closed"))
             elif kind == "rejected":
                 self._rejected += op[1]
+            elif kind == "forgotten":
+                self._forgotten(op[1])
             elif kind == "drained":
                 self._drained = True       # our puts were applied, or refused as the channel closed
                 self._puts_confirmed = self._puts_sent
@@ -492,6 +494,23 @@ class HandleBase:
                 self._gets.clear()
                 for key in list(self._buffer_waiters):
                     self._wake(key)
+
+    def _forgotten(self, processed: int) -> None:
+        """The server forgot this handle while it took its worker for lost (and gave
+        what it had sent here to other consumers): nothing it sends is applied any more.
+        Items received and not returned yet are dropped (they went to others); every
+        pending and later operation raises PeerLostError."""
+        if self._error is not None:
+            return
+        self._buffers.clear()
+        self._unacked.clear()
+        missing = self._puts_sent - processed if processed >= 0 else None
+        lost = (f"{missing} put(s) from this handle were not applied" if missing is not None
+                else "an unknown number of puts from this handle may not have been applied")
+        message = (f"channel {self.name!r} forgot this handle ({self._core.address}) while it took it for lost: "
+                   f"{lost}, and the items sent to it and not taken went to other consumers; "
+                   f"open a new handle")
+        self._fail(lambda: PeerLostError(message, peer=self._server))
 
     def _wake(self, key: Any) -> None:
         for waiter in self._buffer_waiters.pop(key, ()):

@@ -54,6 +54,7 @@ class Handle:
     def __init__(self, src: str, hid: int, incarnation: str, node_id: str, name: str, now: float) -> None:
         self.src, self.hid, self.incarnation, self.node_id, self.name = src, hid, incarnation, node_id, name
         self.dead = False
+        self.lost = False        # taken for lost: suspended until it is back or forgotten
         self.joined = now
         # producer side (maxsize > 0): space leased to it, and puts waiting for space
         self.leased = 0

@@ -48,6 +48,10 @@ _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,100}")
 _STOP_GRACE = 3.0
 #: Young-generation GC threshold in a channel process (Python's default is 700).
 _GC_THRESHOLD = 50_000
+#: How long the handles of a peer taken for lost (its process may live: another machine,
+#: or stalled) keep what was sent to them, waiting for it to come back, before they are
+#: forgotten and those items go to other consumers.
+LOST_HOLD = 30.0
 
 
 def reply_tag(hid: int) -> str:
@@ -102,6 +106,8 @@ class ChannelServer:
         self.done: asyncio.Event | None = None
         self._closing = False
         self._close_task: asyncio.Future | None = None
+        self._peers: dict[str, Any] = {}       # src -> its WorkerInfo (to judge its process)
+        self._held: dict[tuple[str, int], list] = {}   # answers to a suspended handle: [ops, large]
 
     def __repr__(self) -> str:
         return f"<ChannelServer {self.name} {self.core!r}>"
@@ -131,8 +137,12 @@ class ChannelServer:
                     continue
                 try:
                     if src == self.address:            # our own marker: a peer is gone
-                        core.gone(message[1], message[2])
+                        self._peer_gone(*message[1:])
                     else:
+                        if src not in self._peers:
+                            self._peers[src] = next((i for i in internal.roster() if i.address == src), None)
+                        if self._held:
+                            self._release_held(src, message[0])
                         core.handle_ops(src, message[0], decode_ops(message[1:]))
                 except (ProtocolError, ValueError, TypeError, KeyError, IndexError) as exc:
                     log.warning("channel %s: rejected a malformed request from %s: %r", self.name, src, exc)
@@ -147,10 +157,48 @@ class ChannelServer:
         # sent to ourselves is received after them, so its items are put back only once
         # its last "took"/"done" were applied.
         if self.core.has_source(address) and not self._closing:
+            info = self._peers.get(address)
+            dead = info is None or info.incarnation != incarnation or control.process_gone_here(info)
             try:
-                self.comm.internal.start_send(("gone", address, incarnation), self.address, REQUEST_TAG)
+                self.comm.internal.start_send(("gone", address, incarnation, dead), self.address, REQUEST_TAG)
             except RlinfError:
                 pass
+
+    def _peer_gone(self, address: str, incarnation: str, dead: bool) -> None:
+        """``address`` left or was lost. A process known gone: its handles are forgotten.
+        One that may live (on another machine, or stalled) and come back: its handles are
+        suspended (:meth:`ChannelCore.suspend`: what was sent to them stays theirs, it
+        may reach their application) for :data:`LOST_HOLD` seconds, then forgotten."""
+        self._peers.pop(address, None)
+        if dead:
+            self._forget(address, incarnation)
+            return
+        for h in self.core.suspend(address, incarnation):
+            self._loop.call_later(LOST_HOLD, self._expire, h)
+
+    def _forget(self, address: str, incarnation: str) -> None:
+        self.core.gone(address, incarnation)
+        for key in [k for k in self._held if k[0] == address]:
+            del self._held[key]
+
+    def _expire(self, h: Handle) -> None:
+        if h.lost and not h.dead:
+            log.warning("channel %s: %s was taken for lost %.0f s ago and is not back: its handle is forgotten, "
+                        "its items go to other consumers", self.name, h.src, LOST_HOLD)
+            self._held.pop((h.src, h.hid), None)
+            self.core.expire(h)
+
+    def _release_held(self, src: str, hid: int) -> None:
+        """A handle that was suspended is back: what could not be sent to it goes first."""
+        held = self._held.pop((src, hid), None)
+        if held is None:
+            return
+        out = self._out.setdefault((src, hid), [[], False])
+        out[0][:0] = held[0]
+        out[1] = out[1] or held[1]
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
 
     def _send(self, h: Handle, op: tuple) -> None:
         key = (h.src, h.hid)
@@ -176,8 +224,17 @@ class ChannelServer:
         for (src, hid), (ops, large) in out.items():
             try:
                 future = self.comm.internal.start_send(encode_ops(ops, large), src, reply_tag(hid))
-            except (PeerLostError, ClosedError):
-                continue            # its handles are (or will be) removed by _on_gone
+            except PeerLostError:
+                # taken for lost: kept in order for it in case it comes back (dropped
+                # once its handle is forgotten)
+                h = self.core.handles.get((src, hid))
+                if h is not None and not self._closing:
+                    held = self._held.setdefault((src, hid), [[], False])
+                    held[0].extend(ops)
+                    held[1] = held[1] or large
+                continue
+            except ClosedError:
+                continue
             if not future.done():
                 future.add_done_callback(retrieve)
 
