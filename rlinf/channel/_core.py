@@ -25,6 +25,7 @@ import time
 from typing import Any, Callable
 
 from ..util.bounded import Doubling, Recent
+from . import _lost
 from ._state import Handle, Item, Request, insert_by_id
 from .policies import ItemInfo, LoadBalancePolicy, make_policy, select_checked
 
@@ -35,9 +36,6 @@ log = logging.getLogger("rlinf.channel")
 _BUSY_WINDOW = 10.0
 _BUSY_BUCKET = 0.25
 _RATE_WINDOW = 5
-#: Handles forgotten while taken for lost that are remembered (to tell them, if they
-#: come back, that they were forgotten and how many of their puts were applied).
-_FORGOTTEN_KEPT = 4096
 
 
 class ChannelCore:
@@ -99,7 +97,7 @@ class ChannelCore:
         """
         h = self.handles.get((src, hid))
         if h is not None and h.lost:
-            self._resume(h)
+            _lost.resume(self, h)
         # Items put to the shared queue by this batch are handed out once it is applied:
         # a waiting consumer then gets them in one "items" op, not one op per item.
         self._deferred = deferred = set()
@@ -113,7 +111,7 @@ class ChannelCore:
                     i += 1
                     continue
                 if h is None:
-                    self._tell_forgotten(src, hid, kind)
+                    _lost.tell_forgotten(self, src, hid, kind)
                     return
                 if kind == "put":          # a run of puts (a producer's loop) is applied at once
                     j = i + 1
@@ -359,61 +357,6 @@ class ChannelCore:
                 self.remove(h, forgotten=True)
         self._grant()
 
-    def suspend(self, src: str, incarnation: str) -> list[Handle]:
-        """``src`` (that incarnation) was taken for lost but may come back: its handles
-        get nothing new, and what was assigned to them and not sent goes back; what was
-        sent to them (it may reach them, and their application, once they are back) and
-        what they work on stays theirs until they are back (their next op) or forgotten
-        (:meth:`expire`). Returns the handles suspended."""
-        suspended = []
-        for (s, _), h in list(self.handles.items()):
-            if s != src or h.lost or (incarnation and h.incarnation != incarnation):
-                continue
-            h.lost = True
-            suspended.append(h)
-            back: list[Item] = []
-            for queue in h.assigned.values():
-                for item in queue:
-                    self._dequeue_count(item)
-                    h.add_pending(-1, -item.weight)
-                back.extend(queue)
-            h.assigned.clear()
-            for key in h.keys:
-                members = self.consumers.get(key)
-                if members is not None and h in members:
-                    members.remove(h)
-            back.sort(key=lambda it: it.id)
-            self._requeue(back)
-        return suspended
-
-    def _resume(self, h: Handle) -> None:
-        """``h``, suspended, is back: it competes for items again."""
-        h.lost = False
-        for key in h.keys:
-            members = self.consumers.setdefault(key, [])
-            if h not in members:
-                members.append(h)
-        for key in list(h.keys):
-            if h.wants(key):
-                self._serve(h, key)
-
-    def expire(self, h: Handle) -> None:
-        """``h`` stayed suspended too long: forget it (its items go back)."""
-        if h.lost and not h.dead:
-            self.remove(h, forgotten=True)
-            self._grant()
-
-    def _tell_forgotten(self, src: str, hid: int, kind: str) -> None:
-        """Ops came from a handle this channel does not know: it was forgotten while
-        taken for lost (or never said hello). Tell it, so that it fails instead of
-        waiting for answers that never come; nothing of what it sent is applied."""
-        h = self.forgotten.get((src, hid))
-        if h is None:
-            log.warning("channel %s: op %r from %s for unknown channel handle %d", self.name, kind, src, hid)
-            h = Handle(src, hid, "", "", "", 0.0)
-            h.puts = -1     # unknown
-        self.send(h, ("forgotten", h.puts + h.rejected if h.puts >= 0 else -1))
-
     def remove(self, h: Handle, forgotten: bool = False) -> None:
         """Forget a handle; put back every item it had not finished (see module docs).
         ``forgotten``: it did not say goodbye (it may still send: it is told then)."""
@@ -421,7 +364,7 @@ class ChannelCore:
             return
         h.dead = True
         if forgotten:
-            self.forgotten.add((h.src, h.hid), _FORGOTTEN_KEPT, h)
+            self.forgotten.add((h.src, h.hid), _lost.FORGOTTEN_KEPT, h)
         self.handles.pop((h.src, h.hid), None)
         self.leased_total -= h.leased
         h.leased = 0

@@ -33,6 +33,7 @@ from ..info import socket_dirs
 from ..util.futures import retrieve
 from ..util.pipe import MessagePipe
 from ..core.routing import CUDA_IPC
+from . import _lost
 from ._core import ChannelCore
 from ._state import Handle
 from ._wire import decode_ops, encode_ops
@@ -173,7 +174,7 @@ class ChannelServer:
         if dead:
             self._forget(address, incarnation)
             return
-        for h in self.core.suspend(address, incarnation):
+        for h in _lost.suspend(self.core, address, incarnation):
             self._loop.call_later(LOST_HOLD, self._expire, h)
 
     def _forget(self, address: str, incarnation: str) -> None:
@@ -186,7 +187,7 @@ class ChannelServer:
             log.warning("channel %s: %s was taken for lost %.0f s ago and is not back: its handle is forgotten, "
                         "its items go to other consumers", self.name, h.src, LOST_HOLD)
             self._held.pop((h.src, h.hid), None)
-            self.core.expire(h)
+            _lost.expire(self.core, h)
 
     def _release_held(self, src: str, hid: int) -> None:
         """A handle that was suspended is back: what could not be sent to it goes first."""
