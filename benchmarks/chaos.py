@@ -254,6 +254,8 @@ async def worker(comm, ctl, index: int, inc: int, epoch: int):
                 ctl.emit("end", src=peer, src_inc=obj["inc"], last=obj["end"])
                 if final and all(final[p] in ends[p] for p in peers):
                     ended.set()
+                if final.get(peer) == obj["inc"]:
+                    return                            # its final incarnation is done
                 continue
             ok = obj["data"] is None or intact(obj["seq"], obj["data"], obj["n"])
             ctl.emit("r", src=peer, src_inc=obj["inc"], seq=obj["seq"], ok=ok)
