@@ -762,8 +762,8 @@ def format_report(report: Report, seconds: float) -> str:
 
 
 def dump(soak: Soak, path: str) -> None:
-    """Every event and fault as JSON lines (times relative to the first fault), for
-    reading a failure: ``{"w": "w:3", "inc": 0, "kind": ..., "t": ...}``."""
+    """Every fault, event and process log (its last lines) as JSON lines, times relative
+    to the first fault, for reading a failure: ``{"w": "w:3", "inc": 0, "kind": ..., "t": ...}``."""
     import json
 
     with open(path, "w") as f:
@@ -771,6 +771,7 @@ def dump(soak: Soak, path: str) -> None:
             f.write(json.dumps({"fault": fault.kind, "target": fault.target, "t": round(fault.start - soak.t0, 3),
                                 "end": round(fault.end - soak.t0, 3), "detail": fault.detail}) + "\n")
         for r in soak.all_incs():
+            f.write(json.dumps({"w": r.addr, "inc": r.inc, "log": list(r.proc.log)}) + "\n")
             for e in r.events:
                 f.write(json.dumps({"w": r.addr, "inc": r.inc, "t": round(e["now"] - soak.t0, 3),
                                     **{k: v for k, v in e.items() if k != "now"}}) + "\n")
