@@ -198,7 +198,7 @@ class _Collectives:
                 pass          # what it had sent is the old epoch's; its calls were cancelled
 
 
-async def worker(comm, ctl, index: int, inc: int, epoch: int):
+async def worker(comm, ctl, index: int, inc: int, epoch: int, finish_timeout: float = FINISH_TIMEOUT):
     """One chaos worker (run by ``tests/multinode/agent.py`` as ``benchmarks.chaos:worker``):
     the traffic of the module docstring, every operation reported as an event, until
     the ``finish`` command; ``epoch`` commands move the collectives to a new epoch."""
@@ -298,20 +298,20 @@ async def worker(comm, ctl, index: int, inc: int, epoch: int):
         final.update(cmd["incs"])
         await coll.close()
         stopping.set()
-        await asyncio.wait([*senders, making], timeout=FINISH_TIMEOUT)
+        await asyncio.wait([*senders, making], timeout=finish_timeout)
         try:
-            await ch.flush(timeout=FINISH_TIMEOUT)
+            await ch.flush(timeout=finish_timeout)
             ctl.emit("flushed", err=None)
         except rlinf.RlinfError as exc:
             ctl.emit("flushed", err=f"{type(exc).__name__}: {exc}")
         if all(final[p] in ends[p] for p in peers):
             ended.set()
         try:
-            await asyncio.wait_for(ended.wait(), FINISH_TIMEOUT)
+            await asyncio.wait_for(ended.wait(), finish_timeout)
         except TimeoutError:
             pass
         ctl.emit("ends", missing=[p for p in peers if final[p] not in ends[p]])
-        await asyncio.wait([taking], timeout=FINISH_TIMEOUT)
+        await asyncio.wait([taking], timeout=finish_timeout)
         ctl.emit("drained", done=taking.done())
     finally:
         for t in [*senders, *receivers, making, taking]:
@@ -369,9 +369,11 @@ class Fault:
 class Soak:
     """The run: processes, the injector, the finish; ``check()`` judges afterwards."""
 
-    def __init__(self, nodes: netns.Nodes, seed: int, log=print, kinds: tuple[str, ...] = KINDS) -> None:
+    def __init__(self, nodes: netns.Nodes, seed: int, log=print, kinds: tuple[str, ...] = KINDS,
+                 finish_timeout: float = FINISH_TIMEOUT) -> None:
         self.nodes = nodes
         self.kinds = kinds
+        self.finish_timeout = finish_timeout
         self.rng = random.Random(seed)
         self.log = log
         self.t0 = time.monotonic()
@@ -401,7 +403,7 @@ class Soak:
     def start(self, k: int) -> Incarnation:
         inc = len(self.incs[k])
         proc = self.nodes.agent(node_of(k), "benchmarks.chaos:worker", address(k), index=k, inc=inc,
-                                epoch=self.epoch)
+                                epoch=self.epoch, finish_timeout=self.finish_timeout)
         run = Incarnation(k, inc, proc)
         self.incs[k].append(run)
         return run
@@ -507,9 +509,9 @@ class Soak:
         incs = {r.addr: r.inc for r in runs}
         for r in runs:
             r.proc.tell("finish", incs=incs)
-        self.wait_for(runs, "flushed", timeout=FINISH_TIMEOUT + 60)
+        self.wait_for(runs, "flushed", timeout=self.finish_timeout + 60)
         self.owner.tell("close")
-        self.wait_for(runs, "drained", timeout=2 * FINISH_TIMEOUT + 60)
+        self.wait_for(runs, "drained", timeout=2 * self.finish_timeout + 60)
         for r in runs:
             r.proc.wait(timeout=60)       # it closes its communicator ("closed", or an error)
         self.owner.tell("exit")
@@ -770,6 +772,8 @@ def dump(soak: Soak, path: str) -> None:
         for fault in soak.faults:
             f.write(json.dumps({"fault": fault.kind, "target": fault.target, "t": round(fault.start - soak.t0, 3),
                                 "end": round(fault.end - soak.t0, 3), "detail": fault.detail}) + "\n")
+        if soak.owner is not None:
+            f.write(json.dumps({"w": "owner:0", "log": list(soak.owner.log)}) + "\n")
         for r in soak.all_incs():
             f.write(json.dumps({"w": r.addr, "inc": r.inc, "log": list(r.proc.log)}) + "\n")
             for e in r.events:
@@ -778,10 +782,12 @@ def dump(soak: Soak, path: str) -> None:
 
 
 def soak(nodes: netns.Nodes, seconds: float, seed: int, log=print, events: str | None = None,
-         kinds: tuple[str, ...] = KINDS) -> Report:
+         kinds: tuple[str, ...] = KINDS, finish_timeout: float = FINISH_TIMEOUT) -> Report:
     """The whole soak on ``nodes`` (3 emulated nodes, fresh): its report; ``events``: a
-    file to write every event to (see :func:`dump`); ``kinds``: the faults to inject."""
-    run = Soak(nodes, seed, log, kinds)
+    file to write every event to (see :func:`dump`); ``kinds``: the faults to inject;
+    ``finish_timeout``: how long each step of the end (sending the end markers,
+    flushing, draining) may take before it counts as failed."""
+    run = Soak(nodes, seed, log, kinds, finish_timeout)
     run.begin()
     log(f"faults for {seconds:.0f} s (seed {seed}):")
     try:

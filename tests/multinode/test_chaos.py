@@ -23,7 +23,7 @@ SECONDS = 55
     "that was declared lost is given to another consumer as well"))
 def test_a_minute_of_chaos_loses_nothing_silently(nodes):
     lines = []
-    report = chaos.soak(nodes(3), SECONDS, SEED, log=lines.append)
+    report = chaos.soak(nodes(3), SECONDS, SEED, log=lines.append, finish_timeout=30)
     text = chaos.format_report(report, SECONDS)
     print("\n".join(lines) + "\n" + text)
     totals = report.totals
