@@ -210,8 +210,11 @@ async def worker(comm, ctl, index: int, inc: int, epoch: int, finish_timeout: fl
     ended = asyncio.Event()
     final: dict[str, int] = {}
 
-    async with asyncio.timeout(60):
+    try:
         ch = await comm.channel(CHANNEL, timeout=60)
+    except rlinf.RlinfError as exc:                   # the channel process is gone: no channel traffic
+        ctl.emit("nochannel", err=f"{type(exc).__name__}: {exc}")
+        ch = None
     coll = _Collectives(ctl, index)
     await coll.switch(epoch)
 
@@ -261,6 +264,8 @@ async def worker(comm, ctl, index: int, inc: int, epoch: int, finish_timeout: fl
             ctl.emit("r", src=peer, src_inc=obj["inc"], seq=obj["seq"], ok=ok)
 
     async def producer() -> None:
+        if ch is None:
+            return
         i = 0
         while not stopping.is_set():
             try:
@@ -272,6 +277,8 @@ async def worker(comm, ctl, index: int, inc: int, epoch: int, finish_timeout: fl
             await pause(PUT_PERIOD)
 
     async def consumer() -> None:
+        if ch is None:
+            return
         while True:
             try:
                 item = await ch.get(timeout=120, ack=True)
@@ -300,8 +307,9 @@ async def worker(comm, ctl, index: int, inc: int, epoch: int, finish_timeout: fl
         stopping.set()
         await asyncio.wait([*senders, making], timeout=finish_timeout)
         try:
-            await ch.flush(timeout=finish_timeout)
-            ctl.emit("flushed", err=None)
+            if ch is not None:
+                await ch.flush(timeout=finish_timeout)
+            ctl.emit("flushed", err=None if ch is not None else "no channel")
         except rlinf.RlinfError as exc:
             ctl.emit("flushed", err=f"{type(exc).__name__}: {exc}")
         if all(final[p] in ends[p] for p in peers):
@@ -381,7 +389,8 @@ class Soak:
         self.incs: list[list[Incarnation]] = [[] for _ in range(WORKERS)]
         self.faults: list[Fault] = []
         self.owner: netns.NodeProcess | None = None
-        self.running = True             # a worker that fails while faults run ends the soak
+        self.running = True             # while faults run, a worker that fails is started again
+        self.failures: list[str] = []
 
     # -- processes --------------------------------------------------------------------------
     def current(self, k: int) -> Incarnation:
@@ -393,8 +402,23 @@ class Soak:
     def drain(self) -> None:
         for i in self.all_incs():
             i.drain()
-            if self.running and (why := i.crashed()) is not None and i.killed is None:
-                raise RuntimeError(f"{i.addr} (incarnation {i.inc}) failed:\n{why}\n{i.proc.describe()}")
+            if self.running and i.killed is None and (i.crashed() is not None or i.proc.returncode is not None):
+                # a worker that fails while faults run is a finding: noted, and started again
+                i.killed = time.monotonic()
+                self.failures.append(f"{i.addr}#{i.inc} failed at {i.killed - self.t0:.1f} s: "
+                                     f"{(i.crashed() or f'exit {i.proc.returncode}').rstrip()[-700:]}")
+                self.log(f"  {i.killed - self.t0:7.1f} s  {i.addr}#{i.inc} FAILED (started again)")
+
+    def revive(self) -> None:
+        """Start again every worker whose current incarnation failed (not by a fault)."""
+        dead = [k for k in range(WORKERS) if self.current(k).killed is not None]
+        if dead:
+            self.epoch += 1
+            fresh = [self.start(k) for k in dead]
+            for j in range(WORKERS):
+                if j not in dead:
+                    self.current(j).proc.tell("epoch", epoch=self.epoch)
+            self.wait_for(fresh, "ready", timeout=120, strict=False)
 
     def drain_quietly(self) -> None:
         self.running = False
@@ -408,12 +432,17 @@ class Soak:
         self.incs[k].append(run)
         return run
 
-    def wait_for(self, runs: list[Incarnation], kind: str, timeout: float) -> None:
+    def wait_for(self, runs: list[Incarnation], kind: str, timeout: float, strict: bool = True) -> None:
+        """Until each of ``runs`` reported ``kind``; raises if one ends first or after
+        ``timeout`` s (not ``strict``: returns then; the failure is recorded by drain)."""
         deadline = time.monotonic() + timeout
         while True:
             self.drain()
-            waiting = [r for r in runs if not r.has(kind)]
+            waiting = [r for r in runs if not r.has(kind) and not (not strict and r.killed is not None)]
             if not waiting:
+                return
+            if not strict and time.monotonic() > deadline:
+                self.log(f"  no {kind!r} from {[r.addr for r in waiting]} in {timeout} s")
                 return
             for r in waiting:
                 if r.proc.returncode is not None:
@@ -461,7 +490,7 @@ class Soak:
                     if j != k:
                         self.current(j).proc.tell("epoch", epoch=self.epoch)
                 fault.end = now()
-                self.wait_for([fresh], "ready", timeout=120)
+                self.wait_for([fresh], "ready", timeout=120, strict=False)
             else:
                 seconds = rng.uniform(1, 6)
                 fault.detail = f"{seconds:.1f} s"
@@ -500,6 +529,7 @@ class Soak:
                     break
                 self.inject(kind)
                 self.sleep(self.rng.uniform(1, 4))
+                self.revive()
         self.t_end = time.monotonic()
 
     # -- the end --------------------------------------------------------------------------------
@@ -677,6 +707,13 @@ def check(soak: Soak) -> Report:
                             f"{[f'{r.addr}#{r.inc} at {t - soak.t0:.2f} s (acked {a})' for r, t, a in got]}")
 
     # -- the end, and crashes -------------------------------------------------------------------
+    for failure in soak.failures:
+        counts["crashed workers"] += 1
+        problems.append(f"crashed while faults ran: {failure}")
+    for r in runs:
+        if any(e["kind"] == "nochannel" for e in r.events):
+            problems.append(f"{r.addr}#{r.inc} could not open the channel: "
+                            f"{next(e['err'] for e in r.events if e['kind'] == 'nochannel')}")
     for r in runs:
         for e in r.events:
             if e["kind"] == "ends" and e["missing"]:
