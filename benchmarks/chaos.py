@@ -41,7 +41,9 @@ rounds of four, so each kind occurs equally often:
 * ``link_down``: node 1 or 2 loses its link for 1-10 s (node 0 holds the manager).
 * ``rate_limit``: node 1 or 2's link is limited to 20-100 Mbit/s for 5-15 s.
 
-At the end every fault is healed, every worker sends an end marker to each peer after
+A worker that fails by itself (an exception, an exit) while faults run is a finding: it
+is recorded (``crashed workers``) and started again like a killed one, so the soak goes
+on. At the end every fault is healed, every worker sends an end marker to each peer after
 its last message and waits for the markers of every peer's final incarnation (so what
 was in flight is drained), producers flush, the channel is closed and drained.
 
@@ -462,9 +464,10 @@ class Soak:
             self.drain()
             time.sleep(min(left, 0.25))
 
-    def begin(self) -> None:
+    def begin(self, seconds: float) -> None:
         self.nodes.start_manager(0)
-        self.owner = self.nodes.agent(0, "channel_owner", "owner:0", name=CHANNEL)
+        self.owner = self.nodes.agent(0, "channel_owner", "owner:0", name=CHANNEL,
+                                      serve_for=seconds + 10 * self.finish_timeout + 600)
         self.owner.expect("created", timeout=120)
         runs = [self.start(k) for k in range(WORKERS)]
         self.wait_for(runs, "ready", timeout=180)
@@ -545,7 +548,10 @@ class Soak:
         for r in runs:
             r.proc.wait(timeout=60)       # it closes its communicator ("closed", or an error)
         self.owner.tell("exit")
-        self.owner.expect("closed", timeout=60)
+        try:
+            self.owner.expect("closed", timeout=60)
+        except AssertionError as exc:      # it failed (its error is the channel's, a finding)
+            self.failures.append(f"the channel's owner failed: {str(exc)[-700:]}")
         self.drain()
 
 
@@ -825,7 +831,7 @@ def soak(nodes: netns.Nodes, seconds: float, seed: int, log=print, events: str |
     ``finish_timeout``: how long each step of the end (sending the end markers,
     flushing, draining) may take before it counts as failed."""
     run = Soak(nodes, seed, log, kinds, finish_timeout)
-    run.begin()
+    run.begin(seconds)
     log(f"faults for {seconds:.0f} s (seed {seed}):")
     try:
         run.run_faults(seconds)
