@@ -87,9 +87,10 @@ Channel, an item is (producer incarnation, number):
    Channel order across consumers is a policy matter and is not checked.
 
 Fault to error: for each kill, stall and link fault, the time from its start to the
-first ``PeerLostError`` that a worker not hit by it saw on an operation with a worker
-hit by it (or on a collective call), within the fault and 5 s after; faults that
-caused none (short stalls and outages) are counted apart.
+first ``PeerLostError`` that a worker not hit by it saw on a send to or a receive from a
+worker hit by it, within the fault and 5 s after (a collective's error names no member,
+so it is not used); faults that caused none (short stalls and outages) are counted
+apart.
 """
 
 from __future__ import annotations
@@ -752,7 +753,7 @@ def check(soak: Soak) -> Report:
             for e in r.events:
                 if e.get("err") != LOST or not f.start <= e["now"] <= f.end + 5:
                     continue
-                if e["kind"] == "c" or e["kind"] == "s" and e["dst"] in hit or e["kind"] == "re" and e["src"] in hit:
+                if e["kind"] == "s" and e["dst"] in hit or e["kind"] == "re" and e["src"] in hit:
                     first = e["now"] if first is None else min(first, e["now"])
         if first is None:
             counts["faults that caused no error"] += 1
