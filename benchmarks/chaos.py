@@ -2,14 +2,18 @@
 seeded injector kills, stalls, disconnects and throttles them; a ledger judges every
 message, collective call and channel item.
 
-    python benchmarks/chaos.py [--minutes 10] [--seed 1]
+    python benchmarks/chaos.py [--minutes 10] [--seed 1] [--kinds kill,stall,...] [--events FILE]
+    python benchmarks/chaos.py --check FILE      # judge a run's events (--events) again
 
 Needs root (network namespaces; see ``tests/multinode/netns.py``). Exits 1 on any
-silent loss, duplicate, reordering, corrupt or wrong result, or crashed worker; 2 when
-emulated nodes cannot be built here.
+silent loss, duplicate, reordering, corrupt or wrong result, crashed worker, or end
+that did not complete (an end marker or the channel's end missing); 2 when emulated
+nodes cannot be built here. A failure's reproducer is its seed and ``--kinds`` (the
+faults follow from the seed alone); ``--events`` keeps every event, fault and process
+log for reading it.
 
 **Cluster.** 3 emulated nodes; a standalone manager and the channel's owner (and with
-it the channel process) on node 0, never faulted; 6 workers ``w:0`` .. ``w:5``, two per
+it the channel process) on node 0, whose link and these processes are never faulted; 6 workers ``w:0`` .. ``w:5``, two per
 node (``w:2i`` and ``w:2i+1`` on node ``i``), so every worker has a same-node peer
 (shared memory) and four cross-node peers (TCP).
 
