@@ -1,7 +1,8 @@
 """Run one agent of ``agents.py`` as an rlinf worker inside an emulated node.
 
 ``python -m tests.multinode.agent FUNCTION KWARGS_JSON``, with ``RLINF_ADDRESS``,
-``RLINF_MANAGER`` and ``RLINF_TOKEN`` set (``Nodes.agent`` does it). The worker joins as
+``RLINF_MANAGER`` and ``RLINF_TOKEN`` set (``Nodes.agent`` does it); a FUNCTION written
+``module:name`` is ``name`` of that module instead (``benchmarks.chaos:worker``). The worker joins as
 any user's process would, ``rlinf.connect()`` from the environment, then runs
 ``await agents.FUNCTION(comm, ctl, **kwargs)``. It talks to the test through ``ctl``:
 events out on stdout (``@@ {json}`` lines), commands in on stdin (JSON lines).
@@ -12,6 +13,7 @@ an ``error`` event with its traceback, and the process exits with status 1.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import os
 import socket
@@ -71,7 +73,8 @@ class Control:
 async def _main(function: str, kwargs: dict) -> None:
     ctl = Control()
     await ctl.start()
-    target = getattr(agents, function)
+    module, _, name = function.rpartition(":")
+    target = getattr(importlib.import_module(module) if module else agents, name)
     try:
         async with asyncio.timeout(60):
             comm = await rlinf.connect().start()

@@ -106,12 +106,12 @@ async def collective(comm, ctl, members: list[str], root: str, nbytes: int):
     return {"checks": checks}
 
 
-async def channel_owner(comm, ctl, name: str):
+async def channel_owner(comm, ctl, name: str, serve_for: float = 120.0):
     """Create channel ``name`` (served from a new process on this node, which lives as
-    long as we do); close it when told; exit when told."""
+    long as we do); close it when told (within ``serve_for`` seconds); exit when told."""
     ch = await comm.create_channel(name, timeout=60)
     ctl.emit("created")
-    await ctl.command("close")
+    await ctl.command("close", timeout=serve_for)
     await ch.close(timeout=30)
     await ctl.command("exit")
     return {}
