@@ -896,9 +896,9 @@ def main(argv: list[str] | None = None) -> int:
     if not kinds or set(kinds) - set(KINDS):
         parser.error(f"--kinds takes some of {','.join(KINDS)}")
     if args.check:
-        soak = load(args.check)
-        report = check(soak)
-        print(format_report(report, max((f.end for f in soak.faults), default=0.0)))
+        loaded = load(args.check)
+        report = check(loaded)
+        print(format_report(report, max((f.end for f in loaded.faults), default=0.0)))
         return 1 if report.failed else 0
     reason = netns.probe()
     if reason is not None:

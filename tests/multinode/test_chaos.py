@@ -17,12 +17,6 @@ SECONDS = 55
 
 
 @pytest.mark.timeout(600)        # ~55 s of faults, plus starting 9 processes and ending on 2 loaded cores
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 23, found by the soak: (1) a channel handle whose worker was declared lost and came back "
-    "is forgotten by the channel server: its later puts vanish, its gets and flush hang; (2) an item "
-    "on its way to such a consumer is given to another consumer as well; (3) after a link outage, a "
-    "large message whose send spanned it returns without error but never arrives, and that pair "
-    "delivers nothing more"))
 def test_a_minute_of_chaos_loses_nothing_silently(nodes):
     lines = []
     report = chaos.soak(nodes(3), SECONDS, SEED, log=lines.append, finish_timeout=30)
