@@ -61,8 +61,11 @@ def packed_epoch(epoch: int) -> bytes:
 class Kept:
     """One frame set sent and not yet acknowledged: messages ``seq`` to ``end - 1``.
 
-    ``entries`` and ``body`` are its entries and its header without the delivery fields
-    (packed from them), ``payload`` its payload frames
+    ``body`` is its header without the delivery fields; ``entries`` the entries it was
+    packed from, kept only when some cannot be sent again after a failure (large
+    messages, buffers in slots: see ``Outbox.fail``), else None (a sender far ahead of
+    the acknowledgements would otherwise keep a Python list per message alive, and the
+    garbage collector walks them all); ``payload`` its payload frames
     (None once a bulk stream delivered it: it is never sent again), ``msg`` the large
     message it carries, whose send completes once it is acknowledged and released.
     """
@@ -97,8 +100,9 @@ class SendLog:
     def __repr__(self) -> str:
         return f"<SendLog {self.epoch:08x} next={self.next} acked={self.acked} kept={len(self.kept)}>"
 
-    def keep(self, seq: int, entries: list, body: bytes, payload: list | None, msg: Any = None) -> Kept:
-        kept = Kept(seq, seq + len(entries), entries, body, payload, msg)
+    def keep(self, seq: int, count: int, entries: list | None, body: bytes, payload: list | None,
+             msg: Any = None) -> Kept:
+        kept = Kept(seq, seq + count, entries, body, payload, msg)
         self.next = kept.end
         self.kept.append(kept)
         return kept

@@ -311,7 +311,8 @@ class Outbox:
         if sent:
             if inflow is not None:
                 inflow.owed = False
-            log.keep(seq, entries, body, payload, msg)
+            special = msg is not None or any(len(e) > 4 for e in entries)
+            log.keep(seq, len(entries), entries if special else None, body, payload, msg)
             if msg is not None:
                 msg.pending += 1
         return sent, tracker
@@ -426,7 +427,7 @@ class Outbox:
             log_, inflow, header = self.log, self.inflow, self._header
             body = header.body([msg.entry])
             seq = log_.next
-            kept = log_.keep(seq, [msg.entry], body, None)    # never sent again as it is
+            kept = log_.keep(seq, 1, [msg.entry], body, None)    # never sent again as it is
             ack_epoch, ack = (inflow.packed, inflow.expected) if inflow is not None else (b"\x00", 0)
             await self._bulk_link.send(header.seal(body, log_.packed, seq, ack_epoch, ack), msg.frames)
         except (ClosedError, PeerLostError) as exc:
@@ -604,7 +605,7 @@ class Outbox:
             if msg.discard is not None:
                 msg.discard()
         for kept in self.log.kept:
-            if kept.msg is not None or kept.payload is None or any(len(e) > 4 for e in kept.entries):
+            if kept.msg is not None or kept.payload is None or kept.entries is not None:
                 self._void(kept, exc)
         self.log.resend_from = None
         if self.link is not None:

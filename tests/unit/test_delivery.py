@@ -20,9 +20,9 @@ def _small(i: int) -> OutMessage:
 
 def test_a_log_numbers_frame_sets_and_forgets_what_is_acknowledged():
     log = delivery.SendLog()
-    log.keep(0, [1, 2, 3], b"a", [])
-    log.keep(3, [4], b"b", [])
-    log.keep(4, [5, 6], b"c", [])
+    log.keep(0, 3, None, b"a", [])
+    log.keep(3, 1, None, b"b", [])
+    log.keep(4, 2, None, b"c", [])
     assert log.next == 6
     assert log.ack(2) == []                       # a frame set goes only when all of it arrived
     assert [k.seq for k in log.ack(4)] == [0, 3]
@@ -33,7 +33,7 @@ def test_a_log_numbers_frame_sets_and_forgets_what_is_acknowledged():
 def test_the_resend_timer_waits_for_silence_and_backs_off():
     log = delivery.SendLog()
     assert not log.due()                          # nothing kept: never due
-    log.keep(0, [1], b"", [])
+    log.keep(0, 1, None, b"", [])
     ticks = 0
     while not log.due():
         ticks += 1
@@ -42,7 +42,7 @@ def test_the_resend_timer_waits_for_silence_and_backs_off():
     while not log.due():
         again += 1
     assert again > ticks                          # doubled
-    log.keep(1, [2], b"", [])
+    log.keep(1, 1, None, b"", [])
     log.ack(1)                                    # progress: back to the first timeout
     for _ in range(int(delivery.RTO / delivery.TICK) - 1):
         assert not log.due()
@@ -90,8 +90,9 @@ async def test_a_failed_outbox_voids_what_it_cannot_send_again():
     box.flush()
     box.fail(ConnectionError("gone"))
     assert future.done() and isinstance(future.exception(), ConnectionError)
-    kinds = [(e[wire.KIND], e[wire.TAG]) for k in box.log.kept for e in k.entries]
-    assert kinds == [(wire.SYSTEM, wire.VOID), (wire.USER, 0)]          # the small copy stays
+    void, small = box.log.kept
+    assert [(e[wire.KIND], e[wire.TAG]) for e in void.entries] == [(wire.SYSTEM, wire.VOID)] and void.payload == []
+    assert small.entries is None and small.payload == [b"\x01"]       # the small copy stays, as it was
     assert msgpack.unpackb(box.log.kept[0].entries[0][wire.CODEC_HEADER]) == [wire.USER, 5]
 
 
