@@ -6,11 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 
 import pytest
 
 import rlinf
 from rlinf.control.devices import NODE_TOKEN
+
+
+def pytest_configure(config):
+    """A suite started in the background by a non-interactive shell (``make test &``,
+    ``nohup``) inherits SIGINT ignored (POSIX), and so do the processes it starts: the
+    tests that press Ctrl-C, on themselves or on a child (``rlinf manager``), would
+    fail for that alone. Give the suite Python's default Ctrl-C, as from a terminal."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 _NODE_TOKEN = NODE_TOKEN.format(uid=os.getuid())    # kept for the life of /dev/shm, by design
 
