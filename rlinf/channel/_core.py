@@ -357,6 +357,22 @@ class ChannelCore:
                 self.remove(h, forgotten=True)
         self._grant()
 
+    def unassign(self, h: Handle, *, pending: bool = False) -> list[Item]:
+        """Take back what ``h`` was assigned and not sent (``pending``: a handle that stays)."""
+        back: list[Item] = [item for queue in h.assigned.values() for item in queue]
+        for item in back:
+            self._dequeue_count(item)
+            if pending:
+                h.add_pending(-1, -item.weight)
+        h.assigned.clear()
+        return back
+
+    def leave_keys(self, h: Handle) -> None:
+        for key in h.keys:      # h no longer consumes its keys
+            members = self.consumers.get(key)
+            if members is not None and h in members:
+                members.remove(h)
+
     def remove(self, h: Handle, forgotten: bool = False) -> None:
         """Forget a handle; put back every item it had not finished (see module docs).
         ``forgotten``: it did not say goodbye (it may still send: it is told then)."""
@@ -372,12 +388,7 @@ class ChannelCore:
             self.want_queue.remove(h)
         except ValueError:
             pass
-        back: list[Item] = []
-        for key, queue in h.assigned.items():
-            for item in queue:
-                self._dequeue_count(item)
-            back.extend(queue)
-        h.assigned.clear()
+        back = self.unassign(h)
         back.extend(h.inflight.values())
         h.inflight.clear()
         for item in h.working.values():
@@ -385,10 +396,7 @@ class ChannelCore:
                 item.ack = False
                 back.append(item)
         h.working.clear()
-        for key in h.keys:
-            members = self.consumers.get(key)
-            if members is not None and h in members:
-                members.remove(h)
+        self.leave_keys(h)
         h.requests.clear()
         h.credit.clear()
         back.sort(key=lambda it: it.id)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ._state import Handle, Item
+from ._state import Handle
 
 __all__ = ["FORGOTTEN_KEPT", "suspend", "resume", "expire", "tell_forgotten"]
 
@@ -36,17 +36,8 @@ def suspend(core: Any, src: str, incarnation: str) -> list[Handle]:
             continue
         h.lost = True
         suspended.append(h)
-        back: list[Item] = []
-        for queue in h.assigned.values():
-            for item in queue:
-                core._dequeue_count(item)
-                h.add_pending(-1, -item.weight)
-            back.extend(queue)
-        h.assigned.clear()
-        for key in h.keys:
-            members = core.consumers.get(key)
-            if members is not None and h in members:
-                members.remove(h)
+        back = core.unassign(h, pending=True)
+        core.leave_keys(h)
         back.sort(key=lambda it: it.id)
         core._requeue(back)
     return suspended
