@@ -107,7 +107,6 @@ class ChannelServer:
         self.done: asyncio.Event | None = None
         self._closing = False
         self._close_task: asyncio.Future | None = None
-        self._peers: dict[str, Any] = {}       # src -> its WorkerInfo (to judge its process)
         self._held: dict[tuple[str, int], list] = {}   # answers to a suspended handle: [ops, large]
 
     def __repr__(self) -> str:
@@ -140,8 +139,6 @@ class ChannelServer:
                     if src == self.address:            # our own marker: a peer is gone
                         self._peer_gone(*message[1:])
                     else:
-                        if src not in self._peers:
-                            self._peers[src] = next((i for i in internal.roster() if i.address == src), None)
                         if self._held:
                             self._release_held(src, message[0])
                         core.handle_ops(src, message[0], decode_ops(message[1:]))
@@ -158,8 +155,11 @@ class ChannelServer:
         # sent to ourselves is received after them, so its items are put back only once
         # its last "took"/"done" were applied.
         if self.core.has_source(address) and not self._closing:
-            info = self._peers.get(address)
-            dead = info is None or info.incarnation != incarnation or control.process_gone_here(info)
+            # Judged by what the roster knew of that incarnation, when the loss is learnt
+            # (an answer cached at its first op may be another incarnation's, or none).
+            departure = self.comm.internal.departed(address, incarnation)
+            dead = departure is not None and (departure.kind == "left" or departure.info is not None
+                                              and control.process_gone_here(departure.info))
             try:
                 self.comm.internal.start_send(("gone", address, incarnation, dead), self.address, REQUEST_TAG)
             except RlinfError:
@@ -170,7 +170,6 @@ class ChannelServer:
         One that may live (on another machine, or stalled) and come back: its handles are
         suspended (:meth:`ChannelCore.suspend`: what was sent to them stays theirs, it
         may reach their application) for :data:`LOST_HOLD` seconds, then forgotten."""
-        self._peers.pop(address, None)
         if dead:
             self._forget(address, incarnation)
             return

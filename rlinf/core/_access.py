@@ -9,6 +9,7 @@ from ..codec import Codec
 from ..info import WorkerInfo
 from . import wire
 from ._mailbox import Mailbox
+from ._membership import Departure
 from ._receive import ReceivePath
 from ._send import SendPath
 
@@ -27,18 +28,21 @@ class CoreAccess:
         check_open: raises unless it is started and open.
         guard: that, and that this is its loop thread.
         lookup: ``lookup(address, wait=, timeout=)``: asks its manager.
+        departed: ``departed(address, incarnation)``: how a peer went (its membership's).
     """
 
-    __slots__ = ("_comm", "_send", "_receive", "_mailbox", "_roster", "_guard", "_lookup", "check_open",
+    __slots__ = ("_comm", "_send", "_receive", "_mailbox", "_roster", "_guard", "_lookup", "departed", "check_open",
                  "address", "incarnation", "manager_address", "token", "codec", "__weakref__")
 
     def __init__(self, comm: Any, token: str, codec: Codec, send: SendPath, receive: ReceivePath, mailbox: Mailbox,
                  roster: dict[str, WorkerInfo], *, check_open: Callable[[], None], guard: Callable[[], None],
-                 lookup: Callable[..., Awaitable[WorkerInfo | None]]) -> None:
+                 lookup: Callable[..., Awaitable[WorkerInfo | None]],
+                 departed: Callable[[str, str], Departure | None]) -> None:
         self._comm = comm
         self._send, self._receive, self._mailbox, self._roster = send, receive, mailbox, roster
         self._guard, self._lookup = guard, lookup
         self.check_open = check_open
+        self.departed = departed
         self.address = comm.address
         self.incarnation = comm.incarnation
         self.manager_address = comm.manager_address

@@ -11,7 +11,7 @@ messages through again; a departure fails what waits on that incarnation
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from ..errors import PeerLostError
 from ..info import MembershipEvent, WorkerInfo
@@ -20,7 +20,7 @@ from ._mailbox import Mailbox
 from . import _peer
 from ._peer import PeerSessions
 
-__all__ = ["Membership"]
+__all__ = ["Departure", "Membership"]
 
 #: How long a "left" peer that sent us data may take to deliver its in-order "bye".
 _BYE_GRACE = 2.0
@@ -30,12 +30,22 @@ _BYE_GRACE = 2.0
 _AFTER_ONE_POLL = 0.01
 
 
+class Departure(NamedTuple):
+    """How an incarnation went: ``kind`` ``"left"`` or ``"lost"``, and ``info``, what the
+    roster knew of it (None when it never knew it), so that whoever learns of the
+    departure later can still judge its process (its pid and machine)."""
+
+    kind: str
+    info: WorkerInfo | None
+
+
 class Membership:
     """The peers of one communicator (loop thread only).
 
     Args:
         address: the communicator's. roster: its peers by address (written here).
-        dead: ``(address, incarnation)`` of peers known gone (written here).
+        dead: ``(address, incarnation)`` of peers known gone, to their :class:`Departure`
+            (written here).
         mailbox: its mailbox. sessions: its peer sessions.
         closed: whether the communicator is closed (departures are moot then).
     """
@@ -72,6 +82,10 @@ class Membership:
     def unsubscribe(self, queue: asyncio.Queue) -> None:
         self._subscribers.remove(queue)
 
+    def departed(self, address: str, incarnation: str) -> Departure | None:
+        """How ``address``'s ``incarnation`` went, while it is remembered gone."""
+        return self._dead.get((address, incarnation))
+
     def pid_of(self, address: str) -> int | None:
         info = self._roster.get(address)
         return info.pid if info is not None else None
@@ -97,9 +111,9 @@ class Membership:
                 # Its last messages may still be in flight on the data socket; its "bye"
                 # follows them. Fall back to the event if the bye never comes.
                 self._later(_BYE_GRACE, self._later, _AFTER_ONE_POLL,
-                            self.peer_gone, event.address, event.incarnation, "left")
+                            self.peer_gone, event.address, event.incarnation, "left", info)
             else:
-                self.peer_gone(event.address, event.incarnation, event.kind)
+                self.peer_gone(event.address, event.incarnation, event.kind, info)
         for queue in self._subscribers:
             queue.put_nowait(event)
 
@@ -117,22 +131,26 @@ class Membership:
         message it sent before is already delivered."""
         self.peer_gone(address, incarnation, "left")
 
-    def peer_gone(self, address: str, incarnation: str, kind: str) -> None:
-        """``address``'s ``incarnation`` is gone: fail what waits on it (idempotent)."""
+    def peer_gone(self, address: str, incarnation: str, kind: str, info: WorkerInfo | None = None) -> None:
+        """``address``'s ``incarnation`` is gone: fail what waits on it (idempotent).
+        ``info``: the roster's entry for it, if the roster dropped it already."""
         key = (address, incarnation)
         if key in self._dead or self._closed():
             return
-        self._dead.add(key, _peer.DEAD_KEPT, kind)     # "lost": what it still sends is held (it may come back)
-        self._sessions.forget_inflow(f"{address}|{incarnation}".encode(), left=kind == "left")
         current = self._roster.get(address)
+        if info is None and current is not None and current.incarnation == incarnation:
+            info = current
+        # "lost": what it still sends is held (it may come back)
+        self._dead.add(key, _peer.DEAD_KEPT, Departure(kind, info))
+        self._sessions.forget_inflow(f"{address}|{incarnation}".encode(), left=kind == "left")
         if current is not None and current.incarnation != incarnation:
-            self._sessions.peer_gone(address, incarnation, kind, current, None)
+            self._sessions.peer_gone(address, incarnation, kind, info, None)
             return   # a newer incarnation already joined
         error = PeerLostError(f"{address} left" if kind == "left" else
                               f"{address} was lost: messages on their way to or from it may be missing "
                               "(if it comes back, what it had not acknowledged is sent again)", peer=address)
         self._mailbox.peer_lost(address, error)
-        self._sessions.peer_gone(address, incarnation, kind, current, error)
+        self._sessions.peer_gone(address, incarnation, kind, info, error)
         for hook in self._hooks:
             hook(address, incarnation)
 

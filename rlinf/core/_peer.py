@@ -432,18 +432,19 @@ class PeerSessions:
             session.outbox.resend()    # it may have dropped what we sent while it was taken for lost
             session.outbox.log.rto = RTO
 
-    def peer_gone(self, address: str, incarnation: str, kind: str, current: WorkerInfo | None,
+    def peer_gone(self, address: str, incarnation: str, kind: str, info: WorkerInfo | None,
                   error: PeerLostError | None) -> None:
         """``address``'s ``incarnation`` left (``kind`` ``"left"``) or was lost: what we
-        hold for it goes, and its session closes with ``error``. ``current`` is the
-        roster's entry; ``error`` is None when a newer incarnation joined meanwhile (then
-        only the pulls of the old one end)."""
+        hold for it goes, and its session closes with ``error``. ``info`` is what the
+        roster knew of that incarnation, if anything; ``error`` is None when a newer
+        incarnation joined meanwhile (then only the pulls of the old one end)."""
         if self._pull is not None:
             self._pull.gone(address, incarnation)
         if error is None:
             return
         session = self._sessions.get(address)
-        info = current if current is not None else session.info if session is not None else None
+        if info is None and session is not None:
+            info = session.info
         gone_here = info is not None and info.incarnation == incarnation and control.process_gone_here(info)
         if self._shm is not None:
             self._shm.peer_gone(address, alive=not gone_here)

@@ -103,7 +103,7 @@ class ReceivePath:
             return
         sessions = self._sessions
         if (src, incarnation) in self._dead:
-            if entries and self._dead[(src, incarnation)] == "lost":
+            if entries and self._dead[(src, incarnation)].kind == "lost":
                 # taken for lost, maybe not gone: held, unacknowledged, until it is back
                 # (resume) or forgotten. A bulk link acknowledged this frame set already:
                 # its sender will not send it again.

@@ -152,7 +152,7 @@ class CoreCommunicator:
                                     self._sessions, self._guard, self._membership.said_bye)
         self._internal = CoreAccess(self, token, self._codec, self._send, self._receive, self._mailbox,
                                     self._roster, check_open=self._check_open, guard=self._guard,
-                                    lookup=self._lookup)
+                                    lookup=self._lookup, departed=self._membership.departed)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("open" if self._started else "new")

@@ -21,8 +21,9 @@ from typing import Any, Awaitable, Callable, Protocol
 from ..codec import Codec
 from ..info import WorkerInfo
 from ._outbox import SMALL_MESSAGE
+from ._membership import Departure
 
-__all__ = ["Core", "HasCore", "SMALL_MESSAGE", "SYSTEM_TAGS"]
+__all__ = ["Core", "Departure", "HasCore", "SMALL_MESSAGE", "SYSTEM_TAGS"]
 
 #: SYSTEM message tags the core handles itself (shared-memory and CUDA IPC notices,
 #: pulls, the in-order goodbye): ``on_system`` refuses them.
@@ -117,6 +118,11 @@ class Core(Protocol):
 
     def on_peer_gone(self, hook: Callable[[str, str], None]) -> None:
         """Call ``hook(address, incarnation)`` whenever a peer leaves or is lost."""
+
+    def departed(self, address: str, incarnation: str) -> Departure | None:
+        """How ``address``'s ``incarnation`` went (``kind`` and the roster's last entry
+        for it, to judge its process by), while it is remembered gone: in a
+        :meth:`on_peer_gone` hook, always."""
 
     def add_closer(self, closer: Callable[[], Any]) -> None:
         """Run ``closer()`` (sync or async) when the communicator closes, newest first."""

@@ -111,3 +111,28 @@ async def test_items_sent_to_a_consumer_taken_for_lost_are_delivered_once(serve)
         await asyncio.gather(drain(a, got_a), drain(b, got_b))
         everything = got_a + got_b
         assert sorted(everything) == list(range(6)), (got_a, got_b)   # each exactly once
+
+
+async def test_a_producer_first_heard_before_its_join_is_suspended_when_lost_not_forgotten(serve):
+    """The server judged whether a worker taken for lost was dead by the roster entry it
+    cached at the worker's first op: none when that op overtook the worker's join (or
+    another incarnation's), which counted as dead. Its handle was forgotten, the puts it
+    made while cut off never arrived, and its next op raised (the chaos soak, seed 23).
+    Now the judgement uses what the roster knew of that incarnation when it was lost."""
+    async with asyncio.timeout(60):
+        server, (c0, c1, _) = await serve("early")
+        info = server.comm._roster.pop(c0.address)          # its join not seen yet ...
+        producer = await c0.channel("early", timeout=10)
+        await producer.put(0)
+        await producer.flush(timeout=10)                     # ... when its first ops arrive
+        _back(server, c0, info)                              # then the join
+        _lost(server, c0)
+        await until(lambda: all(h.lost for h in server.core.handles.values() if h.src == c0.address),
+                    what="its handle suspended")
+        for i in range(1, 4):
+            await producer.put(i)                            # held by the server's receive path
+        _back(server, c0, info)
+        await producer.flush(timeout=10)
+        consumer = await c1.channel("early", timeout=10)
+        got = [await consumer.get(timeout=10) for _ in range(4)]
+        assert sorted(got) == [0, 1, 2, 3]

@@ -16,10 +16,6 @@ SEED = 23
 SECONDS = 55
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 23, open: in one CI-like run (seed 23) 27 channel items that a producer put while its node's "
-    "link was down (and it was taken for lost) were never got, and the producer's handle then failed "
-    "(PeerLostError); the put had returned. Passed in the other runs and in the 10-minute soak."))
 @pytest.mark.timeout(600)        # ~55 s of faults, plus starting 9 processes and ending on 2 loaded cores
 def test_a_minute_of_chaos_loses_nothing_silently(nodes):
     lines = []
