@@ -311,7 +311,12 @@ class Outbox:
         if sent:
             if inflow is not None:
                 inflow.owed = False
-            special = msg is not None or any(len(e) > 4 for e in entries)
+            special = msg is not None
+            if not special:
+                for entry in entries:
+                    if len(entry) > 4:
+                        special = True
+                        break
             log.keep(seq, len(entries), entries if special else None, body, payload, msg)
             if msg is not None:
                 msg.pending += 1
@@ -352,8 +357,8 @@ class Outbox:
         """The peer acknowledged every message of our log ``epoch`` below ``upto`` (a
         negative ``upto``, ``-(n + 1)``: below ``n``, and asks for a resend from there)."""
         log = self.log
-        if epoch != log.epoch:
-            return     # about a log of ours that is gone
+        if epoch != log.epoch or 0 <= upto <= log.acked:
+            return     # about a log of ours that is gone, or nothing new
         nack = upto < 0
         if nack:
             upto = -upto - 1

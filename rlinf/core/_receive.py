@@ -93,21 +93,24 @@ class ReceivePath:
         came, or dropped as a duplicate. Its acknowledgement of our own log is taken."""
         frames = received.frames
         peer = received.peer
+        sessions = self._sessions
+        inflow = sessions.inflows.get(peer)
         try:
             src, incarnation, entries, packed, epoch, seq, ack_epoch, ack = wire.unpack(received.header, frames)
-            if peer != f"{src}|{incarnation}".encode():
+            # (an inflow is the connection identity's, so its fields are the cheaper check)
+            if (inflow is None or inflow.address != src or inflow.incarnation != incarnation) and \
+                    peer != f"{src}|{incarnation}".encode():
                 raise ProtocolError("frame set claims a source other than its connection's")
         except ProtocolError as exc:
             self._counters.dropped()
             log.warning("rlinf %s: dropped a bad frame set: %r", self._address, exc)
             return
-        sessions = self._sessions
         if (src, incarnation) in self._dead:
             if entries and self._dead[(src, incarnation)].kind == "lost":
                 # taken for lost, maybe not gone: held, unacknowledged, until it is back
                 # (resume) or forgotten. A bulk link acknowledged this frame set already:
                 # its sender will not send it again.
-                held = sessions.inflows.get(peer) or sessions.new_inflow(peer, src, incarnation)
+                held = inflow or sessions.new_inflow(peer, src, incarnation)
                 if epoch != held.epoch:
                     held.adopt(epoch)     # (its receives raise already: it is taken for lost)
                 if seq >= held.expected:
@@ -117,11 +120,12 @@ class ReceivePath:
             return
         if ack_epoch:
             session = sessions.get(src)
-            if session is not None and session.info is not None and session.info.incarnation == incarnation:
-                session.outbox.acked(ack_epoch, ack)
+            if session is not None:
+                outbox = session.outbox
+                if outbox.info is not None and outbox.info.incarnation == incarnation:
+                    outbox.acked(ack_epoch, ack)
         if not entries:
             return
-        inflow = sessions.inflows.get(peer)
         if inflow is None:
             inflow = sessions.new_inflow(peer, src, incarnation)
         if epoch != inflow.epoch and inflow.adopt(epoch):
@@ -143,8 +147,10 @@ class ReceivePath:
                 inflow.expected += len(early[0])
             if not parked:
                 sessions.gap_closed(inflow)
-        if not inflow.owed or not packed:
+        if inflow.timer is None or not packed:     # (else the pending timer acknowledges it)
             sessions.owe_ack(inflow, not packed)
+        else:
+            inflow.owed = True
 
     def resume(self, address: str, incarnation: str) -> None:
         """``address``'s ``incarnation``, taken for lost, is back: deliver what it sent
