@@ -342,6 +342,15 @@ class Settings:
         "RLINF_BUSY_POLL", "duration", 1000.0,
         "Longest a receive polls before it sleeps, in microseconds (0: never poll).",
         off=True, unit="us")
+    window_bytes: int = _knob(
+        "RLINF_WINDOW_BYTES", "size", 16 * MIB,
+        "Bytes of user messages one sender may have waiting in this receiver's memory, not yet "
+        "received by its application (its credit window: sends wait for room; one larger message "
+        "still goes when nothing else is outstanding).", minimum=1)
+    window_msgs: int = _knob(
+        "RLINF_WINDOW_MSGS", "int", 4096,
+        "User messages one sender may have waiting in this receiver's memory, not yet received by its "
+        "application (its credit window: sends wait for room).", minimum=1)
     # liveness
     peer_timeout: float = _knob(
         "RLINF_PEER_TIMEOUT", "duration", 2.5,

@@ -67,18 +67,21 @@ class Kept:
     the acknowledgements would otherwise keep a Python list per message alive, and the
     garbage collector walks them all); ``payload`` its payload frames
     (None once a bulk stream delivered it: it is never sent again), ``msg`` the large
-    message it carries, whose send completes once it is acknowledged and released.
+    message it carries, whose send completes once it is acknowledged and released;
+    ``credit``, what of it counts against the receiver's window (see :mod:`rlinf.core._credit`).
     """
 
-    __slots__ = ("seq", "end", "entries", "body", "payload", "msg")
+    __slots__ = ("seq", "end", "entries", "body", "payload", "msg", "credit")
 
-    def __init__(self, seq: int, end: int, entries: list, body: bytes, payload: list | None, msg: Any = None) -> None:
+    def __init__(self, seq: int, end: int, entries: list, body: bytes, payload: list | None, msg: Any = None,
+                 credit: tuple[int, int] | None = None) -> None:
         self.seq = seq
         self.end = end
         self.entries = entries
         self.body = body
         self.payload = payload
         self.msg = msg
+        self.credit = credit      # (messages, bytes) of it that count against the peer's window
 
 
 class SendLog:
@@ -101,8 +104,8 @@ class SendLog:
         return f"<SendLog {self.epoch:08x} next={self.next} acked={self.acked} kept={len(self.kept)}>"
 
     def keep(self, seq: int, count: int, entries: list | None, body: bytes, payload: list | None,
-             msg: Any = None) -> Kept:
-        kept = Kept(seq, seq + count, entries, body, payload, msg)
+             msg: Any = None, credit: tuple[int, int] | None = None) -> Kept:
+        kept = Kept(seq, seq + count, entries, body, payload, msg, credit)
         self.next = kept.end
         self.kept.append(kept)
         return kept
@@ -141,12 +144,18 @@ class Inflow:
 
     ``expected`` is the next message number to deliver (all below arrived), in the
     sender's log ``epoch`` (0 until its first frame set). ``parked`` holds frame sets
-    that came early, by ``seq``. ``owed``: an acknowledgement is due. ``session``: ours
-    to that sender, when we have one for its incarnation (acknowledgements ride on it).
+    that came early, by ``seq``. ``owed``: an acknowledgement is due.
+
+    Flow control (see :mod:`rlinf.core._credit`): ``held`` and ``held_bytes`` count the
+    sender's user messages waiting in our mailbox (the mailbox keeps them, through
+    ``Message.credit``); ``reported`` and ``reported_bytes`` what the last frame set to
+    the sender said; ``step``/``step_bytes``: how much taken since then is worth a
+    frame set of its own (``notify()`` sends it).
     """
 
     __slots__ = ("address", "incarnation", "identity", "epoch", "packed", "expected", "parked", "owed",
-                 "timer", "gap_timer", "acked_sent")
+                 "timer", "gap_timer", "acked_sent", "held", "held_bytes", "reported", "reported_bytes",
+                 "step", "step_bytes", "notify")
 
     def __init__(self, address: str, incarnation: str, identity: bytes) -> None:
         self.address = address
@@ -160,6 +169,16 @@ class Inflow:
         self.timer = None          # the pending acknowledgement's timer
         self.gap_timer = None      # the pending request for a resend
         self.acked_sent = -1       # the last acknowledgement sent
+        self.held = self.held_bytes = 0
+        self.reported = self.reported_bytes = 0
+        self.step = self.step_bytes = 1 << 62
+        self.notify: Any = None    # () -> None: tell the sender what it may send now
+
+    def taken(self) -> None:
+        """Our application took messages: tell the sender when that frees enough."""
+        if (self.reported - self.held >= self.step or self.reported_bytes - self.held_bytes >= self.step_bytes) \
+                and self.notify is not None:
+            self.notify()
 
     def __repr__(self) -> str:
         return f"<Inflow {self.address} {self.epoch:08x} expected={self.expected} parked={len(self.parked)}>"

@@ -39,7 +39,9 @@ class Message:
     bad shared-memory descriptor); receiving it raises this error. ``ready``: for GPU
     buffers from CUDA IPC, orders the decoding thread's current stream after their copy.
     ``pulling``: buffers being read from the sender's memory (a future, done once they
-    hold the data; see ``rlinf/transports/shm/_pull.py``).
+    hold the data; see ``rlinf/transports/shm/_pull.py``). ``credit``: the sender's
+    ``Inflow`` when the message counts against its window while it waits here (see
+    ``rlinf/core/_credit.py``): the mailbox counts it there while it is queued.
     """
 
     src: str
@@ -53,6 +55,7 @@ class Message:
     error: BaseException | None = None
     ready: Callable[[], None] | None = None
     pulling: asyncio.Future | None = None
+    credit: Any = None
 
 
 class _Waiter:
@@ -113,6 +116,10 @@ class Mailbox:
             self._sources_by_tag[msg.tag].add(msg.src)
         queue.append(msg)
         self.queued += 1
+        credit = msg.credit
+        if credit is not None:
+            credit.held += 1
+            credit.held_bytes += msg.nbytes
 
     def _hand_over(self, waiters: collections.deque[_Waiter] | None, msg: Message) -> bool:
         while waiters:
@@ -136,11 +143,25 @@ class Mailbox:
             self._sources_by_tag[msg.tag].add(msg.src)
         queue.appendleft(msg)
         self.queued += 1
+        credit = msg.credit
+        if credit is not None:
+            credit.held += 1
+            credit.held_bytes += msg.nbytes
+
+    @staticmethod
+    def _taken(msg: Message) -> None:
+        """``msg`` left the queue (received, or dropped): its sender's window gains room."""
+        credit = msg.credit
+        credit.held -= 1
+        credit.held_bytes -= msg.nbytes
+        credit.taken()
 
     def _pop(self, key: tuple[str, Any]) -> Message:
         queue = self._queues[key]
         msg = queue.popleft()
         self.queued -= 1
+        if msg.credit is not None:
+            self._taken(msg)
         if not queue:
             del self._queues[key]
             sources = self._sources_by_tag[key[1]]
@@ -174,7 +195,11 @@ class Mailbox:
         its queued messages and, from now on, those that arrive. The last
         :data:`RETIRED_TAGS` retired tags are remembered."""
         for src in self._sources_by_tag.pop(tag, ()):
-            self.queued -= len(self._queues.pop((src, tag)))
+            dropped = self._queues.pop((src, tag))
+            self.queued -= len(dropped)
+            for msg in dropped:
+                if msg.credit is not None:
+                    self._taken(msg)
         self._retired.add(tag, RETIRED_TAGS)
 
     # -- receiving ---------------------------------------------------------------------
@@ -287,6 +312,9 @@ class Mailbox:
             queue = self._queues[key]
             fresh = collections.deque(m for m in queue if m.incarnation == incarnation)
             self.queued -= len(queue) - len(fresh)
+            for msg in queue:
+                if msg.incarnation != incarnation and msg.credit is not None:
+                    self._taken(msg)
             if fresh:
                 self._queues[key] = fresh
             else:

@@ -33,13 +33,14 @@ import time
 from typing import Any, Awaitable, Callable, Coroutine
 
 from . import wire
+from ._credit import DEFAULT_WINDOW, Credit, Window
 from ._delivery import Inflow, Kept, SendLog
 from ..errors import AuthenticationError, ClosedError, PeerLostError, TransportUnavailableError, WouldBlock
 from ..info import WorkerInfo
 from .routing import BULK
 from .stats import Counters
 
-__all__ = ["IN_FLIGHT", "OutMessage", "Outbox", "SMALL_MESSAGE", "bulk_frames", "split_frames"]
+__all__ = ["IN_FLIGHT", "OutMessage", "Outbox", "SMALL_MESSAGE"]
 
 log = logging.getLogger("rlinf.core.communicator")
 
@@ -60,44 +61,8 @@ IN_FLIGHT = 20e-6
 
 def _to_zmq(msg: OutMessage) -> None:
     """Turn a message queued for the bulk stream into a large ZeroMQ message."""
-    msg.frames, msg.entry[wire.LAYOUT], _ = split_frames(msg.frames)
+    msg.frames, msg.entry[wire.LAYOUT], _ = wire.split_frames(msg.frames)
     msg.transport = "zmq"
-
-
-def split_frames(buffers: list[Any]) -> tuple[list[Any], list[int], int]:
-    """Cut buffers into frames of at most ``wire.MAX_FRAME`` bytes (views, no copy).
-
-    Returns:
-        ``(frames, frame_counts, total_bytes)``.
-    """
-    frames, counts, total = [], [], 0
-    for buf in buffers:
-        mv = buf if isinstance(buf, memoryview) else memoryview(buf)
-        n = mv.nbytes
-        total += n
-        if n <= wire.MAX_FRAME:
-            frames.append(mv)
-            counts.append(1)
-        else:
-            if mv.format != "B" or mv.ndim != 1:
-                mv = mv.cast("B")
-            pieces = range(0, n, wire.MAX_FRAME)
-            frames.extend(mv[i:i + wire.MAX_FRAME] for i in pieces)
-            counts.append(len(pieces))
-    return frames, counts, total
-
-
-def bulk_frames(buffers: list[Any]) -> tuple[list[memoryview], list[int], int]:
-    """One frame per buffer, for the bulk stream (which reads each into place whole).
-
-    Returns:
-        ``(frames, frame_counts, total_bytes)``, as :func:`split_frames`.
-    """
-    frames = []
-    for buf in buffers:
-        mv = buf if isinstance(buf, memoryview) else memoryview(buf)
-        frames.append(mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B"))
-    return frames, [1] * len(frames), sum(f.nbytes for f in frames)
 
 
 def _wire_bytes(msg: OutMessage) -> int:
@@ -118,7 +83,7 @@ class OutMessage:
     """
 
     __slots__ = ("entry", "frames", "nbytes", "future", "large", "started", "transport", "copying", "discard",
-                 "pending", "acked")
+                 "pending", "acked", "counted")
 
     def __init__(self, entry: list, frames: list, nbytes: int, future: asyncio.Future | None, large: bool,
                  *, transport: str = "zmq", copying: asyncio.Future | None = None,
@@ -133,6 +98,7 @@ class OutMessage:
         self.discard = discard
         self.pending = 0          # a large message: its sendings the transport has not released yet
         self.acked = False        # a large message: the receiver acknowledged it
+        self.counted = False      # it counts against the receiver's window (see rlinf.core._credit)
         # fire-and-forget small sends complete at once: no latency to measure
         self.started = time.perf_counter() if future is not None else 0.0
 
@@ -146,10 +112,12 @@ class Outbox:
             or ``(src, incarnation)`` to make one.
         counters: the communicator's traffic counters.
         clock: seconds, for the :data:`IN_FLIGHT` window (tests pass a fake one).
+        window: the receiver's credit window until its WorkerInfo tells it (see
+            :mod:`rlinf.core._credit`).
     """
 
     def __init__(self, address: str, header: wire.HeaderPacker | tuple[str, str], counters: Counters, *,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, window: Window = DEFAULT_WINDOW) -> None:
         self.address = address
         self.info: WorkerInfo | None = None
         self.link = None
@@ -170,6 +138,8 @@ class Outbox:
         self.log = SendLog()
         #: what we received from the peer: its acknowledgement rides on our frame sets
         self.inflow: Inflow | None = None
+        #: flow control: the receiver's window for our user messages
+        self.credit = Credit(window)
         #: ``redial(exc)``: the link broke while the peer may live (set by the sessions);
         #: None: the outbox fails instead
         self.redial: Callable[[BaseException], None] | None = None
@@ -186,8 +156,11 @@ class Outbox:
         """True when a small send can complete at once (connected, not pushed back)."""
         return self.link is not None and not self._blocked and self.error is None
 
-    def put(self, msg: OutMessage, loop: asyncio.AbstractEventLoop, *, hold: bool = False) -> None:
-        """Queue ``msg`` and send it now or at the next loop iteration.
+    def put(self, msg: OutMessage, loop: asyncio.AbstractEventLoop, *, hold: bool = False,
+            gated: bool = False) -> bool:
+        """Queue ``msg`` and send it now or at the next loop iteration; False when it
+        waits for credit instead (``gated``: a user message, see :mod:`rlinf.core._credit`;
+        it then has a future, completed once it is sent).
 
         It goes out at once when it is alone and the link is idle (see the module
         docstring); otherwise a flush is scheduled for the next iteration, or runs now
@@ -196,13 +169,20 @@ class Outbox:
         """
         if self.error is not None:
             raise self.error
+        if gated:
+            credit = self.credit
+            if credit.waiting or not credit.room(msg.nbytes):
+                credit.wait(msg)
+                return False
+            credit.take(msg.nbytes)
+            msg.counted = True
         queue = self.queue
         queue.append(msg)
         if not self._scheduled:
             if len(queue) == 1 and not hold and self._clock() - self._sent_at >= IN_FLIGHT:
                 self._batched = 0
                 self._send_alone(msg)
-                return
+                return True
             self._scheduled = True
             loop.call_soon(self._tick)
         if msg.large:
@@ -211,6 +191,14 @@ class Outbox:
             self._batched += _wire_bytes(msg) + 64
         if self._batched >= _BATCH_BYTES or len(queue) >= _BATCH_COUNT:
             self.flush()
+        return True
+
+    def _admit(self) -> None:
+        """Room was freed: queue the messages waiting for credit that fit now."""
+        loop = asyncio.get_running_loop()
+        for msg in self.credit.admit():
+            msg.counted = True
+            self.put(msg, loop)
 
     def _tick(self) -> None:
         """The scheduled flush: sends what the current iteration queued."""
@@ -244,6 +232,7 @@ class Outbox:
             head = queue[0]
             if head.future is not None and head.future.cancelled():   # timed out while queued
                 queue.popleft()
+                self.credit.drop(head)
                 if head.discard is not None:
                     head.discard()
                 continue
@@ -253,6 +242,7 @@ class Outbox:
                     return
                 if head.copying.cancelled() or head.copying.exception() is not None:
                     queue.popleft()      # the copy failed: this message cannot go
+                    self.credit.drop(head)
                     self._drop(head, head.copying)
                     continue
             if head.transport == BULK:
@@ -270,9 +260,11 @@ class Outbox:
                         batch.append(msg)
                         size += _wire_bytes(msg)
             if head.large:
-                sent, tracker = self._send_set(link, [head.entry], False, head.frames, head)
+                sent, tracker = self._send_set(link, [head.entry], False, head.frames, head,
+                                               (1, head.nbytes) if head.counted else None)
             else:   # coalesced: one packed frame for every buffer of the batch
                 entries, pieces = [], []
+                counted = counted_bytes = 0
                 for msg in batch:
                     entry = msg.entry
                     if entry[wire.LAYOUT] is None:     # (a GPU message keeps its CUDA IPC item)
@@ -280,7 +272,11 @@ class Outbox:
                     else:
                         entries.append(entry)
                     pieces.extend(msg.frames)
-                sent, tracker = self._send_set(link, entries, True, [b"".join(pieces)] if pieces else [])
+                    if msg.counted:
+                        counted += 1
+                        counted_bytes += msg.nbytes
+                sent, tracker = self._send_set(link, entries, True, [b"".join(pieces)] if pieces else [], None,
+                                               (counted, counted_bytes) if counted else None)
             if not sent:
                 return
             sent = 0
@@ -291,33 +287,37 @@ class Outbox:
                     self._counters.sent(self.address, msg.nbytes, msg.transport)
                     if not msg.large and msg.future is not None:
                         self._complete(msg)
-                elif msg.discard is not None:     # cancelled while queued
-                    msg.discard()
+                else:     # cancelled while queued
+                    self.credit.drop(msg)
+                    if msg.discard is not None:
+                        msg.discard()
             if head.large:
                 self._spawn(self._await_release(link, tracker, head))
 
-    def _send_set(self, link, entries: list, packed: bool, payload: list,
-                  msg: OutMessage | None = None) -> tuple[bool, Any]:
+    def _send_set(self, link, entries: list, packed: bool, payload: list, msg: OutMessage | None = None,
+                  credit: tuple[int, int] | None = None) -> tuple[bool, Any]:
         """Number, send and keep one frame set of ``entries`` (``msg``: the large message
-        it carries, whose frames are tracked)."""
+        it carries, whose frames are tracked; ``credit``: what of it is counted in flight)."""
         log, inflow, header = self.log, self.inflow, self._header
         body = header.body(entries, packed)
         seq = log.next
         if inflow is None:
             sealed = header.seal(body, log.packed, seq, b"\x00", 0)
         else:
-            sealed = header.seal(body, log.packed, seq, inflow.packed, inflow.expected)
+            sealed = header.seal(body, log.packed, seq, inflow.packed, inflow.expected, inflow.held,
+                                 inflow.held_bytes)
         sent, tracker = self._transmit(link, [sealed, *payload], msg is not None)
         if sent:
             if inflow is not None:
                 inflow.owed = False
+                inflow.reported, inflow.reported_bytes = inflow.held, inflow.held_bytes
             special = msg is not None
             if not special:
                 for entry in entries:
                     if len(entry) > 4:
                         special = True
                         break
-            log.keep(seq, len(entries), entries if special else None, body, payload, msg)
+            log.keep(seq, len(entries), entries if special else None, body, payload, msg, credit)
             if msg is not None:
                 msg.pending += 1
         return sent, tracker
@@ -325,14 +325,14 @@ class Outbox:
     def _resend(self, link) -> bool:
         """Send again the kept frame sets from ``log.resend_from`` on, in order; False
         when the link pushed back or broke first (it goes on from there later)."""
-        log, inflow, header = self.log, self.inflow, self._header
+        log, header = self.log, self._header
         start = log.resend_from
-        ack_epoch, ack = (inflow.packed, inflow.expected) if inflow is not None else (b"\x00", 0)
+        fields = self._ack_fields()
         for kept in list(log.kept):
             if kept.end <= start or kept.payload is None:
                 continue
             msg = kept.msg
-            sealed = header.seal(kept.body, log.packed, kept.seq, ack_epoch, ack)
+            sealed = header.seal(kept.body, log.packed, kept.seq, *fields)
             sent, tracker = self._transmit(link, [sealed, *kept.payload], msg is not None)
             if not sent:
                 if log.resend_from is not None:
@@ -353,16 +353,33 @@ class Outbox:
             self.log.resend_from = kept[0].seq
             self.flush()
 
-    def acked(self, epoch: int, upto: int) -> None:
+    def _ack_fields(self) -> tuple:
+        """The acknowledgement and flow-control fields of a frame set sent now."""
+        inflow = self.inflow
+        if inflow is None:
+            return b"\x00", 0, 0, 0
+        inflow.reported, inflow.reported_bytes = inflow.held, inflow.held_bytes
+        return inflow.packed, inflow.expected, inflow.held, inflow.held_bytes
+
+    def acked(self, epoch: int, upto: int, held: int = 0, held_bytes: int = 0) -> None:
         """The peer acknowledged every message of our log ``epoch`` below ``upto`` (a
-        negative ``upto``, ``-(n + 1)``: below ``n``, and asks for a resend from there)."""
+        negative ``upto``, ``-(n + 1)``: below ``n``, and asks for a resend from there),
+        and holds ``held`` of our user messages (``held_bytes``) not yet received."""
         log = self.log
-        if epoch != log.epoch or 0 <= upto <= log.acked:
-            return     # about a log of ours that is gone, or nothing new
+        if epoch != log.epoch:
+            return     # about a log of ours that is gone
+        credit = self.credit
         nack = upto < 0
         if nack:
             upto = -upto - 1
+        credit.report(upto, held, held_bytes)
+        if upto <= log.acked and not nack:
+            if credit.waiting:
+                self._admit()
+            return     # nothing new acknowledged
         for kept in log.ack(upto):
+            if kept.credit:
+                credit.give_back(*kept.credit)
             msg = kept.msg
             if msg is not None:
                 msg.acked = True
@@ -371,7 +388,9 @@ class Outbox:
                     self._complete(msg)
         if nack:
             self.resend()
-        if not log.kept and self._settled:
+        if credit.waiting and self.error is None:
+            self._admit()
+        if not log.kept and not credit.waiting and self._settled:
             self._settle()
 
     def _settle(self) -> None:
@@ -381,8 +400,9 @@ class Outbox:
         self._settled.clear()
 
     def settled(self) -> asyncio.Future | None:
-        """A future done once every frame set sent is acknowledged (None: already)."""
-        if not self.log.kept or self.error is not None:
+        """A future done once every frame set sent is acknowledged and no message waits
+        for credit (None: already)."""
+        if not self.log.kept and not self.credit.waiting or self.error is not None:
             return None
         waiter = asyncio.get_running_loop().create_future()
         self._settled.append(waiter)
@@ -395,9 +415,11 @@ class Outbox:
         link, inflow = self.link, self.inflow
         if link is None or inflow is None or self._blocked or self.error is not None:
             return
-        ack = -(inflow.expected + 1) if nack else inflow.expected
+        ack_epoch, ack, held, held_bytes = self._ack_fields()
+        if nack:
+            ack = -(ack + 1)
         log = self.log
-        sealed = self._header.seal(self._header.body([]), log.packed, log.next, inflow.packed, ack)
+        sealed = self._header.seal(self._header.body([]), log.packed, log.next, ack_epoch, ack, held, held_bytes)
         if self._transmit(link, [sealed], False)[0]:
             inflow.owed = False
             inflow.acked_sent = inflow.expected
@@ -429,12 +451,12 @@ class Outbox:
                     elif msg.future is not None and not msg.future.done():
                         msg.future.set_exception(self.error)
                     return
-            log_, inflow, header = self.log, self.inflow, self._header
+            log_, header = self.log, self._header
             body = header.body([msg.entry])
             seq = log_.next
-            kept = log_.keep(seq, 1, [msg.entry], body, None)    # never sent again as it is
-            ack_epoch, ack = (inflow.packed, inflow.expected) if inflow is not None else (b"\x00", 0)
-            await self._bulk_link.send(header.seal(body, log_.packed, seq, ack_epoch, ack), msg.frames)
+            kept = log_.keep(seq, 1, [msg.entry], body, None, None,     # never sent again as it is
+                             (1, msg.nbytes) if msg.counted else None)
+            await self._bulk_link.send(header.seal(body, log_.packed, seq, *self._ack_fields()), msg.frames)
         except (ClosedError, PeerLostError) as exc:
             if self.error is None:
                 log.warning("rlinf: bulk TCP to %s broke (%s); large payloads go through ZeroMQ", self.address, exc)
@@ -488,7 +510,7 @@ class Outbox:
         if entry[wire.LAYOUT] is None:
             entry = wire.with_layout(entry, [len(f) for f in pieces])
         payload = [pieces[0] if len(pieces) == 1 else b"".join(pieces)] if pieces else []
-        if self._send_set(link, [entry], True, payload)[0]:
+        if self._send_set(link, [entry], True, payload, None, (1, msg.nbytes) if msg.counted else None)[0]:
             self.queue.popleft()
             self._counters.sent(self.address, msg.nbytes, msg.transport)
             if msg.future is not None:
@@ -603,8 +625,9 @@ class Outbox:
         entries, which tell the receiver that these messages are lost (one that had
         arrived is dropped there as a duplicate)."""
         self.error = exc
-        while self.queue:
-            msg = self.queue.popleft()
+        waiting = self.credit.waiting
+        while self.queue or waiting:
+            msg = self.queue.popleft() if self.queue else waiting.popleft()
             if msg.future is not None and not msg.future.done():
                 msg.future.set_exception(exc)
             if msg.discard is not None:

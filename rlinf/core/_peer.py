@@ -27,6 +27,7 @@ from ..transports.stream import StreamTransport
 from ..transports.zeromq import ZmqTransport
 from ..util.bounded import Recent
 from . import routing, wire
+from ._credit import DEFAULT_WINDOW, Window
 from ._delivery import ACK_DELAY, GAP_DELAY, RTO, TICK, Inflow
 from ._gpu_paths import GpuPaths
 from ._mailbox import Mailbox
@@ -129,11 +130,15 @@ class PeerSessions:
         roster: the peers it knows by address (read here; membership writes it).
         mailbox: its mailbox (a peer it knows lost gets no new session).
         gpu: its GPU paths (told of membership changes).
+        window: the credit window it grants each sender (and assumes of a receiver that
+            does not say; see :mod:`rlinf.core._credit`).
     """
 
     def __init__(self, address: str, incarnation: str, header: wire.HeaderPacker, counters: Counters,
-                 config: routing.RoutingConfig, roster: dict[str, WorkerInfo], mailbox: Mailbox, gpu: GpuPaths) -> None:
+                 config: routing.RoutingConfig, roster: dict[str, WorkerInfo], mailbox: Mailbox, gpu: GpuPaths,
+                 window: Window = DEFAULT_WINDOW) -> None:
         self._address = address
+        self.window = window
         self.identity = f"{address}|{incarnation}".encode()     # how our links present us
         self._header = header
         self._counters = counters
@@ -184,6 +189,10 @@ class PeerSessions:
     def connected(self) -> set[str]:
         return {s.address for s in self._sessions.values() if s.outbox.link is not None}
 
+    def credits(self) -> dict:
+        """The flow-control state of each session (``rlinf.core._credit.Credit``), by peer."""
+        return {address: session.outbox.credit for address, session in self._sessions.items()}
+
     def pending(self) -> int:
         return sum(len(s.outbox.queue) for s in self._sessions.values())
 
@@ -198,7 +207,8 @@ class PeerSessions:
         lost = self._mailbox.is_lost(address)
         if lost is not None:
             raise PeerLostError(str(lost), peer=address)
-        session = self._sessions[address] = PeerSession(address, Outbox(address, self._header, self._counters))
+        session = self._sessions[address] = PeerSession(address, Outbox(address, self._header, self._counters,
+                                                                              window=self.window))
         session.outbox.redial = functools.partial(self._redial, session)
         info = self._roster.get(address)
         if info is not None:
@@ -213,12 +223,14 @@ class PeerSessions:
         made fails the session (its sends raise; none waits for a link that never comes).
         A new session to an incarnation we had one with before resumes its log."""
         outbox = session.outbox
+        outbox.credit.window = Window.from_meta(info.meta, self.window)
         identity = f"{info.address}|{info.incarnation}".encode()
         outbox.inflow = self.inflows.get(identity)
         if outbox.log.next == 0:
             log_ = self._logs.pop((info.address, info.incarnation), None)
             if log_ is not None:
                 outbox.log = log_
+                outbox.credit.resume(log_.kept)
         try:
             self._dial(session, info)
         except RlinfError as exc:
@@ -339,12 +351,18 @@ class PeerSessions:
                     log.info("rlinf %s: nothing acknowledged by %s for a while; sending %d frame sets again",
                              self._address, session.address, len(outbox.log.kept))
                     outbox.resend()
+            for inflow in list(self.inflows.values()):
+                # a sender may wait for room our last report did not show (see rlinf.core._credit)
+                if inflow.reported > inflow.held or inflow.reported_bytes > inflow.held_bytes:
+                    self._report_room(inflow)
 
     # -- the receive side of the delivery protocol -------------------------------------------
     def new_inflow(self, identity: bytes, address: str, incarnation: str) -> Inflow:
         """The first frame set from ``address``'s ``incarnation``: what arrives from it
         is numbered from now on (its acknowledgements ride on our session to it)."""
         inflow = self.inflows[identity] = Inflow(address, incarnation, identity)
+        inflow.step, inflow.step_bytes = max(1, self.window.msgs // 4), max(1, self.window.nbytes // 4)
+        inflow.notify = functools.partial(self._report_room, inflow)
         session = self._sessions.get(address)
         if session is not None and session.info is not None and session.info.incarnation == incarnation:
             session.outbox.inflow = inflow
@@ -358,6 +376,12 @@ class PeerSessions:
             inflow.timer = self._loop.call_later(0.0 if urgent else ACK_DELAY, self._ack, inflow)
         elif urgent:
             self._loop.call_soon(self._ack, inflow)
+
+    def _report_room(self, inflow: Inflow) -> None:
+        """Our application took messages of ``inflow``'s sender: tell it now (with an
+        acknowledgement), it may be waiting for that room."""
+        inflow.owed = True
+        self._ack(inflow)
 
     def gap(self, inflow: Inflow) -> None:
         """A frame set from ``inflow``'s sender arrived ahead of one before it: ask for a

@@ -24,6 +24,7 @@ from ..transports.base import Received
 from ..transports.shm import PullSession, ShmSession
 from ..util.bounded import Recent
 from . import wire
+from ._delivery import Inflow
 from ._inbound import FrameReader
 from ._mailbox import Mailbox, Message
 from ._peer import PeerSessions
@@ -96,7 +97,8 @@ class ReceivePath:
         sessions = self._sessions
         inflow = sessions.inflows.get(peer)
         try:
-            src, incarnation, entries, packed, epoch, seq, ack_epoch, ack = wire.unpack(received.header, frames)
+            src, incarnation, entries, packed, epoch, seq, ack_epoch, ack, held, held_bytes = wire.unpack(
+                received.header, frames)
             # (an inflow is the connection identity's, so its fields are the cheaper check)
             if (inflow is None or inflow.address != src or inflow.incarnation != incarnation) and \
                     peer != f"{src}|{incarnation}".encode():
@@ -110,11 +112,11 @@ class ReceivePath:
                 # taken for lost, maybe not gone: held, unacknowledged, until it is back
                 # (resume) or forgotten. A bulk link acknowledged this frame set already:
                 # its sender will not send it again.
-                held = inflow or sessions.new_inflow(peer, src, incarnation)
-                if epoch != held.epoch:
-                    held.adopt(epoch)     # (its receives raise already: it is taken for lost)
-                if seq >= held.expected:
-                    held.parked.setdefault(seq, (entries, frames, packed))
+                kept = inflow or sessions.new_inflow(peer, src, incarnation)
+                if epoch != kept.epoch:
+                    kept.adopt(epoch)     # (its receives raise already: it is taken for lost)
+                if seq >= kept.expected:
+                    kept.parked.setdefault(seq, (entries, frames, packed))
             else:
                 self._counters.dropped()
             return
@@ -123,7 +125,7 @@ class ReceivePath:
             if session is not None:
                 outbox = session.outbox
                 if outbox.info is not None and outbox.info.incarnation == incarnation:
-                    outbox.acked(ack_epoch, ack)
+                    outbox.acked(ack_epoch, ack, held, held_bytes)
         if not entries:
             return
         if inflow is None:
@@ -138,12 +140,12 @@ class ReceivePath:
                 inflow.parked[seq] = (entries, frames, packed)
                 sessions.gap(inflow)
             return
-        self._deliver(src, incarnation, entries, frames, packed)
+        self._deliver(inflow, entries, frames, packed)
         inflow.expected = seq + len(entries)
         parked = inflow.parked
         if parked:
             while (early := parked.pop(inflow.expected, None)) is not None:
-                self._deliver(src, incarnation, *early)
+                self._deliver(inflow, *early)
                 inflow.expected += len(early[0])
             if not parked:
                 sessions.gap_closed(inflow)
@@ -161,7 +163,7 @@ class ReceivePath:
             return
         delivered = False
         while (early := inflow.parked.pop(inflow.expected, None)) is not None:
-            self._deliver(address, incarnation, *early)
+            self._deliver(inflow, *early)
             inflow.expected += len(early[0])
             delivered = True
         if inflow.parked:
@@ -178,14 +180,17 @@ class ReceivePath:
         self._mailbox.peer_lost(src, error)
         self._mailbox.peer_joined(src, incarnation)
 
-    def _deliver(self, src: str, incarnation: str, entries: list, frames: list, packed: bool) -> None:
-        """The entries of one frame set, in order: to the mailbox or their handlers."""
+    def _deliver(self, inflow: Inflow, entries: list, frames: list, packed: bool) -> None:
+        """The entries of one frame set from ``inflow``'s sender, in order: to the
+        mailbox (a user message, int tag, counts against its window there) or their handlers."""
+        src, incarnation = inflow.address, inflow.incarnation
         for entry, buffers, nbytes, in_shm, error, ready, pulling in self._inbound.entries(
                 src, entries, frames, packed, incarnation):
             if entry.kind == wire.USER:
                 self._counters.received(src, nbytes + len(entry.codec_header))
                 self._mailbox.deliver(Message(src, incarnation, entry.tag, entry.codec_header, buffers,
-                                              nbytes=nbytes, shm=in_shm, error=error, ready=ready, pulling=pulling))
+                                              nbytes=nbytes, shm=in_shm, error=error, ready=ready, pulling=pulling,
+                                              credit=inflow if type(entry.tag) is int else None))
             elif pulling is not None:
                 log.warning("rlinf %s: dropped system message %r with pulled buffers", self._address, entry.tag)
             elif error is not None:

@@ -22,7 +22,7 @@ from ..transports.shm import PullSession, ShmSession
 from . import routing, wire
 from ._gpu_paths import GpuPaths
 from ._mailbox import Mailbox, Message
-from ._outbox import SMALL_MESSAGE, OutMessage, Outbox, bulk_frames, split_frames
+from ._outbox import SMALL_MESSAGE, OutMessage, Outbox
 from ._peer import PeerSession, PeerSessions
 
 __all__ = ["SendPath"]
@@ -70,6 +70,8 @@ class SendPath:
     # -- one message -------------------------------------------------------------------------
     def enqueue(self, obj: Any, dst: str, tag: Any, kind: int, *, need_future: bool) -> asyncio.Future | None:
         """Encode and queue one message; returns a future unless it completed at once.
+        A user message (an int tag) waits for the receiver's credit (see
+        :mod:`rlinf.core._credit`): its future completes once it is sent.
 
         This is the hot path of every send: keep it flat.
         """
@@ -138,19 +140,22 @@ class SendPath:
         nbytes = 0
         for b in buffers:
             nbytes += b.nbytes if type(b) is memoryview else memoryview(b).nbytes
+        gated = type(tag) is int and kind == wire.USER
+        if gated and not need_future and not outbox.credit.open_to(nbytes + len(codec_header)):
+            need_future = True       # it waits for credit: the sender awaits that
         if nbytes >= self._config.shm_threshold and nbytes and self._shm is not None \
                 and outbox.info is not None and self._sessions.shm_route(session):
             sizes = [memoryview(b).nbytes for b in buffers]
             relayed = self._shm.relay.plan(buffers, sizes, outbox.address)
             if relayed is None and gpu is None and kind == wire.USER and self._pull is not None \
                     and nbytes >= self._pull.threshold and self._pull.agreed(outbox.address, outbox.info.incarnation):
-                return self._queue_pull(outbox, tag, codec_header, buffers, sizes, nbytes)
+                return self._queue_pull(outbox, tag, codec_header, buffers, sizes, nbytes, gated)
             if relayed is not None:   # views of another process's slot: forwarded by reference
                 sizes = [0 if i in relayed[0] else n for i, n in enumerate(sizes)]
             export = self._shm.export(buffers, sizes, {outbox.address: 1}) if any(sizes) else (None, sizes, None)
             if export is not None:
                 return self._queue_slot(outbox, kind, tag, codec_header, export, nbytes, need_future, relayed,
-                                        gpu)
+                                        gpu, gated)
             if relayed is not None:
                 self._shm.relay.cancel(outbox.address, relayed[1])
         if nbytes < SMALL_MESSAGE:
@@ -158,14 +163,14 @@ class SendPath:
             frames, counts, large = [bytes(b) for b in buffers], None, False
         elif outbox.bulk is not None and nbytes >= self._config.bulk_threshold and gpu is None:
             # another node, by the bulk stream: one frame per buffer, read into place there
-            frames, counts, nbytes = bulk_frames(buffers)
+            frames, counts, nbytes = wire.bulk_frames(buffers)
             entry = wire.plain_entry(kind, tag, codec_header, counts)
             future = self._loop.create_future()
             outbox.put(OutMessage(entry, frames, nbytes + len(codec_header), future, True,
-                                  transport=routing.BULK), self._loop)
+                                  transport=routing.BULK), self._loop, gated=gated)
             return future
         else:
-            frames, counts, nbytes = split_frames(buffers)
+            frames, counts, nbytes = wire.split_frames(buffers)
             large = True
         entry = wire.plain_entry(kind, tag, codec_header, counts)
         nbytes += len(codec_header)
@@ -176,17 +181,16 @@ class SendPath:
             transport, discard = routing.CUDA_IPC, functools.partial(self._gpu.discard, gpu)
         if not large and not need_future and outbox.ready:
             outbox.put(OutMessage(entry, frames, nbytes, None, False, transport=transport, discard=discard),
-                       self._loop)
+                       self._loop, gated=gated)
             return None
         future = self._loop.create_future()
-        if not large and outbox.ready:
+        if outbox.put(OutMessage(entry, frames, nbytes, future, large, transport=transport, discard=discard),
+                      self._loop, gated=gated) and not large and outbox.ready and not future.done():
             future.set_result(None)
-        outbox.put(OutMessage(entry, frames, nbytes, future, large, transport=transport, discard=discard),
-                   self._loop)
         return future
 
     def _queue_pull(self, outbox: Outbox, tag: Any, codec_header: bytes, buffers: list, sizes: list[int],
-                    nbytes: int) -> asyncio.Future:
+                    nbytes: int, gated: bool = False) -> asyncio.Future:
         """Queue a message whose receiver pulls its buffers from our memory (it agreed to;
         see ``rlinf/transports/shm/_pull.py``); the future completes once it has read them."""
         pull = self._pull
@@ -195,7 +199,7 @@ class SendPath:
         discard = lambda: pull.drop(item[0], outbox.error)   # noqa: E731
         try:
             outbox.put(OutMessage(entry, [], nbytes + len(codec_header), sent, False, transport=routing.SHM,
-                                  discard=discard), self._loop)
+                                  discard=discard), self._loop, gated=gated)
         except BaseException as exc:   # the outbox failed meanwhile: no hold is left behind
             pull.drop(item[0], exc)
             future.exception()
@@ -204,7 +208,7 @@ class SendPath:
 
     def _queue_slot(self, outbox: Outbox, kind: int, tag: Any, codec_header: bytes, export: tuple,
                     nbytes: int, need_future: bool, relayed: tuple | None = None,
-                    gpu: list | None = None) -> asyncio.Future | None:
+                    gpu: list | None = None, gated: bool = False) -> asyncio.Future | None:
         """Queue a message whose buffers sit in shared memory: a slot of ours (``export``:
         ``(slot or None, layout, copying)``) and/or, when ``relayed`` (``(places,
         relays)``), other processes' slots forwarded by reference (descriptors on the wire);
@@ -230,10 +234,10 @@ class SendPath:
         future = None
         if copying is not None or need_future:
             future = self._loop.create_future()
-            if copying is None:
-                future.set_result(None)     # copied: the caller's buffers are free again
-        outbox.put(OutMessage(entry, [], nbytes + len(codec_header), future, False, transport=routing.SHM,
-                              copying=copying, discard=discard), self._loop)
+        if outbox.put(OutMessage(entry, [], nbytes + len(codec_header), future, False, transport=routing.SHM,
+                                 copying=copying, discard=discard), self._loop, gated=gated) \
+                and copying is None and future is not None and not future.done():
+            future.set_result(None)     # copied: the caller's buffers are free again
         return future
 
     def _with_gpu_discard(self, discard: Callable[[], None], gpu: list) -> Callable[[], None]:

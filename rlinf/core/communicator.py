@@ -42,6 +42,7 @@ from ..util.bounded import Recent
 from . import routing, wire
 from ._access import CoreAccess
 from ._busypoll import BusyPoll
+from ._credit import Window
 from ._gpu_paths import GpuPaths
 from ._inbound import FrameReader
 from ._mailbox import Mailbox
@@ -142,8 +143,9 @@ class CoreCommunicator:
         self._recycler = shm.Recycler(settings.shm_cap)   # receive-side private memory (chunk reassembly, copy-outs)
         self._gpu = GpuPaths(address, self._roster, self._routing, self._new_cuda_session)
         # the parts: per-peer sessions, the send and receive paths, membership
+        window = Window(settings.window_msgs, settings.window_bytes)
         self._sessions = PeerSessions(address, self.incarnation, self._header, self._counters, self._routing,
-                                      self._roster, self._mailbox, self._gpu)
+                                      self._roster, self._mailbox, self._gpu, window)
         self._send = SendPath(address, self.incarnation, self._codec, self._sessions, self._mailbox, self._gpu,
                               self._routing, self._check_open)
         self._membership = Membership(address, self._roster, self._dead, self._mailbox, self._sessions,
@@ -236,7 +238,7 @@ class CoreCommunicator:
                 address=self.address, incarnation=self.incarnation, node_id=devices.node_id(settings.node_id),
                 host=socket.gethostname(), pid=os.getpid(), endpoints=endpoints,
                 devices=gpus, transports=transports,
-                meta={"machine": control.machine_id(), **self._meta},
+                meta={"machine": control.machine_id(), "window": list(self._sessions.window), **self._meta},
             )
             self._gpu.me = self.info
             self._control = control.ControlClient(self._context, self._keys, self.manager_address, self.info,
@@ -570,7 +572,7 @@ class CoreCommunicator:
 
     def stats(self) -> CommStats:
         """A frozen snapshot of traffic per peer and per transport."""
-        return self._counters.snapshot(self._sessions.connected())
+        return self._counters.snapshot(self._sessions.connected(), self._sessions.credits())
 
     # -- for rlinf's own subsystems (also through ``internal``) ---------------------------
     def on_system(self, tag: str, handler: Callable[[str, Any], None]) -> None:

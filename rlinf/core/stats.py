@@ -21,7 +21,13 @@ _WINDOW = 2048
 
 @dataclass(frozen=True, slots=True)
 class PeerStats:
-    """Traffic with one peer. Latencies are send-call-to-completion times, in seconds."""
+    """Traffic with one peer. Latencies are send-call-to-completion times, in seconds.
+
+    Flow control (our user messages to it, see ``docs/concepts.md``): ``credit_msgs`` and
+    ``credit_bytes`` of its window in use (in flight, or held by it not yet received),
+    ``credit_waiting`` messages waiting for room now, ``credit_waits`` messages that had
+    to wait and ``credit_wait_s`` seconds spent waiting, in all.
+    """
 
     msgs_out: int = 0
     bytes_out: int = 0
@@ -30,6 +36,11 @@ class PeerStats:
     latency_p50: float | None = None
     latency_p99: float | None = None
     connected: bool = False
+    credit_msgs: int = 0
+    credit_bytes: int = 0
+    credit_waiting: int = 0
+    credit_waits: int = 0
+    credit_wait_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +94,7 @@ class CommStats:
             "msgs_out": self.msgs_out, "msgs_in": self.msgs_in,
             "bytes_out": self.bytes_out, "bytes_in": self.bytes_in,
             "transports": {k: {"msgs": v.msgs, "bytes": v.bytes} for k, v in self.transports.items()},
+            "waiting_for_credit": {k: p.credit_waiting for k, p in self.peers.items() if p.credit_waiting},
         }
 
     def __str__(self) -> str:
@@ -143,13 +155,20 @@ class Counters:
     def latency(self, peer: str, seconds: float) -> None:
         self.peers[peer].latencies.append(seconds)
 
-    def snapshot(self, connected: set[str]) -> CommStats:
+    def snapshot(self, connected: set[str], credits: dict[str, Any] | None = None) -> CommStats:
+        """``credits``: the flow-control state of our sessions by peer (``rlinf.core._credit.Credit``)."""
         peers = {}
-        for name, p in self.peers.items():
+        credits = credits or {}
+        for name in self.peers.keys() | credits.keys():
+            p = self.peers[name]
             lat = sorted(p.latencies)
             p50 = lat[len(lat) // 2] if lat else None
             p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None
-            peers[name] = PeerStats(p.msgs_out, p.bytes_out, p.msgs_in, p.bytes_in, p50, p99, name in connected)
+            c = credits.get(name)
+            flow = () if c is None else (c.in_flight + c.held, c.in_flight_bytes + c.held_bytes, len(c.waiting),
+                                         c.waits, c.waited)
+            peers[name] = PeerStats(p.msgs_out, p.bytes_out, p.msgs_in, p.bytes_in, p50, p99, name in connected,
+                                    *flow)
         transports = {k: TransportStats(v[0], v[1]) for k, v in self.transports.items()}
         return CommStats(self.address, time.monotonic() - self.started, peers, transports,
                          len(connected), self.dropped_frames, self.resent_frames, self.duplicate_frames)

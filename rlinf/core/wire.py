@@ -1,13 +1,17 @@
 """The data-plane frame layout, packed and validated in one place.
 
 A frame set on a data link is ``[header, *payload_frames]``. The header is a msgpack
-array ``[VERSION, src, incarnation, entries, packed, epoch, seq, ack_epoch, ack]``;
-the last four carry the delivery protocol of the pair (see :mod:`rlinf.core._delivery`):
-the entries are messages ``seq``, ``seq + 1``, ... of the sender's log ``epoch`` to this
-receiver, and ``ack`` acknowledges the receiver's own log ``ack_epoch`` to the sender
-(every message below ``ack`` arrived; a negative ``ack``, ``-(n + 1)``, also asks for
-everything from ``n`` on to be sent again; ``ack_epoch`` 0: no acknowledgement). A
-frame set without entries only acknowledges. Each entry describes one message::
+array ``[VERSION, src, incarnation, entries, packed, epoch, seq, ack_epoch, ack, held,
+held_bytes]``; the last six carry the delivery protocol and the flow control of the pair
+(see :mod:`rlinf.core._delivery` and :mod:`rlinf.core._credit`): the entries are
+messages ``seq``, ``seq + 1``, ... of the sender's log ``epoch`` to this receiver, and
+``ack`` acknowledges the receiver's own log ``ack_epoch`` to the sender (every message
+below ``ack`` arrived; a negative ``ack``, ``-(n + 1)``, also asks for everything from
+``n`` on to be sent again; ``ack_epoch`` 0: no acknowledgement); ``held`` and
+``held_bytes`` say how many of the receiver's user messages from the sender (and their
+bytes) wait in its mailbox, not yet received by its application, as of that
+acknowledgement. A frame set without entries only acknowledges. Each entry describes
+one message::
 
     [kind, tag, codec_header, layout]
 
@@ -93,13 +97,13 @@ from ..transports.descriptors import (
 )
 
 __all__ = ["VERSION", "USER", "SYSTEM", "MAX_FRAME", "Entry", "pack_header", "HeaderPacker", "unpack_header", "unpack",
-           "check_tag", "plain_entry", "system_entry", "void_entry", "VOID", "gpu_entry", "slot_entry", "pull_entry", "with_layout", "CODEC_HEADER",
+           "check_tag", "split_frames", "bulk_frames", "plain_entry", "system_entry", "void_entry", "VOID", "gpu_entry", "slot_entry", "pull_entry", "with_layout", "CODEC_HEADER",
            "LAYOUT",
            # the transports' descriptors and limits, re-exported (see the module docstring)
            "SLOT_ALIGN", "MAX_SLOT", "MAX_FRAMES", "MAX_HEADER", "INT_MIN", "INT_MAX", "SlotRef", "FdRef", "GpuRef",
            "PullRef", "slot_layout", "parse_segment_name"]
 
-VERSION = 2
+VERSION = 3
 USER = 0
 SYSTEM = 1
 #: Largest payload frame; bigger buffers are chunked (page-fault cost of huge frames).
@@ -125,6 +129,42 @@ class Entry:
     relays: list[SlotRef | FdRef] | None = None
     gpu: GpuRef | None = None
     pull: PullRef | None = None
+
+
+def split_frames(buffers: list[Any]) -> tuple[list[Any], list[int], int]:
+    """Cut buffers into frames of at most ``MAX_FRAME`` bytes (views, no copy).
+
+    Returns:
+        ``(frames, frame_counts, total_bytes)``.
+    """
+    frames, counts, total = [], [], 0
+    for buf in buffers:
+        mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+        n = mv.nbytes
+        total += n
+        if n <= MAX_FRAME:
+            frames.append(mv)
+            counts.append(1)
+        else:
+            if mv.format != "B" or mv.ndim != 1:
+                mv = mv.cast("B")
+            pieces = range(0, n, MAX_FRAME)
+            frames.extend(mv[i:i + MAX_FRAME] for i in pieces)
+            counts.append(len(pieces))
+    return frames, counts, total
+
+
+def bulk_frames(buffers: list[Any]) -> tuple[list[memoryview], list[int], int]:
+    """One frame per buffer, for the bulk stream (which reads each into place whole).
+
+    Returns:
+        ``(frames, frame_counts, total_bytes)``, as :func:`split_frames`.
+    """
+    frames = []
+    for buf in buffers:
+        mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+        frames.append(mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B"))
+    return frames, [1] * len(frames), sum(f.nbytes for f in frames)
 
 
 def check_tag(tag: Any) -> None:
@@ -262,10 +302,11 @@ def _unpack_pull_entry(raw: list, limit: int, low: int) -> tuple[Entry, int]:
 
 
 def pack_header(src: str, incarnation: str, entries: list[list], packed: bool = False, epoch: int = 0,
-                seq: int = 0, ack_epoch: int = 0, ack: int = 0) -> bytes:
+                seq: int = 0, ack_epoch: int = 0, ack: int = 0, held: int = 0, held_bytes: int = 0) -> bytes:
     """Pack a frame-set header. ``entries`` are ``[kind, tag, codec_header, layout]``,
     optionally followed by a slot descriptor (see the module docstring)."""
-    return msgpack.packb([VERSION, src, incarnation, entries, packed, epoch, seq, ack_epoch, ack], **_packer_opts)
+    return msgpack.packb([VERSION, src, incarnation, entries, packed, epoch, seq, ack_epoch, ack, held, held_bytes],
+                         **_packer_opts)
 
 
 class HeaderPacker:
@@ -282,29 +323,31 @@ class HeaderPacker:
 
     def __init__(self, src: str, incarnation: str) -> None:
         packer = msgpack.Packer(**_packer_opts)
-        # fixarray of 9 items: VERSION, src, incarnation, entries, packed, epoch, seq, ack_epoch, ack
-        self._prefix = b"\x99" + packer.pack(VERSION) + packer.pack(src) + packer.pack(incarnation)
+        # fixarray of 11 items: VERSION, src, incarnation, entries, packed, epoch, seq, ack_epoch, ack,
+        # held, held_bytes
+        self._prefix = b"\x9b" + packer.pack(VERSION) + packer.pack(src) + packer.pack(incarnation)
         self._pack = packer.pack
 
     def body(self, entries: list[list], packed: bool = False) -> bytes:
         """The header up to its delivery fields."""
         return self._prefix + self._pack(entries) + (b"\xc3" if packed else b"\xc2")
 
-    def seal(self, body: bytes, epoch: bytes, seq: int, ack_epoch: bytes, ack: int) -> bytes:
-        """``body`` completed with the delivery fields (epochs already packed)."""
+    def seal(self, body: bytes, epoch: bytes, seq: int, ack_epoch: bytes, ack: int, held: int = 0,
+             held_bytes: int = 0) -> bytes:
+        """``body`` completed with the delivery and flow-control fields (epochs already packed)."""
         pack = self._pack
-        return body + epoch + pack(seq) + ack_epoch + pack(ack)
+        return body + epoch + pack(seq) + ack_epoch + pack(ack) + pack(held) + pack(held_bytes)
 
     def pack(self, entries: list[list], packed: bool = False) -> bytes:
         """A whole header with delivery fields 0 (see :func:`pack_header`)."""
-        return self.body(entries, packed) + b"\x00\x00\x00\x00"
+        return self.body(entries, packed) + b"\x00\x00\x00\x00\x00\x00"
 
 
-def unpack(data, frames: list) -> tuple[str, str, list[Entry], bool, int, int, int, int]:
+def unpack(data, frames: list) -> tuple[str, str, list[Entry], bool, int, int, int, int, int, int]:
     """Validate and unpack a frame-set header against the payload frames that came with it.
 
     Returns:
-        ``(src, incarnation, entries, packed, epoch, seq, ack_epoch, ack)``.
+        ``(src, incarnation, entries, packed, epoch, seq, ack_epoch, ack, held, held_bytes)``.
 
     Raises:
         ProtocolError: wrong version, bad shape, or a layout that does not match the frames.
@@ -324,18 +367,19 @@ def unpack(data, frames: list) -> tuple[str, str, list[Entry], bool, int, int, i
             )
     except Exception as exc:  # msgpack raises many types for garbage input
         raise ProtocolError(f"undecodable data header: {exc}") from exc
-    if not (isinstance(obj, list) and len(obj) == 9):
+    if not (isinstance(obj, list) and len(obj) == 11):
         if isinstance(obj, list) and obj and obj[0] != VERSION:
             raise ProtocolError(f"unsupported wire version {obj[0]!r} (expected {VERSION})")
-        raise ProtocolError("data header is not a 9-item array")
-    version, src, incarnation, raw_entries, packed, epoch, seq, ack_epoch, ack = obj
+        raise ProtocolError("data header is not an 11-item array")
+    version, src, incarnation, raw_entries, packed, epoch, seq, ack_epoch, ack, held, held_bytes = obj
     if version != VERSION:
         raise ProtocolError(f"unsupported wire version {version!r} (expected {VERSION})")
     if (not isinstance(src, str) or not isinstance(incarnation, str) or not isinstance(raw_entries, list)
             or not isinstance(packed, bool)):
         raise ProtocolError("data header has fields of the wrong type")
     if not (type(epoch) is int and type(seq) is int and type(ack_epoch) is int and type(ack) is int
-            and 0 <= epoch <= _U32 and 0 <= ack_epoch <= _U32 and 0 <= seq < _SEQ_END and -_SEQ_END < ack < _SEQ_END):
+            and 0 <= epoch <= _U32 and 0 <= ack_epoch <= _U32 and 0 <= seq < _SEQ_END and -_SEQ_END < ack < _SEQ_END
+            and type(held) is int and type(held_bytes) is int and 0 <= held < _SEQ_END and 0 <= held_bytes < _SEQ_END):
         raise ProtocolError("data header has bad delivery fields")
     entries = []
     append = entries.append
@@ -364,7 +408,7 @@ def unpack(data, frames: list) -> tuple[str, str, list[Entry], bool, int, int, i
             raise ProtocolError(f"header announces {total} packed bytes, {have} arrived")
     elif total != len(frames):
         raise ProtocolError(f"header announces {total} payload frames, {len(frames)} arrived")
-    return src, incarnation, entries, packed, epoch, seq, ack_epoch, ack
+    return src, incarnation, entries, packed, epoch, seq, ack_epoch, ack, held, held_bytes
 
 
 def unpack_header(data, frames: list) -> tuple[str, str, list[Entry], bool]:

@@ -235,9 +235,14 @@ def _devices(w: dict) -> str:
 
 def _state(w: dict, heartbeat: float) -> str:
     silence = w.get("silence")
-    if silence is None or silence <= 4 * heartbeat:
-        return "[green]alive[/]"
-    return f"[yellow]silent {silence:.1f}s[/]"
+    if silence is not None and silence > 4 * heartbeat:
+        return f"[yellow]silent {silence:.1f}s[/]"
+    blocked = (w.get("stats") or {}).get("waiting_for_credit") or {}
+    if blocked:     # sends waiting for a receiver's credit window (flow control)
+        peer, n = max(blocked.items(), key=lambda kv: kv[1])
+        more = f" +{len(blocked) - 1}" if len(blocked) > 1 else ""
+        return f"[yellow]blocked on {peer} ({n}){more}[/]"
+    return "[green]alive[/]"
 
 
 def _channel_cells(ch: dict, rates: Rates) -> tuple[str, str, str]:

@@ -16,7 +16,8 @@ import torch
 
 import rlinf
 from rlinf.core import wire
-from rlinf.core._outbox import IN_FLIGHT, OutMessage, Outbox, bulk_frames
+from rlinf.core._outbox import IN_FLIGHT, OutMessage, Outbox
+from rlinf.core.wire import bulk_frames
 from rlinf.core.stats import Counters
 
 from ..recording_link import RecordingLink

@@ -166,9 +166,9 @@ async def test_a_small_slot_comes_back_right_after_the_reply_a_large_one_in_it(c
     frame_sets = []
     deliver = driver._receive._deliver
 
-    def record(src, incarnation, entries, frames, packed):     # each frame set with messages, in order
+    def record(inflow, entries, frames, packed):     # each frame set with messages, in order
         frame_sets.append([(e.kind, e.tag) for e in entries])
-        deliver(src, incarnation, entries, frames, packed)
+        deliver(inflow, entries, frames, packed)
 
     driver._receive._deliver = record
     async with asyncio.timeout(60):

@@ -365,7 +365,7 @@ async def test_an_outbox_that_refuses_the_entry_leaves_no_hold(pair):
         address, error = "r:0", None
         info = types.SimpleNamespace(incarnation="R1")
 
-        def put(self, msg, loop, hold=False):
+        def put(self, msg, loop, hold=False, gated=False):
             raise PeerLostError("r:0 was lost", peer="r:0")
 
     me = types.SimpleNamespace(_pull=pair.s, _loop=asyncio.get_running_loop())

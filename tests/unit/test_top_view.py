@@ -59,3 +59,17 @@ def test_render_shows_channel_length_weight_and_consumers(positional):
     assert cells[:4] == ["rollouts", "channel.rollouts:0", "2", "6"], cells
     assert cells[4].startswith("learner:0 pending 1 (w 1.5) done 0 speed - busy 0%"), cells
     assert top.to_json(_snapshot(report))["channels"][0]["channel"]["length"] == 2
+
+
+def test_render_shows_a_sender_blocked_on_a_receivers_window():
+    """A worker whose sends wait for a receiver's credit (flow control) says so."""
+    snap = _snapshot(_reported_stats())
+    snap["workers"].append({"address": "rollout:0", "incarnation": "z", "node_id": "node-a", "pid": 9, "age": 2.0,
+                            "devices": [], "silence": 0.1, "meta": {},
+                            "stats": {"uptime": 2.0, "waiting_for_credit": {"trainer:0": 3, "trainer:1": 1}}})
+    view = top.View()
+    view.update(snap)
+    console = Console(width=200, record=True)
+    console.print(top.render(view))
+    [row] = [line for line in console.export_text().splitlines() if line.lstrip("│ ").startswith("rollout:0")]
+    assert "blocked on trainer:0 (3) +1" in row, row

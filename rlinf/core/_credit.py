@@ -1,0 +1,158 @@
+"""Flow control: each receiver grants each sender a window of user messages.
+
+A receiver's window (``RLINF_WINDOW_MSGS`` messages and ``RLINF_WINDOW_BYTES`` bytes,
+:class:`Window`; it publishes it in its ``WorkerInfo.meta["window"]``) bounds what one
+sender's user messages may occupy in its memory before its application receives them.
+
+* The receiver counts, per sender incarnation, the user messages from it that wait in its
+  mailbox (``Inflow.held``/``held_bytes``: the mailbox adds a message it queues and
+  subtracts it when a receive takes it, or it is dropped). Every frame set it sends that
+  sender carries those counts as of its acknowledgement (``wire``: ``held``,
+  ``held_bytes``); when its application took a quarter of a window since the last
+  frame set, one goes on its own (``Inflow.taken``), and the resend tick repeats it
+  while the counts it told are out of date.
+* The sender (:class:`Credit`, one per outbox) counts what it sent and is not yet
+  acknowledged (*in flight*). A user message may go when ``in flight + held`` plus it
+  fits the window, or when nothing is outstanding at all (one message larger than the
+  window goes alone). Otherwise it waits, in order behind the others that wait, until
+  an acknowledgement or a report of taken messages frees room; ``send`` waits with it
+  (its ``timeout`` applies; a message that times out while waiting was never sent).
+
+Counted are user messages: an int tag, sent through the public API. rlinf's own traffic
+(str tags: collectives, channels; SYSTEM entries: acknowledgements, releases, goodbyes)
+never waits for credit and is not counted, so no subsystem can deadlock on a window a
+user filled.
+
+The counts of the two sides are each side's own (no agreement on byte counts is
+needed): the receiver's report is a snapshot, the sender's in-flight count covers what
+the snapshot cannot know yet.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any, Iterator, NamedTuple
+
+from ..config import DEFAULTS
+
+__all__ = ["DEFAULT_WINDOW", "Credit", "Window"]
+
+
+class Window(NamedTuple):
+    """A receiver's window per sender: ``msgs`` user messages and ``nbytes`` bytes."""
+
+    msgs: int
+    nbytes: int
+
+    @classmethod
+    def from_meta(cls, meta: dict, default: Window) -> Window:
+        """The window a peer published (``meta["window"]``), else ``default``."""
+        value = meta.get("window")
+        if (isinstance(value, (list, tuple)) and len(value) == 2
+                and all(type(v) is int and v > 0 for v in value)):
+            return cls(*value)
+        return default
+
+
+#: The window of a receiver whose WorkerInfo does not say (the defaults of Settings).
+DEFAULT_WINDOW = Window(DEFAULTS.window_msgs, DEFAULTS.window_bytes)
+
+
+class Credit:
+    """The sender's side of one pair (loop thread only): what is in flight, what the
+    receiver last said it holds, and the messages waiting for room, in order.
+
+    Buffer lifetimes: a waiting message keeps its frames (copies for small messages;
+    the caller's buffers for a large one, whose send has not completed) until it is
+    sent, times out or fails.
+    """
+
+    __slots__ = ("window", "in_flight", "in_flight_bytes", "held", "held_bytes", "waiting", "waits", "waited",
+                 "_since", "_ack")
+
+    def __init__(self, window: Window) -> None:
+        self.window = window
+        self.in_flight = self.in_flight_bytes = 0
+        self.held = self.held_bytes = 0           # the receiver's last report
+        self._ack = 0                             # the acknowledgement it came with
+        self.waiting: collections.deque = collections.deque()
+        self.waits = 0                            # messages that had to wait
+        self.waited = 0.0                         # seconds they waited, in all
+        self._since = 0.0                         # when the head started waiting
+
+    def __repr__(self) -> str:
+        return (f"<Credit in_flight={self.in_flight}/{self.in_flight_bytes}B held={self.held}/{self.held_bytes}B "
+                f"waiting={len(self.waiting)} of {self.window}>")
+
+    def room(self, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` may go now (ignoring those waiting)."""
+        outstanding = self.in_flight + self.held
+        if not outstanding:
+            return True          # even one larger than the window
+        window = self.window
+        return outstanding < window.msgs and self.in_flight_bytes + self.held_bytes + nbytes <= window.nbytes
+
+    def open_to(self, nbytes: int) -> bool:
+        """Whether a user message of ``nbytes`` would go now, not wait behind others."""
+        return not self.waiting and self.room(nbytes)
+
+    def take(self, nbytes: int) -> None:
+        """A message of ``nbytes`` goes (it is in flight until acknowledged)."""
+        self.in_flight += 1
+        self.in_flight_bytes += nbytes
+
+    def give_back(self, msgs: int, nbytes: int) -> None:
+        """``msgs`` messages of ``nbytes`` are no longer in flight (acknowledged, or
+        dropped unsent)."""
+        self.in_flight -= msgs
+        self.in_flight_bytes -= nbytes
+
+    def drop(self, msg: Any) -> None:
+        """``msg`` (an ``OutMessage``) is dropped unsent: if counted, no longer in flight."""
+        if msg.counted:
+            msg.counted = False
+            self.give_back(1, msg.nbytes)
+
+    def report(self, ack: int, held: int, held_bytes: int) -> None:
+        """The receiver holds ``held`` messages of ``held_bytes`` from us, as of its
+        acknowledgement ``ack``. A report older than the last one taken (a frame set
+        that crossed a later one on another link) is ignored: its count would miss what
+        arrived since."""
+        if ack >= self._ack:
+            self._ack, self.held, self.held_bytes = ack, held, held_bytes
+
+    def wait(self, msg: Any) -> None:
+        """Queue ``msg`` until there is room (behind those already waiting)."""
+        if not self.waiting:
+            self._since = time.perf_counter()
+        self.waiting.append(msg)
+        self.waits += 1
+
+    def admit(self) -> Iterator[Any]:
+        """The waiting messages that may go now, in order, each counted in flight as it
+        is taken (those whose send was cancelled meanwhile are dropped, with their
+        ``discard``)."""
+        waiting = self.waiting
+        while waiting:
+            msg = waiting[0]
+            if msg.future is not None and msg.future.cancelled():     # timed out while waiting
+                waiting.popleft()
+                if msg.discard is not None:
+                    msg.discard()
+                continue
+            if not self.room(msg.nbytes):
+                return
+            waiting.popleft()
+            now = time.perf_counter()
+            self.waited += now - self._since
+            self._since = now
+            self.take(msg.nbytes)
+            yield msg
+
+    def resume(self, kept: Any) -> None:
+        """A log resumed from a dropped session: what it keeps is in flight here now."""
+        for k in kept:
+            if k.credit:
+                self.in_flight += k.credit[0]
+                self.in_flight_bytes += k.credit[1]
