@@ -39,6 +39,27 @@ __all__ = ["Manager", "main"]
 
 log = logging.getLogger("rlinf.manager")
 
+#: Seconds between the manager's liveness checks (``Manager(check_interval=...)``).
+CHECK_INTERVAL = 0.1
+
+
+def detection_time(settings: Settings) -> float:
+    """The failure-detection time: the longest a worker judged by its heartbeats (one on
+    another machine that was killed, stalled or cut off) goes from its failure to being
+    declared ``lost``, in seconds. Its last heartbeat arrived at most when it failed;
+    ``settings.peer_timeout`` of silence later, the next liveness check (every
+    :data:`CHECK_INTERVAL`) declares it lost. Pending operations on it fail as the
+    event reaches their worker, one message (milliseconds) later. The docs state this
+    figure for the defaults (a test checks that they agree)."""
+    return settings.peer_timeout + CHECK_INTERVAL
+
+
+def local_backstop(peer_timeout: float) -> float:
+    """Seconds of silence after which a live process on the manager's own machine counts
+    as lost: its liveness is observable, so silence means busy; a dead one is lost at
+    its first liveness check."""
+    return max(10.0, 4 * peer_timeout)
+
 #: Lookups of one address that wait for it to register (see ``Manager._wait_lookup``).
 MAX_LOOKUP_WAITERS = 1024
 
@@ -62,7 +83,7 @@ class Manager:
     """
 
     def __init__(self, bind: str = "tcp://127.0.0.1:0", *, token: str | None = None,
-                 peer_timeout: float | None = None, check_interval: float = 0.1,
+                 peer_timeout: float | None = None, check_interval: float = CHECK_INTERVAL,
                  settings: Settings | None = None) -> None:
         if peer_timeout is None:
             peer_timeout = (settings if settings is not None else Settings.from_env()).peer_timeout
@@ -74,7 +95,7 @@ class Manager:
             raise ValueError(f"peer_timeout and check_interval must be > 0 seconds, got "
                              f"{self.peer_timeout!r} and {check_interval!r}")
         #: Silence after which a live process on the manager's own machine counts as lost.
-        self.local_backstop = max(10.0, 4 * self.peer_timeout)
+        self.local_backstop = local_backstop(self.peer_timeout)
         self._check_interval = check_interval
         self._roster: dict[str, WorkerInfo] = {}
         self._identity: dict[str, bytes] = {}       # address -> ROUTER identity
