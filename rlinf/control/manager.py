@@ -4,7 +4,8 @@ The manager owns a ZeroMQ ROUTER (requests from workers, and membership events p
 back on the same connection so no worker misses one) and a PUB socket (the same events
 for observers such as ``rlinf top``). Both are CURVE-authenticated with the cluster
 token. It keeps a roster ``address -> WorkerInfo`` plus the latest stats each worker
-reported with its heartbeat, and announces ``joined`` / ``left`` / ``lost``.
+reported with its heartbeat, and announces ``joined`` / ``left`` / ``failed`` / ``lost``
+(``failed``: a worker that deregistered saying its code raised, with the summary).
 
 A worker is ``lost`` when it misses heartbeats for ``peer_timeout`` seconds, or at once
 when it ran on this machine and its process is gone. The manager holds no state that
@@ -32,7 +33,7 @@ from ..config import Settings
 from ..transports import leftovers
 from ..util.procs import process_gone
 from ..errors import ProtocolError
-from ..info import MembershipEvent, WorkerInfo, check_plain
+from ..info import MAX_REASON, MembershipEvent, WorkerInfo, check_plain
 from .security import ClusterKeys, ZapHandler, generate_token
 
 __all__ = ["Manager", "main"]
@@ -200,7 +201,8 @@ class Manager:
                  "silence": mono - self._last_seen.get(info.address, mono)}   # since its last heartbeat
                 for info in self._roster.values()
             ],
-            "events": [{"kind": e.kind, "address": e.address} for e in self.events],
+            "events": [{"kind": e.kind, "address": e.address, **({"reason": e.reason} if e.reason else {})}
+                       for e in self.events],
         }
 
     # -- socket handling ---------------------------------------------------------------
@@ -269,9 +271,12 @@ class Manager:
             bye_to = req.get("bye_to", [])
             if not isinstance(bye_to, list) or not all(isinstance(a, str) for a in bye_to):
                 raise TypeError("deregister 'bye_to' must be a list of addresses")
+            failure = req.get("failure", "")     # why it closed, when its code raised
+            if not isinstance(failure, str):
+                raise TypeError("deregister 'failure' must be a str")
             info = self._roster.get(req["address"])
             if info is not None and info.incarnation == req.get("incarnation"):
-                self._remove(info, "left", bye_to=bye_to)
+                self._remove(info, "failed" if failure else "left", bye_to=bye_to, reason=failure[:MAX_REASON])
             self._reply(identity, req, ok=True)
         elif op == "lookup":
             info = self._roster.get(req["address"])
@@ -331,7 +336,7 @@ class Manager:
         for waiter_identity, request_id in self._lookups.pop(info.address, ()):
             self._send(waiter_identity, {"op": "reply", "id": request_id, "info": info.to_wire()})
 
-    def _remove(self, info: WorkerInfo, kind: str, bye_to: list[str] = ()) -> None:
+    def _remove(self, info: WorkerInfo, kind: str, bye_to: list[str] = (), reason: str = "") -> None:
         self._roster.pop(info.address, None)
         identity = self._identity.pop(info.address, None)
         if identity is not None:   # nobody is left to answer: forget what it waits for
@@ -341,7 +346,7 @@ class Manager:
         if info.pid and info.meta.get("machine") == self._machine and len(self._sweep) < 100_000:
             self._sweep.add(info.pid)
             self._sweep_gone()
-        self._announce(MembershipEvent(kind, info.address, info.incarnation, info), bye_to)
+        self._announce(MembershipEvent(kind, info.address, info.incarnation, info, reason), bye_to)
 
     def _sweep_gone(self) -> None:
         """Unlink the shared memory of departed local workers whose process is gone (a
@@ -358,8 +363,9 @@ class Manager:
         self.events.append(event)
         message = {"op": "event", "kind": event.kind, "address": event.address,
                    "incarnation": event.incarnation, "version": self.version,
-                   "info": event.info.to_wire() if event.info else None, "bye_to": list(bye_to)}
-        log.info("rlinf manager: %s %s", event.kind, event.address)
+                   "info": event.info.to_wire() if event.info else None, "bye_to": list(bye_to),
+                   "reason": event.reason}
+        log.info("rlinf manager: %s %s%s", event.kind, event.address, f" ({event.reason})" if event.reason else "")
         for identity in list(self._identity.values()):
             self._send(identity, message)
         try:
