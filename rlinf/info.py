@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 __all__ = ["DeviceInfo", "WorkerInfo", "MembershipEvent", "parse_address", "check_plain", "check_timeout",
-           "PLAIN_DEPTH"]
+           "PLAIN_DEPTH", "MAX_REASON", "failure_summary"]
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -182,14 +182,31 @@ def _expect(name: str, value: Any, kind: type | tuple[type, ...]) -> None:
 class MembershipEvent:
     """A change in the cluster's membership, as seen from ``comm.events()``.
 
-    ``kind`` is ``"joined"`` (registered), ``"left"`` (deregistered cleanly) or
-    ``"lost"`` (stopped heartbeating or its process died).
+    ``kind`` is ``"joined"`` (registered), ``"left"`` (closed cleanly: its function
+    returned, or its communicator was closed), ``"failed"`` (closed cleanly because its
+    code raised: a spawned worker's function, or the body of its ``async with``;
+    ``reason`` is the exception's one-line summary, e.g. ``"RuntimeError: boom"``) or
+    ``"lost"`` (killed, crashed, or silent for longer than the peer timeout). A
+    ``"failed"`` worker delivered what it sent before, as one that left does.
     """
 
-    kind: Literal["joined", "left", "lost"]
+    kind: Literal["joined", "left", "failed", "lost"]
     address: str
     incarnation: str = ""
     info: WorkerInfo | None = None
+    reason: str = ""
+
+
+#: The longest ``MembershipEvent.reason`` (characters); a longer summary is cut.
+MAX_REASON = 300
+
+
+def failure_summary(exc: BaseException) -> str:
+    """The one-line summary of ``exc`` that a ``"failed"`` event carries: its type's
+    name and the first line of its message, at most :data:`MAX_REASON` characters."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0].strip()}" if lines else type(exc).__name__
+    return text if len(text) <= MAX_REASON else text[:MAX_REASON - 3] + "..."
 
 
 def socket_dirs(info: WorkerInfo | None) -> list[str]:

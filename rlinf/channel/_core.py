@@ -19,19 +19,17 @@ returned by ``get`` without ``ack`` counts as delivered and is not put back.
 from __future__ import annotations
 
 import collections
-import logging
 import math
 import time
 from typing import Any, Callable
 
 from ..util.bounded import Doubling, Recent
 from . import _lost
+from ._guard import PolicyGuard
 from ._state import Handle, Item, Request, insert_by_id
-from .policies import ItemInfo, LoadBalancePolicy, make_policy, select_checked
+from .policies import ItemInfo, LoadBalancePolicy, make_policy
 
 __all__ = ["ChannelCore"]
-
-log = logging.getLogger("rlinf.channel")
 
 _BUSY_WINDOW = 10.0
 _BUSY_BUCKET = 0.25
@@ -56,6 +54,7 @@ class ChannelCore:
         self.name = name
         self.maxsize = maxsize
         self.policy: LoadBalancePolicy = make_policy(policy)
+        self.guard = PolicyGuard(name, self.policy)     # counts (stats) and logs its failures
         self.work_stealing = work_stealing
         self.send = send
         self.clock = clock
@@ -314,11 +313,8 @@ class ChannelCore:
         span = min(_BUSY_WINDOW, max(now - h.joined, 1e-9))
         h.busy_fraction = min(1.0, sum(b[1] for b in busy) / span)
         if seconds > 0:
-            try:
-                self.policy.on_consumed(h.name, ItemInfo(first.id, weight, first.key, first.nbytes,
-                                                         first.producer), float(seconds))
-            except Exception:   # a user policy's bug must not stop the channel
-                log.exception("channel %s: policy %s.on_consumed failed", self.name, self.policy.name)
+            self.guard.consumed(h.name, ItemInfo(first.id, weight, first.key, first.nbytes, first.producer),
+                                float(seconds))
 
     def _op_close(self, h: Handle, rid: int) -> None:
         self.close()
@@ -414,12 +410,9 @@ class ChannelCore:
         self.key_weight[key] += item.weight
         members = self.consumers.get(key)
         if self.policy.assigns and members:
-            try:
-                choice = select_checked(self.policy, item.info(), [c.snapshot() for c in members])
-            except Exception:   # a user policy's bug must not stop the channel: fall back to FIFO
-                log.exception("channel %s: policy %s failed; item %d goes to the shared queue",
-                              self.name, self.policy.name, item.id)
-            else:
+            # None: the policy failed (counted, logged once); the item goes to the shared queue
+            choice = self.guard.select(item.info(), [c.snapshot() for c in members])
+            if choice is not None:
                 h = members[choice]
                 insert_by_id(h.assigned, key, item)
                 h.add_pending(1, item.weight)
@@ -694,7 +687,7 @@ class ChannelCore:
             "consumers": consumers,
             "producers": sum(1 for h in self.handles.values() if h.puts),
             "put_count": self.put_count, "get_count": self.get_count,
-            "requeued": self.requeued, "rejected": self.rejected,
+            "requeued": self.requeued, "rejected": self.rejected, "policy_errors": self.guard.errors,
             "put_rate": sum(r[1] for r in recent) / span, "get_rate": sum(r[2] for r in recent) / span,
             "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "uptime": uptime,
         }

@@ -23,6 +23,7 @@ so keep them picklable (plain attributes, a module-level class).
 
 from __future__ import annotations
 
+import inspect
 import math
 import operator
 from abc import ABC, abstractmethod
@@ -455,12 +456,14 @@ def make_policy(
     Raises:
         ValueError: an unknown name; the message lists the valid ones.
         TypeError: anything else, or a class that is not a :class:`LoadBalancePolicy`
-            subclass or cannot be instantiated without arguments.
+            subclass or cannot be instantiated without arguments, or a policy whose
+            ``select_consumer`` cannot be called as ``select_consumer(item, consumers)``
+            (checked as soon as it is built).
     """
     if spec is None:
         return FIFO()
     if isinstance(spec, LoadBalancePolicy):
-        return spec
+        return _check_policy(spec)
     if isinstance(spec, str):
         key = spec.strip().lower().replace("-", "_").replace(" ", "_")
         cls = _BUILTIN.get(key)
@@ -473,17 +476,58 @@ def make_policy(
     if isinstance(spec, type):
         if not issubclass(spec, LoadBalancePolicy):
             raise TypeError(f"policy class {spec.__qualname__} does not subclass rlinf.LoadBalancePolicy")
+        if "select_consumer" in getattr(spec, "__abstractmethods__", ()):
+            raise TypeError(f"policy class {spec.__qualname__} does not implement {_SELECT}")
         try:
-            return spec()
+            policy = spec()
         except TypeError as exc:
             raise TypeError(
                 f"cannot build policy {spec.__qualname__}() without arguments ({exc}); "
                 "pass an instance instead"
             ) from exc
+        return _check_policy(policy)
     raise TypeError(
         f"policy must be None, a name ({', '.join(POLICY_NAMES)}), a LoadBalancePolicy "
         f"subclass or instance, got {type(spec).__name__}"
     )
+
+
+_SELECT = "select_consumer(self, item, consumers) -> int"
+
+
+def _check_policy(policy: LoadBalancePolicy) -> LoadBalancePolicy:
+    """Check, before any item is placed, that ``policy.select_consumer`` can be called as
+    ``select_consumer(item, consumers)``: a callable, not a coroutine function (a policy
+    never awaits), taking those two arguments.
+
+    Args:
+        policy: a policy instance.
+
+    Returns:
+        ``policy``.
+
+    Raises:
+        TypeError: it cannot be called that way; the message says why.
+    """
+    method = getattr(policy, "select_consumer", None)
+    what = f"policy {type(policy).__qualname__}"
+    if not callable(method):
+        raise TypeError(f"{what} does not implement {_SELECT} (select_consumer is {method!r})")
+    if inspect.iscoroutinefunction(method):
+        raise TypeError(f"{what}: select_consumer is a coroutine function; a policy runs once per item "
+                        f"and never awaits: define it with plain def, as {_SELECT}")
+    try:
+        signature = inspect.signature(method)
+    except (TypeError, ValueError):    # a callable without introspectable signature: checked per call
+        return policy
+    try:
+        signature.bind(None, None)
+    except TypeError as exc:
+        bare = signature.replace(parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+                                 return_annotation=signature.empty)
+        raise TypeError(f"{what}: select_consumer{bare} cannot be called as "
+                        f"select_consumer(item, consumers) ({exc}); define {_SELECT}") from None
+    return policy
 
 
 def select_checked(policy: LoadBalancePolicy, item: ItemInfo, consumers: list[ConsumerInfo]) -> int:

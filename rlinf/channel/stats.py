@@ -76,6 +76,8 @@ class ChannelStats:
         requeued: items put back in the queue (consumer died or detached, cancelled get,
             stolen by work stealing).
         rejected: puts refused because the channel was closed.
+        policy_errors: calls of the load-balancing policy that raised or returned a bad
+            value (the item then went to the shared queue); only the first is logged.
         put_rate, get_rate: items per second over the last 5 s.
         bytes_in, bytes_out: payload bytes accepted / handed out.
         uptime: seconds since the channel started.
@@ -94,6 +96,7 @@ class ChannelStats:
     get_count: int
     requeued: int
     rejected: int
+    policy_errors: int
     put_rate: float
     get_rate: float
     bytes_in: int
@@ -135,7 +138,8 @@ class ChannelStats:
             f"Channel {self.name!r} ({state}, policy={self.policy}, {size}, up {self.uptime:.1f} s)",
             f"  queued {self.length} items, weight {self.weight:.6g}; producers {self.producers}; "
             f"put {self.put_count} ({self.put_rate:.1f}/s), got {self.get_count} ({self.get_rate:.1f}/s); "
-            f"requeued {self.requeued}, rejected {self.rejected}; "
+            f"requeued {self.requeued}, rejected {self.rejected}"
+            f"{f', policy errors {self.policy_errors}' if self.policy_errors else ''}; "
             f"bytes in {_bytes(self.bytes_in)}, out {_bytes(self.bytes_out)}",
         ]
         for k in self.keys:

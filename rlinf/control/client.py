@@ -302,7 +302,9 @@ class ControlClient:
                 fut.set_result(message)
         elif op == "event":
             info = WorkerInfo.from_wire(message["info"]) if message.get("info") else None
-            event = MembershipEvent(message["kind"], message["address"], message.get("incarnation", ""), info)
+            reason = message.get("reason", "")
+            event = MembershipEvent(message["kind"], message["address"], message.get("incarnation", ""), info,
+                                    reason if isinstance(reason, str) else "")
             self._version = max(self._version, message.get("version", 0))
             self._apply(event, self.info.address in message.get("bye_to", ()))
         elif op == "heartbeat":
@@ -447,10 +449,12 @@ class ControlClient:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def close(self, *, deregister: bool = True, bye_to: list[str] = ()) -> None:
+    async def close(self, *, deregister: bool = True, bye_to: list[str] = (), failure: str = "") -> None:
         """Deregister (best effort, bounded) and close. Idempotent.
 
         ``bye_to`` lists the peers that were sent an in-order "bye" on their data link.
+        ``failure``: the one-line summary of the exception this worker closes because of
+        (the manager then announces ``failed`` instead of ``left``).
         """
         if self._closed:
             return
@@ -472,7 +476,8 @@ class ControlClient:
             if deregister and self.manager_reachable:
                 try:
                     await self.request("deregister", timeout=1.0, address=self.info.address,
-                                       incarnation=self.info.incarnation, bye_to=list(bye_to))
+                                       incarnation=self.info.incarnation, bye_to=list(bye_to),
+                                       **({"failure": failure} if failure else {}))
                 except (CommTimeoutError, AuthenticationError, zmq.ZMQError):
                     pass   # best effort: the manager will notice us gone anyway
         finally:

@@ -4,7 +4,8 @@ The manager owns a ZeroMQ ROUTER (requests from workers, and membership events p
 back on the same connection so no worker misses one) and a PUB socket (the same events
 for observers such as ``rlinf top``). Both are CURVE-authenticated with the cluster
 token. It keeps a roster ``address -> WorkerInfo`` plus the latest stats each worker
-reported with its heartbeat, and announces ``joined`` / ``left`` / ``lost``.
+reported with its heartbeat, and announces ``joined`` / ``left`` / ``failed`` / ``lost``
+(``failed``: a worker that deregistered saying its code raised, with the summary).
 
 A worker is ``lost`` when it misses heartbeats for ``peer_timeout`` seconds, or at once
 when it ran on this machine and its process is gone. The manager holds no state that
@@ -32,12 +33,33 @@ from ..config import Settings
 from ..transports import leftovers
 from ..util.procs import process_gone
 from ..errors import ProtocolError
-from ..info import MembershipEvent, WorkerInfo, check_plain
+from ..info import MAX_REASON, MembershipEvent, WorkerInfo, check_plain
 from .security import ClusterKeys, ZapHandler, generate_token
 
 __all__ = ["Manager", "main"]
 
 log = logging.getLogger("rlinf.manager")
+
+#: Seconds between the manager's liveness checks (``Manager(check_interval=...)``).
+CHECK_INTERVAL = 0.1
+
+
+def detection_time(settings: Settings) -> float:
+    """The failure-detection time: the longest a worker judged by its heartbeats (one on
+    another machine that was killed, stalled or cut off) goes from its failure to being
+    declared ``lost``, in seconds. Its last heartbeat arrived at most when it failed;
+    ``settings.peer_timeout`` of silence later, the next liveness check (every
+    :data:`CHECK_INTERVAL`) declares it lost. Pending operations on it fail as the
+    event reaches their worker, one message (milliseconds) later. The docs state this
+    figure for the defaults (a test checks that they agree)."""
+    return settings.peer_timeout + CHECK_INTERVAL
+
+
+def local_backstop(peer_timeout: float) -> float:
+    """Seconds of silence after which a live process on the manager's own machine counts
+    as lost: its liveness is observable, so silence means busy; a dead one is lost at
+    its first liveness check."""
+    return max(10.0, 4 * peer_timeout)
 
 #: Lookups of one address that wait for it to register (see ``Manager._wait_lookup``).
 MAX_LOOKUP_WAITERS = 1024
@@ -62,7 +84,7 @@ class Manager:
     """
 
     def __init__(self, bind: str = "tcp://127.0.0.1:0", *, token: str | None = None,
-                 peer_timeout: float | None = None, check_interval: float = 0.1,
+                 peer_timeout: float | None = None, check_interval: float = CHECK_INTERVAL,
                  settings: Settings | None = None) -> None:
         if peer_timeout is None:
             peer_timeout = (settings if settings is not None else Settings.from_env()).peer_timeout
@@ -74,7 +96,7 @@ class Manager:
             raise ValueError(f"peer_timeout and check_interval must be > 0 seconds, got "
                              f"{self.peer_timeout!r} and {check_interval!r}")
         #: Silence after which a live process on the manager's own machine counts as lost.
-        self.local_backstop = max(10.0, 4 * self.peer_timeout)
+        self.local_backstop = local_backstop(self.peer_timeout)
         self._check_interval = check_interval
         self._roster: dict[str, WorkerInfo] = {}
         self._identity: dict[str, bytes] = {}       # address -> ROUTER identity
@@ -179,7 +201,8 @@ class Manager:
                  "silence": mono - self._last_seen.get(info.address, mono)}   # since its last heartbeat
                 for info in self._roster.values()
             ],
-            "events": [{"kind": e.kind, "address": e.address} for e in self.events],
+            "events": [{"kind": e.kind, "address": e.address, **({"reason": e.reason} if e.reason else {})}
+                       for e in self.events],
         }
 
     # -- socket handling ---------------------------------------------------------------
@@ -248,9 +271,12 @@ class Manager:
             bye_to = req.get("bye_to", [])
             if not isinstance(bye_to, list) or not all(isinstance(a, str) for a in bye_to):
                 raise TypeError("deregister 'bye_to' must be a list of addresses")
+            failure = req.get("failure", "")     # why it closed, when its code raised
+            if not isinstance(failure, str):
+                raise TypeError("deregister 'failure' must be a str")
             info = self._roster.get(req["address"])
             if info is not None and info.incarnation == req.get("incarnation"):
-                self._remove(info, "left", bye_to=bye_to)
+                self._remove(info, "failed" if failure else "left", bye_to=bye_to, reason=failure[:MAX_REASON])
             self._reply(identity, req, ok=True)
         elif op == "lookup":
             info = self._roster.get(req["address"])
@@ -310,7 +336,7 @@ class Manager:
         for waiter_identity, request_id in self._lookups.pop(info.address, ()):
             self._send(waiter_identity, {"op": "reply", "id": request_id, "info": info.to_wire()})
 
-    def _remove(self, info: WorkerInfo, kind: str, bye_to: list[str] = ()) -> None:
+    def _remove(self, info: WorkerInfo, kind: str, bye_to: list[str] = (), reason: str = "") -> None:
         self._roster.pop(info.address, None)
         identity = self._identity.pop(info.address, None)
         if identity is not None:   # nobody is left to answer: forget what it waits for
@@ -320,7 +346,7 @@ class Manager:
         if info.pid and info.meta.get("machine") == self._machine and len(self._sweep) < 100_000:
             self._sweep.add(info.pid)
             self._sweep_gone()
-        self._announce(MembershipEvent(kind, info.address, info.incarnation, info), bye_to)
+        self._announce(MembershipEvent(kind, info.address, info.incarnation, info, reason), bye_to)
 
     def _sweep_gone(self) -> None:
         """Unlink the shared memory of departed local workers whose process is gone (a
@@ -337,8 +363,9 @@ class Manager:
         self.events.append(event)
         message = {"op": "event", "kind": event.kind, "address": event.address,
                    "incarnation": event.incarnation, "version": self.version,
-                   "info": event.info.to_wire() if event.info else None, "bye_to": list(bye_to)}
-        log.info("rlinf manager: %s %s", event.kind, event.address)
+                   "info": event.info.to_wire() if event.info else None, "bye_to": list(bye_to),
+                   "reason": event.reason}
+        log.info("rlinf manager: %s %s%s", event.kind, event.address, f" ({event.reason})" if event.reason else "")
         for identity in list(self._identity.values()):
             self._send(identity, message)
         try:

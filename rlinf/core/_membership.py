@@ -107,13 +107,15 @@ class Membership:
             if info is not None and event.incarnation and info.incarnation != event.incarnation:
                 return   # an older incarnation went away; the current one is fine
             self._roster.pop(event.address, None)
-            if event.kind == "left" and bye_sent:
+            # "failed": its code raised, but it closed as one that left does (goodbye sent)
+            kind = "left" if event.kind == "failed" else event.kind
+            if kind == "left" and bye_sent:
                 # Its last messages may still be in flight on the data socket; its "bye"
                 # follows them. Fall back to the event if the bye never comes.
                 self._later(_BYE_GRACE, self._later, _AFTER_ONE_POLL,
                             self.peer_gone, event.address, event.incarnation, "left", info)
             else:
-                self.peer_gone(event.address, event.incarnation, event.kind, info)
+                self.peer_gone(event.address, event.incarnation, kind, info)
         for queue in self._subscribers:
             queue.put_nowait(event)
 

@@ -32,7 +32,7 @@ from ..codec import Codec
 from ..control import client as control, devices
 from ..control.security import ClusterKeys, ZapHandler
 from ..errors import ClosedError, CommTimeoutError, TransportUnavailableError
-from ..info import MembershipEvent, WorkerInfo, check_plain, check_timeout, parse_address
+from ..info import MembershipEvent, WorkerInfo, check_plain, check_timeout, failure_summary, parse_address
 from ..transports import leftovers, shm, tcp_bulk
 from ..transports.cuda import ipc as cuda_ipc
 from ..transports.shm import PullSession
@@ -120,6 +120,7 @@ class CoreCommunicator:
         self._loop_thread: int | None = None
         self._context: zmq.Context | None = None
         self._closed: ClosedError | None = None
+        self._failure = ""     # why its ``async with`` body raised: peers see "failed", not "left"
         self._started = False
         self._routing = routing.RoutingConfig.from_settings(settings)
         if disable:
@@ -179,7 +180,9 @@ class CoreCommunicator:
         await self.start()
         return self
 
-    async def __aexit__(self, *exc_info) -> None:
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        if isinstance(exc, Exception):     # not a cancellation, Ctrl-C or exit: those leave
+            self._failure = failure_summary(exc)
         await self.aclose()
 
     async def start(self) -> Self:
@@ -401,7 +404,7 @@ class CoreCommunicator:
                 log.exception("rlinf %s: error while closing a subsystem", self.address)
         try:
             if self._control is not None:
-                await self._control.close(deregister=deregister, bye_to=bye_to)
+                await self._control.close(deregister=deregister, bye_to=bye_to, failure=self._failure)
         except asyncio.CancelledError as exc:   # finish closing, then re-raise
             cancelled = exc
         finally:

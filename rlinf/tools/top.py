@@ -11,7 +11,7 @@ registering as a worker) and shows:
   :class:`~rlinf.channel.stats.ChannelStats` the server sends with its heartbeats
   (``stats["channel"]``: length, total weight, and per consumer pending items, measured
   speed and busy share), or its traffic until the first report;
-* recent membership events (joined / left / lost).
+* recent membership events (joined / left / failed, with why / lost).
 
 ``rlinf top --once --json`` prints one snapshot as JSON for scripts.
 """
@@ -353,11 +353,12 @@ def render(view: View, *, events: int = 8, heartbeat: float = DEFAULTS.heartbeat
         et.add_column("seen")
         et.add_column("event")
         et.add_column("address")
-        colours = {"joined": "green", "left": "yellow", "lost": "red"}
+        colours = {"joined": "green", "left": "yellow", "failed": "magenta", "lost": "red"}
         for e, t in list(zip(evs, view.event_times or [None] * len(evs)))[-events:][::-1]:
             seen = time.strftime("%H:%M:%S", time.localtime(t)) if t else "earlier"
             kind = e.get("kind", "?")
-            et.add_row(seen, f"[{colours.get(kind, 'white')}]{kind}[/]", e.get("address", "?"))
+            reason = f" ({e['reason']})" if e.get("reason") else ""     # plain text: no markup in it
+            et.add_row(seen, f"[{colours.get(kind, 'white')}]{kind}[/]", Text(f"{e.get('address', '?')}{reason}"))
         parts.append(et)
     return Group(*parts)
 

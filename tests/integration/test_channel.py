@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import os
 import signal
@@ -450,6 +451,58 @@ async def test_a_policy_that_cannot_reach_the_channel_process_is_refused(driver)
     with pytest.raises(TypeError, match="cannot be pickled"):
         await driver.create_channel("local-policy", policy=LocalPolicy())
     assert not multiprocessing.active_children()
+
+
+class _Forgot(rlinf.LoadBalancePolicy):
+    """Named its method otherwise: no select_consumer at all."""
+
+    def choose(self, item, consumers):
+        return 0
+
+
+class _OneArgument(rlinf.LoadBalancePolicy):
+    def select_consumer(self, item):
+        return 0
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "process"])
+async def test_a_policy_without_a_usable_select_consumer_is_refused_by_create_channel(driver, in_process):
+    """Refused at once, with what is wrong, not accepted to send every item to the shared
+    queue with a traceback per item; no server is started."""
+    async with asyncio.timeout(30):
+        with pytest.raises(TypeError, match=r"_Forgot does not implement select_consumer\(self, item, consumers\)"):
+            await driver.create_channel("forgot", policy=_Forgot, in_process=in_process)
+        with pytest.raises(TypeError, match=r"select_consumer\(item\) cannot be called as "
+                                            r"select_consumer\(item, consumers\)"):
+            await driver.create_channel("one-arg", policy=_OneArgument(), in_process=in_process)
+        assert not multiprocessing.active_children()
+        assert not [w for w in await driver.peers() if w.address.startswith("channel.")]
+
+
+async def test_a_policy_failing_on_every_item_is_logged_once_and_counted(driver, comms, caplog):
+    """Every item still reaches the consumer (through the shared queue); the channel's
+    log gets one warning with the first traceback, not one per item; ``stats()`` counts
+    every failure. (The server runs in this process, so its log is caplog's.)"""
+    class Raises(rlinf.LoadBalancePolicy):
+        def select_consumer(self, item, consumers):
+            raise RuntimeError(f"no idea where item {item.item_id} goes")
+
+    caplog.set_level(logging.DEBUG, logger="rlinf.channel")
+    n = 40
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("p-raises", policy=Raises(), in_process=True)
+        (c,) = await _handles(comms, "p-raises", 1)
+        (first,) = await _join([c])          # a consumer of the key: the policy is asked
+        for i in range(n):
+            await ch.put(i)
+        got = [await first] + [await c.get(timeout=10) for _ in range(n - 1)]
+        assert got == list(range(n))
+        stats = await ch.stats()
+        assert stats.policy_errors == n and stats.get_count == n
+    records = [r for r in caplog.records if r.name == "rlinf.channel" and "Raises" in r.getMessage()]
+    assert len(records) == 1, [r.getMessage() for r in records]
+    assert records[0].levelno == logging.WARNING
+    assert "RuntimeError: no idea where item 1 goes" in caplog.text
 
 
 # -- policies on crafted consumer states in a live channel ----------------------------------------

@@ -103,13 +103,15 @@ def test_render_shows_workers_channels_and_new_events():
                          "stats": {"channel": {"length": 3, "weight": 12.5, "consumers": [
                              {"name": "a:0", "pending_count": 2, "speed": 4.0, "busy_fraction": 0.5}]}}}]}
     view.update(base)
-    view.update({**base, "version": 2, "events": base["events"] + [{"kind": "lost", "address": "b:0"}]})
+    failed = {"kind": "failed", "address": "c:0", "reason": "IndexError: [bold]3[/] out of range"}
+    view.update({**base, "version": 3, "events": base["events"] + [{"kind": "lost", "address": "b:0"}, failed]})
     console = Console(width=200, record=True)
     console.print(top.render(view))
     text = console.export_text()
-    for expected in ("a:0", "cuda:0", "silent 9.0s", "rollouts", "pending 2", "busy 50%", "lost", "b:0"):
+    for expected in ("a:0", "cuda:0", "silent 9.0s", "rollouts", "pending 2", "busy 50%", "lost", "b:0",
+                     "failed", "c:0 (IndexError: [bold]3[/] out of range)"):    # a reason is text, not markup
         assert expected in text, expected
-    assert view.event_times[0] is None and view.event_times[1] is not None   # only the new one is stamped
+    assert view.event_times[0] is None and view.event_times[1] is not None   # only the new ones are stamped
 
 
 async def _snapshot_when(cluster, predicate) -> dict:

@@ -87,6 +87,18 @@ class BadSetup(rlinf.Worker):
             raise RuntimeError("setup exploded on rank 1")
 
 
+async def send_then_raise(comm, n: int):
+    """Send 0..n-1 to the driver, then raise (its messages are still delivered)."""
+    for i in range(n):
+        await comm.send(i, "driver:0", timeout=60)
+    raise ValueError("bad batch 7\nthe rest of the message, on more lines")
+
+
+class RunRaises(rlinf.Worker):
+    async def run(self) -> None:
+        raise KeyError("policy")
+
+
 async def returns(comm, value):
     return {"address": comm.address, "value": value, "flag": os.environ.get("MY_FLAG"),
             "node": comm.info.node_id}
@@ -481,6 +493,50 @@ async def test_failure_raises_with_traceback_and_kills_the_rest(launcher, cluste
             await cluster.spawn(BadSetup, "bad", 2, launcher=launcher)
         assert info.value.address == "bad:1"
         assert all(reaped(pid) for pid in cluster._groups[-1].pids)   # rank 0 did not linger
+
+
+async def _departures(events, addresses: set[str]) -> dict[str, rlinf.MembershipEvent]:
+    """The departure event (any kind but "joined") of each of ``addresses``."""
+    seen: dict[str, rlinf.MembershipEvent] = {}
+    async for event in events:
+        if event.address in addresses and event.kind != "joined":
+            seen[event.address] = event
+            if len(seen) == len(addresses):
+                return seen
+    raise AssertionError(f"events ended; seen {seen}")
+
+
+async def test_peers_tell_a_worker_that_raised_from_one_that_returned_or_was_killed(launcher, cluster, driver):
+    """Issue 28: a worker that raised showed as "left", like one that finished. Now its
+    peers see "failed" with the exception's one-line summary; one that returned "left";
+    one killed -9 "lost". One that failed still closed cleanly: what it sent first is
+    delivered, then receives from it raise (it left)."""
+    async with asyncio.timeout(90):
+        events = driver.events()
+        names = {"raiser:0", "runner:0", "returner:0", "victim:0"}
+        departures = asyncio.ensure_future(_departures(events, names))
+        await asyncio.sleep(0)                  # the iterator is subscribed from here on
+        raiser = await cluster.spawn(send_then_raise, "raiser", 1, args=(5,), launcher=launcher)
+        runner = await cluster.spawn(RunRaises, "runner", 1, launcher=launcher)
+        returner = await cluster.spawn(returns, "returner", 1, args=(7,), launcher=launcher)
+        victim = await cluster.spawn(Counter, "victim", 1, launcher=launcher)
+        os.kill(victim.pids[0], signal.SIGKILL)
+        assert [await driver.recv("raiser:0", timeout=30) for _ in range(5)] == list(range(5))
+        with pytest.raises(rlinf.PeerLostError, match="raiser:0 left"):
+            await driver.recv("raiser:0", timeout=30)
+        seen = await departures
+        assert {a: (e.kind, e.reason) for a, e in seen.items()} == {
+            "raiser:0": ("failed", "ValueError: bad batch 7"),
+            "runner:0": ("failed", "KeyError: 'policy'"),
+            "returner:0": ("left", ""),
+            "victim:0": ("lost", ""),
+        }
+        with pytest.raises(rlinf.WorkerFailedError, match="bad batch 7"):
+            await raiser.join()
+        with pytest.raises(rlinf.WorkerFailedError, match="policy"):
+            await runner.join()
+        assert (await returner.join())[0]["value"] == 7
+        await events.aclose()
 
 
 async def test_bad_arguments(launcher, cluster):

@@ -12,6 +12,7 @@ import zmq.asyncio
 
 from rlinf.control import client as control
 from rlinf.control.manager import Manager
+from rlinf.info import MAX_REASON
 from rlinf.control.security import ClusterKeys
 
 pytestmark = pytest.mark.multiproc
@@ -125,6 +126,27 @@ async def test_a_bad_heartbeat_or_deregister_changes_nothing(manager, member):
     assert (await b.request("snapshot"))["snapshot"]["version"] == version
     assert (await b.request("deregister", address="b:0", incarnation="i1", bye_to=["a:0"]))["ok"]
     assert [w.address for w in manager.roster()] == ["a:0"]
+
+
+async def test_a_deregistration_that_says_why_is_announced_as_failed(manager, member):
+    """A worker whose code raised says so as it deregisters: "failed" with the summary
+    (cut to MAX_REASON); a summary that is not a str is refused like any bad field."""
+    a, b, c = member(b"a"), member(b"b"), member(b"c")
+    for m, address in ((a, "a:0"), (b, "b:0"), (c, "c:0")):
+        assert (await m.request("register", info=_info(address)))["ok"]
+    version = manager.version
+    b.send("deregister", address="b:0", incarnation="i1", failure=["RuntimeError: boom"])
+    assert sorted(w["address"] for w in (await b.request("roster"))["roster"]) == ["a:0", "b:0", "c:0"]
+    assert manager.version == version
+    assert (await b.request("deregister", address="b:0", incarnation="i1", failure="RuntimeError: boom"))["ok"]
+    assert (await c.request("deregister", address="c:0", incarnation="i1", failure="E: " + "x" * 1000))["ok"]
+    await a.request("roster")                  # the events were pushed before this reply
+    events = [(m["kind"], m["address"], m["reason"]) for m in a.seen if m.get("op") == "event"]
+    assert events[-2:] == [("failed", "b:0", "RuntimeError: boom"), ("failed", "c:0", ("E: " + "x" * 1000)[:MAX_REASON])]
+    snapshot = (await a.request("snapshot"))["snapshot"]
+    assert snapshot["events"][-2] == {"kind": "failed", "address": "b:0", "reason": "RuntimeError: boom"}
+    assert (await a.request("deregister", address="a:0", incarnation="i1"))["ok"]
+    assert manager.events[-1].kind == "left" and manager.events[-1].reason == ""
 
 
 async def test_waiting_lookups_are_kept_once_per_asker_and_dropped_with_it(manager, member):

@@ -40,6 +40,14 @@ async def raise_error(comm, message: str):
     raise RuntimeError(message)
 
 
+async def send_range_and_raise(comm, dst: str, n: int, message: str):
+    """Send 0..n-1 to ``dst``, then raise ``ValueError(message)`` (a worker that fails
+    after its last messages: they are delivered, as a clean exit's are)."""
+    for i in range(n):
+        await comm.send(i, dst, timeout=60)
+    raise ValueError(message)
+
+
 async def late_joiner(comm):
     obj = await comm.recv("driver:0", timeout=60)
     await comm.send(("late", obj), "driver:0", timeout=60)

@@ -264,6 +264,37 @@ def test_a_failing_user_policy_falls_back_to_the_shared_queue(caplog):
     assert "Broken" in caplog.text
 
 
+def test_a_policy_failing_on_every_item_is_logged_once_and_counted(caplog):
+    """Every item still reaches a consumer (through the shared queue); the log gets one
+    warning with the first traceback, not one per item; stats count every failure."""
+    class Raises(LoadBalancePolicy):
+        def select_consumer(self, item, consumers):
+            raise RuntimeError(f"no idea where item {item.item_id} goes")
+
+        def on_consumed(self, consumer, item, seconds):
+            raise KeyError(consumer)
+
+    caplog.set_level("DEBUG", logger="rlinf.channel")
+    t = Harness(policy=Raises())
+    t.hello("p:0", "a:0")
+    t.ops("a:0", ("credit", None, 0, None))
+    n = 20
+    t.put("p:0", *[1.0] * n)
+    t.get("a:0", max_items=None)
+    assert t.items("a:0") == [list(range(1, n + 1))]
+    records = [r for r in caplog.records if r.name == "rlinf.channel"]
+    assert len(records) == 1, [r.getMessage() for r in records]
+    assert records[0].levelname == "WARNING" and "Raises" in records[0].getMessage()
+    assert records[0].exc_info and "no idea where item 1 goes" in str(records[0].exc_info[1])
+    snap = ChannelStats.from_dict(t.core.stats())
+    assert snap.policy_errors == n and f"policy errors {n}" in str(snap)
+    t.now += 1.0
+    t.took("a:0", range(1, n + 1))
+    t.ops("a:0", ("done", list(range(1, n + 1)), 1.0))  # on_consumed raises too: counted, not logged
+    assert ChannelStats.from_dict(t.core.stats()).policy_errors == n + 1
+    assert len([r for r in caplog.records if r.name == "rlinf.channel"]) == 1
+
+
 # -- faults: nothing lost, nothing duplicated --------------------------------------------------
 def test_dead_consumer_items_go_back_in_order_except_delivered_ones():
     t = Harness(policy="round_robin")

@@ -347,6 +347,61 @@ def test_user_subclass_through_make_policy() -> None:
         make_policy(NeedsArgs)
 
 
+class NoSelect(LoadBalancePolicy):
+    """Forgot select_consumer (abstract: cannot be built)."""
+
+    def select(self, item: ItemInfo, consumers: list[ConsumerInfo]) -> int:
+        return 0
+
+
+class OneArgument(LoadBalancePolicy):
+    def select_consumer(self, item: ItemInfo) -> int:  # type: ignore[override]
+        return 0
+
+
+class ThreeArguments(LoadBalancePolicy):
+    def select_consumer(self, item: ItemInfo, consumers: list[ConsumerInfo], extra: int) -> int:  # type: ignore[override]
+        return 0
+
+
+class AsyncSelect(LoadBalancePolicy):
+    async def select_consumer(self, item: ItemInfo, consumers: list[ConsumerInfo]) -> int:  # type: ignore[override]
+        return 0
+
+
+class NotCallable(LoadBalancePolicy):
+    select_consumer = 0  # type: ignore[assignment]
+
+
+class Flexible(LoadBalancePolicy):
+    """Extra parameters with defaults, or *args, still take (item, consumers)."""
+
+    def select_consumer(self, item, consumers, bias=0, *rest, **options) -> int:  # type: ignore[override]
+        return bias
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (NoSelect, r"NoSelect does not implement select_consumer\(self, item, consumers\)"),
+        (OneArgument, r"OneArgument: select_consumer\(item\) cannot be called as select_consumer\(item, consumers\)"),
+        (OneArgument(), r"OneArgument: select_consumer\(item\) cannot be called"),
+        (ThreeArguments, r"select_consumer\(item, consumers, extra\) cannot be called"),
+        (AsyncSelect, "coroutine function.*never awaits"),
+        (NotCallable(), "NotCallable does not implement select_consumer"),
+    ],
+)
+def test_make_policy_rejects_a_policy_without_a_usable_select_consumer(spec: object, message: str) -> None:
+    """Checked when the policy is given (create_channel calls make_policy), not when the
+    first item is placed: such a policy would send every item to the shared queue."""
+    with pytest.raises(TypeError, match=message):
+        make_policy(spec)  # type: ignore[arg-type]
+
+
+def test_make_policy_accepts_a_select_consumer_with_extra_optional_parameters() -> None:
+    assert make_policy(Flexible).select_consumer(ITEM, consumers(pending_weight=[0.0])) == 0
+
+
 def test_subclass_of_builtin_gets_its_own_name() -> None:
     class MyRR(RoundRobin):
         pass

@@ -19,7 +19,7 @@ from rlinf.core._peer import PeerSessions
 from rlinf.core._send import SendPath
 from rlinf.core.interface import SYSTEM_TAGS
 from rlinf.core.stats import Counters
-from rlinf.info import MembershipEvent, WorkerInfo
+from rlinf.info import MAX_REASON, MembershipEvent, WorkerInfo, failure_summary
 from rlinf.util.bounded import Recent
 
 from ..recording_link import RecordingLink
@@ -134,6 +134,34 @@ async def test_a_lost_peer_closes_its_session_once_and_fails_its_pending_sends()
     assert lookup.cancelled() and session.task is None
     with pytest.raises(rlinf.PeerLostError):             # a later send fails at once
         core.queue("late")
+
+
+@pytest.mark.parametrize("kind", ["left", "failed"])
+async def test_a_failed_peer_departs_as_one_that_left_and_subscribers_see_why(kind):
+    """"failed" (its code raised, it closed properly) is a clean departure: the same
+    PeerLostError and departure record as "left"; only the event says more."""
+    core = _Core(asyncio.get_running_loop())
+    core.membership.on_event(MembershipEvent("joined", "peer:0", "inc1", _peer("inc1")))
+    events = core.membership.subscribe()
+    pending = core.queue("to it")
+    core.sessions.get("peer:0").outbox._blocked = True
+    waiting = core.queue("still queued")
+    reason = "ValueError: bad batch" if kind == "failed" else ""
+    core.membership.on_event(MembershipEvent(kind, "peer:0", "inc1", None, reason))
+    assert core.membership.departed("peer:0", "inc1").kind == "left"
+    event = events.get_nowait()
+    assert (event.kind, event.reason) == (kind, reason)
+    with pytest.raises(rlinf.PeerLostError, match="peer:0 left"):
+        await asyncio.wait_for(waiting, 5)
+    await asyncio.wait_for(pending, 5)
+
+
+def test_failure_summary_is_one_line_and_bounded():
+    assert failure_summary(ValueError("bad batch 7\nmore")) == "ValueError: bad batch 7"
+    assert failure_summary(KeyError("policy")) == "KeyError: 'policy'"
+    assert failure_summary(RuntimeError()) == "RuntimeError"
+    long = failure_summary(RuntimeError("x" * 1000))
+    assert len(long) == MAX_REASON and long.endswith("...")
 
 
 async def test_a_restarted_peer_gets_a_new_session():
