@@ -343,7 +343,7 @@ class Settings:
         "Longest a receive polls before it sleeps, in microseconds (0: never poll).",
         off=True, unit="us")
     window_bytes: int = _knob(
-        "RLINF_WINDOW_BYTES", "size", 16 * MIB,
+        "RLINF_WINDOW_BYTES", "size", 8 * MIB,
         "Bytes of user messages one sender may have waiting in this receiver's memory, not yet "
         "received by its application (its credit window: sends wait for room; one larger message "
         "still goes when nothing else is outstanding).", minimum=1)

@@ -190,7 +190,7 @@ async def test_a_clean_close_delivers_what_was_sent(cluster, driver):
         _ledger(got, n)
 
 
-@pytest.mark.parametrize("nbytes", [100, 3 << 20], ids=["small", "bulk"])
+@pytest.mark.parametrize("nbytes", [100, 3 << 19], ids=["small", "bulk"])
 async def test_what_a_peer_taken_for_lost_sends_is_held_until_it_is_back(cluster, monkeypatch, nbytes):
     """The receiver takes the sender for lost (a network outage) while the sender goes
     on sending; the sender is back, same incarnation. The chaos soak found a 3 MiB
@@ -209,7 +209,7 @@ async def test_what_a_peer_taken_for_lost_sends_is_held_until_it_is_back(cluster
         assert await b.recv("a:0", timeout=10) == -1
         info = b._roster["a:0"]
         b._membership.on_event(MembershipEvent("lost", "a:0", a.incarnation))      # as the manager would
-        n = 4       # within b's credit window: held, they count against it (4 x 3 MiB < 16 MiB)
+        n = 4       # within b's credit window: held, they count against it (4 x 1.5 MiB < 8 MiB)
         for i in range(n):
             await a.send({"i": i, "x": np.full(nbytes, i, np.uint8)}, "b:0", timeout=20)
         with pytest.raises(PeerLostError):

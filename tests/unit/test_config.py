@@ -38,7 +38,7 @@ TODAY = {
     "RLINF_CUDA_IPC_CAP": 2 * G,             # cuda_ipc.DEFAULT_CAP
     "RLINF_NO_TORCH": False,
     "RLINF_BUSY_POLL": 1000.0,               # busypoll.DEFAULT_US
-    "RLINF_WINDOW_BYTES": 16 << 20,          # the credit window (flow control, issue 24)
+    "RLINF_WINDOW_BYTES": 8 << 20,           # the credit window (flow control, issue 24)
     "RLINF_WINDOW_MSGS": 4096,
     "RLINF_PEER_TIMEOUT": 2.5,
     "RLINF_HEARTBEAT_INTERVAL": 0.25,

@@ -1,0 +1,82 @@
+"""The sender's side of flow control (``rlinf.core._credit``), without processes: when a
+message may go, what an acknowledgement frees, and what a late report may not undo."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+from rlinf.core._credit import Credit, Window
+
+
+def _msg(nbytes: int, future=None):
+    return types.SimpleNamespace(nbytes=nbytes, future=future, discard=None, counted=False)
+
+
+def test_messages_go_while_the_window_has_room_then_wait_in_order():
+    credit = Credit(Window(msgs=3, nbytes=1000))
+    for _ in range(3):
+        assert credit.open_to(100)
+        credit.take(100)
+    assert not credit.open_to(100)                  # 3 messages outstanding: the window is full
+    waiting = [_msg(100), _msg(100)]
+    for m in waiting:
+        credit.wait(m)
+    assert list(credit.admit()) == []               # nothing freed yet
+    credit.give_back(1, 100)                        # one acknowledged, and its receiver took it
+    credit.report(1, 0, 0)
+    assert list(credit.admit()) == waiting[:1]      # room for one: the first, in order
+    assert credit.in_flight == 3 and list(credit.waiting) == waiting[1:]
+    credit.give_back(1, 100)
+    assert list(credit.admit()) == waiting[1:]
+
+
+def test_room_counts_what_the_receiver_holds_and_what_is_in_flight():
+    credit = Credit(Window(msgs=10, nbytes=1000))
+    credit.take(300)
+    credit.report(5, 2, 600)                        # it holds 2 messages, 600 bytes
+    assert credit.room(100) and not credit.room(101)
+    credit.report(7, 0, 0)                          # its application took them
+    assert credit.room(700)
+
+
+def test_a_message_larger_than_the_window_goes_only_when_nothing_is_outstanding():
+    credit = Credit(Window(msgs=10, nbytes=1000))
+    assert credit.room(5000)                        # nothing outstanding: it goes alone
+    credit.take(5000)
+    assert not credit.room(1)
+    credit.give_back(1, 5000)
+    credit.report(1, 1, 5000)                       # acknowledged, not yet received
+    assert not credit.room(1)
+    credit.report(1, 0, 0)
+    assert credit.room(5000)
+
+
+def test_a_late_report_does_not_undo_a_newer_one():
+    """A frame set that crossed a later one on another link carries an older count:
+    taking it would forget what arrived since."""
+    credit = Credit(Window(msgs=10, nbytes=1000))
+    credit.report(20, 4, 400)
+    credit.report(12, 1, 100)                       # older acknowledgement: ignored
+    assert (credit.held, credit.held_bytes) == (4, 400)
+    credit.report(20, 2, 200)                       # same acknowledgement, later: taken
+    assert (credit.held, credit.held_bytes) == (2, 200)
+
+
+def test_a_send_cancelled_while_waiting_is_dropped_and_never_counted():
+    loop = asyncio.new_event_loop()
+    try:
+        credit = Credit(Window(msgs=1, nbytes=1000))
+        credit.take(10)
+        cancelled, kept = _msg(10, loop.create_future()), _msg(10, loop.create_future())
+        discarded = []
+        cancelled.discard = lambda: discarded.append(True)
+        credit.wait(cancelled)
+        credit.wait(kept)
+        cancelled.future.cancel()                   # its send timed out
+        credit.give_back(1, 10)
+        assert list(credit.admit()) == [kept] and discarded == [True]
+        assert (credit.in_flight, credit.in_flight_bytes) == (1, 10)
+        assert credit.waits == 2
+    finally:
+        loop.close()
