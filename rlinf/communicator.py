@@ -26,7 +26,10 @@ class Communicator(CoreCommunicator):
     """A worker's endpoint: point-to-point messaging, membership, groups and channels.
 
     Use it as an async context manager (see :func:`connect`). All methods run on the
-    loop that entered it, except ``blocking_*`` (any other thread).
+    loop that entered it, except ``blocking_*`` (any other thread). Every operation
+    that takes ``timeout=`` (its own, its groups', its channels') treats None as
+    ``RLINF_TIMEOUT`` (``settings.timeout``) if set, else as "wait forever"; a timeout
+    given to the call wins.
 
     Args:
         address: this worker's ``"group:rank"`` (default ``$RLINF_ADDRESS``).

@@ -212,6 +212,20 @@ class Outbox:
         if self._batched >= _BATCH_BYTES or len(queue) >= _BATCH_COUNT:
             self.flush()
 
+    def withdraw(self, future: asyncio.Future) -> bool:
+        """Take the message of ``future`` back out of the queue, unsent (its ``discard``
+        runs). Only before the link is attached (nothing has gone out then); whether it
+        was taken back."""
+        if self.link is not None:
+            return False
+        for msg in self.queue:
+            if msg.future is future:
+                self.queue.remove(msg)
+                if msg.discard is not None:
+                    msg.discard()
+                return True
+        return False
+
     def _tick(self) -> None:
         """The scheduled flush: sends what the current iteration queued."""
         self._scheduled = False
