@@ -40,6 +40,8 @@ async def test_a_send_to_a_never_registered_address_fails_at_once_with_wait_for_
         assert caught.value.peer == "ghost:0"
         with pytest.raises(rlinf.PeerLostError, match="ghost:0 has never registered"):
             await driver.async_send("boo", "ghost:0", tag=3, wait_for_peer=False)
+        with pytest.raises(rlinf.PeerLostError, match="ghost:0 has never registered"):
+            await asyncio.to_thread(driver.blocking_send, "boo", "ghost:0", timeout=10, wait_for_peer=False)
         assert driver._sessions.get("ghost:0") is None      # no lookup is left running for it
         # a registered peer (known here or not yet) and ourselves are sent to as always
         async with cluster.connect("real:0") as real:
