@@ -331,12 +331,13 @@ class PeerSessions:
     def _still_unregistered(self, session: PeerSession) -> None:
         if session.address in self._warned:
             return
-        if session.outbox.link is None and session.outbox.error is None and session.info is None:
+        outbox = session.outbox
+        if outbox.queue and outbox.link is None and outbox.error is None and session.info is None:
             self._warned.add(session.address, DEAD_KEPT)
             log.warning("rlinf %s: %d message(s) to %s have waited %g s for it to register, and no worker "
                         "with that address has registered so far (a typo, or a worker that did not "
                         "start?); sends wait for a peer to join unless made with wait_for_peer=False",
-                        self._address, len(session.outbox.queue), session.address, UNREGISTERED_WARNING)
+                        self._address, len(outbox.queue), session.address, UNREGISTERED_WARNING)
 
     def no_wait(self, address: str, future: asyncio.Future) -> None:
         """``future``'s message was just queued to ``address`` with ``wait_for_peer=False``:
@@ -365,16 +366,20 @@ class PeerSessions:
     def _withdraw(self, session: PeerSession, futures: list[asyncio.Future]) -> bool:
         """Take the messages of ``futures`` back (still queued: the address is not
         registered) and fail those still pending, with ``PeerLostError``; drop the
-        session if no message is left in it, so that no lookup keeps running for an
-        address nobody registered. Whether the session stays."""
+        session if that left no message in it, so that no lookup keeps running for an
+        address nobody registered (a session opened for another reason, such as an
+        acknowledgement we owe, stays). Whether the session stays."""
         address, outbox = session.address, session.outbox
+        withdrawn = False
         for future in futures:
-            if outbox.withdraw(future) and not future.done():
-                future.set_exception(PeerLostError(
-                    f"{address} has never registered: no worker with that address is in the cluster "
-                    "(sent with wait_for_peer=False)", peer=address))
+            if outbox.withdraw(future):
+                withdrawn = True
+                if not future.done():
+                    future.set_exception(PeerLostError(
+                        f"{address} has never registered: no worker with that address is in the cluster "
+                        "(sent with wait_for_peer=False)", peer=address))
         futures.clear()
-        if outbox.queue or self._sessions.get(address) is not session:
+        if not withdrawn or outbox.queue or self._sessions.get(address) is not session:
             return True
         del self._sessions[address]
         if session.task is not None and session.task is not asyncio.current_task():
