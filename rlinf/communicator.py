@@ -26,9 +26,12 @@ class Communicator(CoreCommunicator):
     """A worker's endpoint: point-to-point messaging, membership, groups and channels.
 
     Use it as an async context manager (see :func:`connect`). All methods run on the
-    loop that entered it, except ``blocking_*`` (any other thread). Leaving the
-    ``async with`` block because of an exception closes it all the same; its peers then
-    see it ``failed`` (with the exception's one-line summary) instead of ``left``.
+    loop that entered it, except ``blocking_*`` (any other thread). Every operation
+    that takes ``timeout=`` (its own, its groups', its channels') treats None as
+    ``RLINF_TIMEOUT`` (``settings.timeout``) if set, else as "wait forever"; a timeout
+    given to the call wins. Leaving the ``async with`` block because of an exception
+    closes it all the same; its peers then see it ``failed`` (with the exception's
+    one-line summary) instead of ``left``.
 
     Args:
         address: this worker's ``"group:rank"`` (default ``$RLINF_ADDRESS``).

@@ -356,6 +356,12 @@ class Settings:
         "RLINF_PEER_TIMEOUT", "duration", 2.5,
         "Seconds of silence before a remote peer is declared lost, by the manager and by a "
         "worker while the manager is silent.")
+    timeout: float | None = _knob(
+        "RLINF_TIMEOUT", "duration", None,
+        "Default timeout, in seconds, of every operation that takes `timeout=` when the "
+        "caller passes none (sends, receives, collectives, channel calls, `group.join`): "
+        "expiry raises `CommTimeoutError`, as an explicit timeout does, which wins over it.",
+        shown="unset: wait forever")
     heartbeat_interval: float = _knob(
         "RLINF_HEARTBEAT_INTERVAL", "duration", 0.25,
         "Seconds between a worker's heartbeats to the manager.")

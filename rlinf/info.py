@@ -33,15 +33,24 @@ def parse_address(address: str) -> tuple[str, int]:
     return group, int(rank)
 
 
-def check_timeout(timeout: Any) -> float | None:
-    """A ``timeout=`` argument: None (wait), or seconds >= 0 (``inf``: wait).
+def check_timeout(timeout: Any, default: float | None = None) -> float | None:
+    """The timeout an operation runs with, from its ``timeout=`` argument: seconds >= 0
+    (``inf``: wait), or, when it is None, ``default``.
+
+    This is the one place the rule "``timeout=None``: ``RLINF_TIMEOUT`` if set, else
+    forever" is applied: an operation passes its owner's ``Settings.timeout`` as
+    ``default`` (a communicator's, through ``Core.timeout_of`` for the subsystems).
+
+    Args:
+        timeout: what the caller passed.
+        default: the timeout when it passed None (None: wait forever).
 
     Raises:
         TypeError: not a real number (a bool, a str...).
         ValueError: negative or NaN (a NaN deadline would never expire).
     """
     if timeout is None:
-        return None
+        return default
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) and not hasattr(timeout, "__float__"):
         raise TypeError(f"timeout must be None or a number of seconds, got {type(timeout).__name__}")
     seconds = float(timeout)

@@ -49,7 +49,7 @@ from .codec import into
 from .config import LaunchEnv, Settings
 from .communicator import Communicator
 from .errors import ClosedError, CommTimeoutError
-from .info import parse_address
+from .info import check_timeout, parse_address
 from .control.manager import Manager
 
 __all__ = ["init", "shutdown", "SyncCommunicator", "Request"]
@@ -206,8 +206,8 @@ class SyncCommunicator:
     ``gather`` (at ``dst``) and ``all_to_all`` write into the tensors given, which must
     match the sender's shape and dtype (``ValueError`` / ``TypeError`` otherwise, naming
     the ranks). ``send`` returns when the tensor may be modified again. Every call takes
-    the ``timeout`` given to ``init`` (None: wait; a lost peer still fails fast with
-    ``PeerLostError``).
+    the ``timeout`` given to ``init`` (None: ``RLINF_TIMEOUT`` if set, else wait; a lost
+    peer still fails fast with ``PeerLostError``).
 
     Attributes:
         rank, world_size: this process's rank and the number of ranks.
@@ -229,7 +229,7 @@ class SyncCommunicator:
         self.world_size: int = spec["world_size"]
         self._addresses = [f"{spec['prefix']}:{r}" for r in range(self.world_size)]
         self.address = self._addresses[self.rank]
-        self._timeout = timeout
+        self._timeout = check_timeout(timeout, settings.timeout)
         self._manager: Manager | None = None
         self._closed = False
         try:
@@ -482,7 +482,8 @@ def init(backend: str = "auto", *, timeout: float | None = None, connect_timeout
 
     Args:
         backend: ``"auto"`` (the only value: rlinf picks a transport per buffer).
-        timeout: seconds each operation may take (None: no limit).
+        timeout: seconds each operation may take (None: ``RLINF_TIMEOUT`` if set, else
+            no limit).
         connect_timeout: seconds to reach the manager (and, under torchrun, its store).
 
     Returns:

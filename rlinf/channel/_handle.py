@@ -410,8 +410,10 @@ class HandleBase:
         return rid, future
 
     async def _await_call(self, call: tuple[int, asyncio.Future], timeout: float | None, what: str) -> Any:
+        """The answer to ``call``, within ``timeout`` (None: the communicator's default)."""
         rid, future = call
         try:
+            timeout = self._core.timeout_of(timeout)
             async with asyncio.timeout(timeout):
                 return await future
         except TimeoutError:

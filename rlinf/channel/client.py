@@ -11,13 +11,13 @@ import asyncio
 import collections
 import itertools
 import logging
+import math
 import os
 import pickle
 import weakref
 from typing import Any, Callable
 
 from ..errors import AddressInUseError, ClosedError, CommTimeoutError, EndOfChannel, RlinfError, WouldBlock
-from ..info import check_timeout as _check_timeout
 from ..core.interface import SMALL_MESSAGE, Core, HasCore
 from ..core.work import Work
 from ..util.futures import retrieve
@@ -94,7 +94,8 @@ class Channel(HandleBase):
         and awaited). With ``maxsize``, waits for space first; a put that times out or is
         cancelled while waiting for space is withdrawn. When the communicator closes, it
         first delivers the puts that returned (or its ``aclose`` raises, saying how many
-        may not have arrived).
+        may not have arrived). ``timeout``: seconds to wait for space (None:
+        ``RLINF_TIMEOUT`` if set, else forever).
 
         Raises:
             ValueError: ``weight`` is not finite and >= 0. TypeError: bad key or weight.
@@ -104,7 +105,7 @@ class Channel(HandleBase):
             CommTimeoutError: no space within ``timeout``.
             PeerLostError: the channel process is gone.
         """
-        _check_timeout(timeout)
+        timeout = self._core.timeout_of(timeout)
         entry = self._start_put(item, weight, key)
         if entry is None:
             if self._must_yield:     # a tight put loop: let the transport send the batch
@@ -160,7 +161,8 @@ class Channel(HandleBase):
         return Work(future, f"put to channel {self.name}")
 
     async def flush(self, timeout: float | None = None) -> None:
-        """Wait until the channel has processed every put this handle made so far.
+        """Wait until the channel has processed every put this handle made so far
+        (``timeout``: seconds; None: ``RLINF_TIMEOUT`` if set, else forever).
 
         Raises:
             ClosedError: some of them were refused because the channel was closed.
@@ -200,8 +202,9 @@ class Channel(HandleBase):
 
         Args:
             key: the sub-queue.
-            timeout: seconds to wait (None: forever). A get that times out or is
-                cancelled loses nothing: an item already on its way goes back.
+            timeout: seconds to wait (None: ``RLINF_TIMEOUT`` if set, else forever). A
+                get that times out or is cancelled loses nothing: an item already on its
+                way goes back.
             ack: keep the item assigned to this consumer until :meth:`task_done`; if the
                 consumer dies first, the item is put back in the queue.
 
@@ -210,10 +213,10 @@ class Channel(HandleBase):
             CommTimeoutError, PeerLostError (the channel process died), ClosedError.
         """
         check_key(key)
+        timeout = self._core.timeout_of(timeout)
         buffer = self._buffers.get(key)
         if buffer and not self._must_yield and self._error is None:
-            _check_timeout(timeout)      # prefetched: no wait, so no timeout to set up
-            return self._take_buffered(key, buffer, ack)
+            return self._take_buffered(key, buffer, ack)    # prefetched: no wait
         return (await self._get_items(key, 1, None, ack, timeout))[0]
 
     async def get_batch(self, target_weight: float | None = None, max_items: int | None = None, key: Any = None,
@@ -235,7 +238,7 @@ class Channel(HandleBase):
             raise ValueError(f"max_items must be None or an int >= 1, got {max_items!r}")
         if max_items is not None:
             max_items = min(max_items, MAX_COUNT)      # no more is ever there
-        return await self._get_items(key, max_items, target_weight, ack, timeout)
+        return await self._get_items(key, max_items, target_weight, ack, self._core.timeout_of(timeout))
 
     def get_nowait(self, key: Any = None, *, ack: bool = False) -> Any:
         """Take an item already prefetched into this handle (``prefetch`` > 0).
@@ -255,12 +258,13 @@ class Channel(HandleBase):
         return self._take_buffered(key, buffer, ack)
 
     def async_get(self, key: Any = None, *, ack: bool = False) -> Work[Any]:
-        """Start a get now (its order is fixed by this call) and return its :class:`Work`."""
+        """Start a get now (its order is fixed by this call) and return its :class:`Work`
+        (it has no timeout: wait on the Work with one)."""
         check_key(key)
         if self._prefetch:
             self._check_consumer(key)
             self._ensure_credit(key)
-            task = self._loop.create_task(self.get(key, ack=ack))
+            task = self._loop.create_task(self.get(key, math.inf, ack=ack))
         else:
             self._check_consumer(key)
             self._report_done()
@@ -306,14 +310,13 @@ class Channel(HandleBase):
 
     async def __anext__(self) -> Any:
         try:
-            return await self.get()
+            return await self.get(timeout=math.inf)     # iterating has no deadline, RLINF_TIMEOUT or not
         except EndOfChannel:
             raise StopAsyncIteration from None
 
     async def _get_items(self, key: Any, max_items: int | None, target: float | None, ack: bool,
                          timeout: float | None) -> list[Any]:
         check_key(key)
-        _check_timeout(timeout)
         self._check_consumer(key)
         self._report_done()
         if self._prefetch:
@@ -382,8 +385,9 @@ class Channel(HandleBase):
         Idempotent.
 
         Raises:
-            PeerLostError. CommTimeoutError: no answer within ``timeout``; the request
-                is on its way all the same, so the channel closes when it gets it.
+            PeerLostError. CommTimeoutError: no answer within ``timeout`` (None:
+                ``RLINF_TIMEOUT`` if set, else forever); the request is on its way all
+                the same, so the channel closes when it gets it.
         """
         if self._drained:
             return
@@ -395,7 +399,8 @@ class Channel(HandleBase):
         self._remote_closed = True
 
     async def stats(self, timeout: float | None = None) -> ChannelStats:
-        """A snapshot of the channel (see :class:`ChannelStats`).
+        """A snapshot of the channel (see :class:`ChannelStats`), within ``timeout``
+        (None: ``RLINF_TIMEOUT`` if set, else forever).
 
         Raises:
             PeerLostError, CommTimeoutError, ClosedError.
@@ -472,13 +477,14 @@ def _close_handles(core: Core) -> None:
 # -- creating and finding channels -------------------------------------------------------------
 async def open_channel(comm: HasCore, name: str, *, timeout: float | None = 30.0, prefetch: int = 0,
                        free_memory: Callable[[], int | None] | None = None, decode_ahead: bool = False) -> Channel:
-    """A handle to the channel ``name``, waiting up to ``timeout`` for it to appear.
+    """A handle to the channel ``name``, waiting up to ``timeout`` for it to appear
+    (None: ``RLINF_TIMEOUT`` if set, else forever).
 
     Raises:
         CommTimeoutError: no such channel appeared in time.
         ValueError / TypeError: a bad name or option.
     """
-    _check_timeout(timeout)
+    timeout = comm.internal.timeout_of(timeout)
     return await Channel(comm, name, prefetch=prefetch, free_memory=free_memory,
                          decode_ahead=decode_ahead)._open(timeout)
 
@@ -508,8 +514,8 @@ async def create_channel(comm: HasCore, name: str, *, maxsize: int = 0, policy: 
         except Exception as exc:
             raise TypeError(f"policy {policy!r} cannot be pickled for the channel process ({exc!r}): "
                             "define its class at module level, or pass in_process=True") from None
-    _check_timeout(timeout)
     core = comm.internal
+    timeout = core.timeout_of(timeout)
     core.check_open()
     address = server_address(name)
     if await core.lookup(address, wait=False, timeout=timeout) is not None:

@@ -256,9 +256,13 @@ def _describe(kind: str, root: Any, extra: Any = None) -> str:
 
 
 async def execute(call: Call, body: Callable[..., Awaitable[Any]], *args: Any, timeout: float | None) -> Any:
-    """Run ``body(call, *args)`` as the call: deadline, member loss and aborts included."""
-    if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)):
-        call.arg_error = TypeError(f"timeout must be a number of seconds or None, got {timeout!r}")
+    """Run ``body(call, *args)`` as the call: deadline, member loss and aborts included.
+    ``timeout``: seconds, or None for the communicator's default (``RLINF_TIMEOUT``;
+    unset: none)."""
+    try:
+        timeout = call.core.timeout_of(timeout)
+    except (TypeError, ValueError) as exc:     # raised inside the call: the others hear of it
+        call.arg_error, timeout = exc, None
     task = call.task = asyncio.current_task()
     call.baseline = task.cancelling()
     call.state.pending.add(call)

@@ -396,10 +396,10 @@ class Group:
     """A collective group over ``addresses`` (same list, any order, on every member).
 
     Created with ``comm.group(addresses)``; nothing is sent until the first call. Each
-    collective is a coroutine taking ``timeout=None`` (seconds; expiry raises
-    :class:`~rlinf.CommTimeoutError` on this member and is sent to the others) and has an
-    ``async_`` twin that fixes the call's place in the group's order at once and returns
-    a :class:`~rlinf.Work`.
+    collective is a coroutine taking ``timeout=None`` (seconds; None: ``RLINF_TIMEOUT``
+    if set, else forever; expiry raises :class:`~rlinf.CommTimeoutError` on this member
+    and is sent to the others) and has an ``async_`` twin that fixes the call's place in
+    the group's order at once and returns a :class:`~rlinf.Work`.
 
     Every call raises :class:`~rlinf.PeerLostError` when a member it still needs is lost
     (within the detection bound), ``ValueError`` when members made mismatched calls (or

@@ -207,7 +207,7 @@ async def reshard(comm: HasCore, shard: Any, *, src: Sequence[str], dst: Sequenc
             a destination.
         src: the sources, in batch order. dst: the destinations, in batch order.
         dim: the batch dimension of every array.
-        timeout: seconds, or None for no limit.
+        timeout: seconds (None: ``RLINF_TIMEOUT`` if set, else no limit).
 
     Returns:
         On a destination, its slice of the global batch, merged into one object of the

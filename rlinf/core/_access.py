@@ -6,7 +6,7 @@ import asyncio
 from typing import Any, Awaitable, Callable
 
 from ..codec import Codec
-from ..info import WorkerInfo
+from ..info import WorkerInfo, check_timeout
 from . import wire
 from ._mailbox import Mailbox
 from ._membership import Departure
@@ -29,16 +29,18 @@ class CoreAccess:
         guard: that, and that this is its loop thread.
         lookup: ``lookup(address, wait=, timeout=)``: asks its manager.
         departed: ``departed(address, incarnation)``: how a peer went (its membership's).
+        timeout: its default timeout (``Settings.timeout``, ``RLINF_TIMEOUT``; None: forever).
     """
 
-    __slots__ = ("_comm", "_send", "_receive", "_mailbox", "_roster", "_guard", "_lookup", "departed", "check_open",
-                 "address", "incarnation", "manager_address", "token", "codec", "__weakref__")
+    __slots__ = ("_comm", "_send", "_receive", "_mailbox", "_roster", "_guard", "_lookup", "_timeout", "departed",
+                 "check_open", "address", "incarnation", "manager_address", "token", "codec", "__weakref__")
 
     def __init__(self, comm: Any, token: str, codec: Codec, send: SendPath, receive: ReceivePath, mailbox: Mailbox,
                  roster: dict[str, WorkerInfo], *, check_open: Callable[[], None], guard: Callable[[], None],
                  lookup: Callable[..., Awaitable[WorkerInfo | None]],
-                 departed: Callable[[str, str], Departure | None]) -> None:
+                 departed: Callable[[str, str], Departure | None], timeout: float | None = None) -> None:
         self._comm = comm
+        self._timeout = timeout
         self._send, self._receive, self._mailbox, self._roster = send, receive, mailbox, roster
         self._guard, self._lookup = guard, lookup
         self.check_open = check_open
@@ -55,6 +57,9 @@ class CoreAccess:
     @property
     def info(self) -> WorkerInfo | None:
         return self._comm.info
+
+    def timeout_of(self, timeout: Any) -> float | None:
+        return check_timeout(timeout, self._timeout)
 
     def start_send(self, obj: Any, dst: str, tag: str) -> asyncio.Future:
         self._guard()

@@ -200,6 +200,22 @@ class Outbox:
             msg.counted = True
             self.put(msg, loop)
 
+    def withdraw(self, future: asyncio.Future) -> bool:
+        """Take the message of ``future`` back out of the queue, unsent (its ``discard``
+        runs). Only before the link is attached (nothing has gone out then); whether it
+        was taken back."""
+        if self.link is not None:
+            return False
+        for queue in (self.queue, self.credit.waiting):
+            for msg in queue:
+                if msg.future is future:
+                    queue.remove(msg)
+                    self.credit.drop(msg)
+                    if msg.discard is not None:
+                        msg.discard()
+                    return True
+        return False
+
     def _tick(self) -> None:
         """The scheduled flush: sends what the current iteration queued."""
         self._scheduled = False

@@ -34,7 +34,7 @@ from ._mailbox import Mailbox
 from ._outbox import Outbox
 from .stats import Counters
 
-__all__ = ["PeerSession", "PeerSessions", "DEAD_KEPT"]
+__all__ = ["PeerSession", "PeerSessions", "DEAD_KEPT", "UNREGISTERED_WARNING"]
 
 log = logging.getLogger("rlinf.core.communicator")
 
@@ -44,6 +44,13 @@ log = logging.getLogger("rlinf.core.communicator")
 DEAD_KEPT = 4096
 #: How many addresses the hot path remembers as already checked.
 _VALID_KEPT = 100_000
+#: Seconds a send waits for an address the manager does not know before a warning is
+#: logged (once per address): a typo in an address, or a worker that never started,
+#: otherwise shows only as a send that never completes.
+UNREGISTERED_WARNING = 10.0
+#: Seconds one lookup of a peer not yet known waits for the manager's answer before it
+#: is asked again (a manager that restarted forgot the question).
+_LOOKUP_RETRY = 2.0
 
 
 class PeerSession:
@@ -68,6 +75,10 @@ class PeerSession:
     * ``shm_route`` is the route memo for ``info``; any membership change drops it.
     * ``task`` (the lookup, or the dial of a stream link) is cancelled when the session
       fails; it is None once the outbox has its link.
+    * ``unregistered``: the manager answered that no worker holds ``address`` (set
+      before ``info``; a session for such an address is dropped as soon as no message
+      waits in it). ``no_wait``: futures of messages queued with ``wait_for_peer=False``
+      before that answer; they are withdrawn and failed if the answer is "unknown".
 
     Delivery (:mod:`rlinf.core._delivery`): the outbox numbers what it sends in its
     ``log`` and keeps it until acknowledged; a link that breaks while the peer may live
@@ -83,7 +94,7 @@ class PeerSession:
     that a peer incarnation is gone. The credit window of flow control goes here.
     """
 
-    __slots__ = ("address", "outbox", "shm_route", "task", "closed", "redials")
+    __slots__ = ("address", "outbox", "shm_route", "task", "closed", "redials", "unregistered", "no_wait")
 
     def __init__(self, address: str, outbox: Outbox) -> None:
         self.address = address
@@ -92,6 +103,8 @@ class PeerSession:
         self.task: asyncio.Task | None = None
         self.closed = False
         self.redials = 0                      # links dialled again after one broke
+        self.unregistered = False             # the manager said no worker holds the address
+        self.no_wait: list[asyncio.Future] = []   # sends that must not wait for it to register
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "failed" if self.error else "open"
@@ -158,6 +171,7 @@ class PeerSessions:
         self._logs = Recent()                  # (address, incarnation) -> the log of a dropped session
         self._watch: asyncio.Task | None = None   # the resend timers
         self._closing = False
+        self._warned = Recent()                # unregistered addresses a warning was logged for
         # set by start()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._me: WorkerInfo | None = None
@@ -288,23 +302,102 @@ class PeerSessions:
         session.outbox.attach(link, info)
 
     async def _resolve(self, session: PeerSession) -> None:
-        """Find a peer that is not in our roster yet (waits for it to join)."""
+        """Find a peer that is not in our roster yet (waits for it to join).
+
+        The first question to the manager does not wait: its answer tells whether the
+        address is registered at all. If not, the sends that must not wait for it fail
+        (:meth:`no_wait`), a warning is due if the others wait :data:`UNREGISTERED_WARNING`
+        seconds, and the next questions wait for it to register."""
         outbox = session.outbox
-        while outbox.link is None and outbox.error is None:
-            info = self._roster.get(session.address)
-            if info is None:
-                try:
-                    info = await self._control.lookup(session.address, wait=True, timeout=2.0)
-                except CommTimeoutError:
-                    continue   # manager slow or restarting: ask again
-                except ClosedError as exc:
-                    session.task = None
-                    session.fail(exc)
+        warning = None
+        try:
+            while outbox.link is None and outbox.error is None:
+                info = self._roster.get(session.address)
+                if info is None:
+                    try:
+                        info = await self._control.lookup(session.address, wait=session.unregistered,
+                                                          timeout=_LOOKUP_RETRY)
+                    except CommTimeoutError:
+                        continue   # manager slow or restarting: ask again
+                    except ClosedError as exc:
+                        session.task = None
+                        session.fail(exc)
+                        return
+                    if info is None:    # only a question that does not wait gets this answer
+                        session.unregistered = True
+                        if not self._withdraw(session, session.no_wait):
+                            return      # nothing waits for it any more: the session is gone
+                        if warning is None and session.address not in self._warned:
+                            warning = self._loop.call_later(UNREGISTERED_WARNING, self._still_unregistered,
+                                                            session)
+                        continue
+                if info is not None and outbox.link is None and outbox.error is None:
+                    session.no_wait.clear()
+                    self._roster.setdefault(info.address, info)
+                    self._connect(session, info)
                     return
-            if info is not None and outbox.link is None and outbox.error is None:
-                self._roster.setdefault(info.address, info)
-                self._connect(session, info)
-                return
+        finally:
+            if warning is not None:
+                warning.cancel()
+
+    def _still_unregistered(self, session: PeerSession) -> None:
+        if session.address in self._warned:
+            return
+        outbox = session.outbox
+        if outbox.queue and outbox.link is None and outbox.error is None and session.info is None:
+            self._warned.add(session.address, DEAD_KEPT)
+            log.warning("rlinf %s: %d message(s) to %s have waited %g s for it to register, and no worker "
+                        "with that address has registered so far (a typo, or a worker that did not "
+                        "start?); sends wait for a peer to join unless made with wait_for_peer=False",
+                        self._address, len(outbox.queue), session.address, UNREGISTERED_WARNING)
+
+    def no_wait(self, address: str, future: asyncio.Future) -> None:
+        """``future``'s message was just queued to ``address`` with ``wait_for_peer=False``:
+        if the manager says no worker holds ``address``, it is withdrawn and ``future``
+        fails with :class:`~rlinf.PeerLostError`, at once when that is known already,
+        else when the lookup the session runs answers (a peer known here is not asked
+        about)."""
+        session = self._sessions.get(address)
+        if session is None or session.info is not None or future.done() or address in self._roster:
+            return      # ourselves, or a peer we know
+        if session.unregistered:
+            self._withdraw(session, [future])
+        else:
+            session.no_wait.append(future)
+
+    def gave_up(self, address: str, future: asyncio.Future) -> bool:
+        """A send to ``address`` (``future``'s) timed out. Whether that is because the
+        manager says no worker holds ``address``; if so, its message is withdrawn at
+        once (it was not sent: no lookup keeps running for it)."""
+        session = self._sessions.get(address)
+        if session is None or not session.unregistered or session.info is not None:
+            return False
+        self._withdraw(session, [future])
+        return True
+
+    def _withdraw(self, session: PeerSession, futures: list[asyncio.Future]) -> bool:
+        """Take the messages of ``futures`` back (still queued: the address is not
+        registered) and fail those still pending, with ``PeerLostError``; drop the
+        session if that left no message in it, so that no lookup keeps running for an
+        address nobody registered (a session opened for another reason, such as an
+        acknowledgement we owe, stays). Whether the session stays."""
+        address, outbox = session.address, session.outbox
+        withdrawn = False
+        for future in futures:
+            if outbox.withdraw(future):
+                withdrawn = True
+                if not future.done():
+                    future.set_exception(PeerLostError(
+                        f"{address} has never registered: no worker with that address is in the cluster "
+                        "(sent with wait_for_peer=False)", peer=address))
+        futures.clear()
+        if not withdrawn or outbox.queue or outbox.credit.waiting or self._sessions.get(address) is not session:
+            return True
+        del self._sessions[address]
+        if session.task is not None and session.task is not asyncio.current_task():
+            session.task.cancel()
+        session.task = None
+        return False
 
     def shm_route(self, session: PeerSession) -> bool:
         """Whether a message whose host payload reaches the shm threshold goes to the

@@ -17,10 +17,12 @@ LOOP_GRACE = 1.0
 
 
 def run_threadsafe(coro: Coroutine, timeout: float | None, loop: asyncio.AbstractEventLoop | None,
-                   loop_thread: int | None, check_open: Callable[[], None], address: str) -> Any:
+                   loop_thread: int | None, check_open: Callable[[], None], address: str, *,
+                   default: float | None = None) -> Any:
     """Run ``coro`` on ``loop`` (the communicator's, run by ``loop_thread``) from another
-    thread. ``timeout`` (the operation's own) also bounds the wait for a loop too busy to
-    start it (plus :data:`LOOP_GRACE`).
+    thread. ``timeout`` (the operation's own; None: ``default``, the communicator's
+    ``RLINF_TIMEOUT``) also bounds the wait for a loop too busy to start it (plus
+    :data:`LOOP_GRACE`).
 
     Raises:
         RuntimeError: called on the loop's own thread (it would deadlock).
@@ -28,7 +30,7 @@ def run_threadsafe(coro: Coroutine, timeout: float | None, loop: asyncio.Abstrac
         CommTimeoutError: the loop did not run it in time.
     """
     try:
-        timeout = check_timeout(timeout)
+        timeout = check_timeout(timeout, default)
         check_open()
         if loop.is_closed() or not loop.is_running():
             raise ClosedError(f"communicator {address}: its event loop is not running")

@@ -10,7 +10,12 @@ reading, the mailbox, decoding), membership (:mod:`._membership`), the link sche
 
 Connections are lazy: nothing is dialled until the first message to a peer. A peer not
 yet registered is looked up (the lookup waits for it to join), so a worker that joins
-late is reachable at once.
+late is reachable at once; a send made with ``wait_for_peer=False`` fails instead when
+the manager does not know the address.
+
+Timeouts: every operation that takes ``timeout=`` runs, when given None, with
+``Settings.timeout`` (``RLINF_TIMEOUT``; None: forever), applied by
+:func:`rlinf.info.check_timeout` (subsystems: ``internal.timeout_of``).
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ class CoreCommunicator:
         elif not isinstance(settings, Settings):
             raise TypeError(f"settings must be a rlinf.config.Settings, got {type(settings).__name__}")
         self._settings = settings
+        self._timeout = settings.timeout     # RLINF_TIMEOUT: what timeout=None means here
         self._visible_devices = visible_devices()   # CUDA_VISIBLE_DEVICES, for discover_devices
         address = address or settings.address
         if not address:
@@ -155,7 +161,8 @@ class CoreCommunicator:
                                     self._sessions, self._guard, self._membership.said_bye)
         self._internal = CoreAccess(self, token, self._codec, self._send, self._receive, self._mailbox,
                                     self._roster, check_open=self._check_open, guard=self._guard,
-                                    lookup=self._lookup, departed=self._membership.departed)
+                                    lookup=self._lookup, departed=self._membership.departed,
+                                    timeout=settings.timeout)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("open" if self._started else "new")
@@ -456,7 +463,8 @@ class CoreCommunicator:
         return await self._control.lookup(address, wait=wait, timeout=timeout)
 
     # -- sending -----------------------------------------------------------------------
-    async def send(self, obj: Any, dst: str, *, tag: int = 0, timeout: float | None = None) -> None:
+    async def send(self, obj: Any, dst: str, *, tag: int = 0, timeout: float | None = None,
+                   wait_for_peer: bool = True) -> None:
         """Send ``obj`` to ``dst``.
 
         Returns when the buffers of ``obj`` may be reused: small messages (< 1 MiB) are
@@ -466,33 +474,59 @@ class CoreCommunicator:
         agreed to, awaited until it has read the buffers from our memory (see
         ``docs/transports.md``).
 
+        Args:
+            obj: what to send. dst: the receiver's ``"group:rank"``. tag: an int.
+            timeout: seconds (None: ``RLINF_TIMEOUT`` if set, else forever).
+            wait_for_peer: a ``dst`` that has not registered yet is waited for (True,
+                the default: a worker that joins late gets the message; a warning is
+                logged after 10 s of waiting for an address the manager does not know).
+                False: if the manager does not know ``dst``, the message is taken back
+                and ``PeerLostError`` raised at once.
+
         Raises:
-            PeerLostError: ``dst`` died or left. CommTimeoutError: not sent in ``timeout``.
+            PeerLostError: ``dst`` died or left (or, with ``wait_for_peer=False``, has
+                never registered). CommTimeoutError: not sent in ``timeout`` (its
+                message says when ``dst`` has never registered).
             EncodeError: ``obj`` cannot be encoded. ClosedError: we are closed.
         """
         if type(tag) is not int or not _TAG_MIN <= tag <= _TAG_MAX:
             wire.check_tag(tag)
-        if timeout is not None:
+        if timeout is None:       # check_timeout(timeout, self._timeout), inline: the hot path
+            timeout = self._timeout
+        else:
             timeout = check_timeout(timeout)
         self._guard()
         sender = self._send
-        future = sender.enqueue(obj, dst, tag, wire.USER, need_future=False)
+        future = sender.enqueue(obj, dst, tag, wire.USER, need_future=not wait_for_peer)
+        if not wait_for_peer:
+            self._sessions.no_wait(dst, future)
         if future is not None:
-            await wait_for(future, timeout, f"{self.address}: send to {dst}")
+            try:
+                await wait_for(future, timeout, f"{self.address}: send to {dst}")
+            except CommTimeoutError as exc:
+                if self._sessions.gave_up(dst, future):
+                    raise CommTimeoutError(f"{exc}: {dst} has never registered (no worker with that address "
+                                           "has joined the cluster)") from None
+                raise
         if sender.behind(dst):
             await sender.room(dst)
 
-    def async_send(self, obj: Any, dst: str, *, tag: int = 0) -> Work[None]:
-        """Start a send now (ordering is fixed by this call) and return its :class:`Work`."""
+    def async_send(self, obj: Any, dst: str, *, tag: int = 0, wait_for_peer: bool = True) -> Work[None]:
+        """Start a send now (ordering is fixed by this call) and return its :class:`Work`
+        (``wait_for_peer`` as for :meth:`send`: False fails the Work with
+        ``PeerLostError`` if the manager does not know ``dst``)."""
         wire.check_tag(tag)
         self._guard()
         future = self._send.enqueue(obj, dst, tag, wire.USER, need_future=True)
+        if not wait_for_peer:
+            self._sessions.no_wait(dst, future)
         return Work(future, f"send to {dst} tag={tag}")
 
-    def blocking_send(self, obj: Any, dst: str, *, tag: int = 0, timeout: float | None = None) -> None:
+    def blocking_send(self, obj: Any, dst: str, *, tag: int = 0, timeout: float | None = None,
+                      wait_for_peer: bool = True) -> None:
         """:meth:`send` from a thread other than the loop's."""
-        run_threadsafe(self.send(obj, dst, tag=tag, timeout=timeout), timeout, self._loop, self._loop_thread,
-                       self._check_open, self.address)
+        run_threadsafe(self.send(obj, dst, tag=tag, timeout=timeout, wait_for_peer=wait_for_peer), timeout,
+                       self._loop, self._loop_thread, self._check_open, self.address, default=self._timeout)
 
     # -- receiving ---------------------------------------------------------------------
     async def recv(self, src: str, *, tag: int = 0, timeout: float | None = None) -> Any:
@@ -502,7 +536,8 @@ class CoreCommunicator:
         by the caller. When the message came through shared memory they are views of
         the sender's slot, which goes back to the sender once they are all
         garbage-collected (or owned copies, with ``shm_views=False``). Cancelling (or
-        timing out) never loses a message.
+        timing out) never loses a message. ``timeout``: seconds (None: ``RLINF_TIMEOUT``
+        if set, else forever).
 
         Raises:
             PeerLostError: ``src`` died or left and nothing from it is queued.
@@ -510,7 +545,9 @@ class CoreCommunicator:
         """
         if type(tag) is not int or not _TAG_MIN <= tag <= _TAG_MAX:
             wire.check_tag(tag)
-        if timeout is not None:
+        if timeout is None:       # check_timeout(timeout, self._timeout), inline: the hot path
+            timeout = self._timeout
+        else:
             timeout = check_timeout(timeout)
         receive = self._receive
         msg = receive.get_nowait(src, tag)
@@ -519,9 +556,10 @@ class CoreCommunicator:
         return await receive.finish(msg)
 
     async def recv_any(self, *, tag: int = 0, timeout: float | None = None) -> tuple[Any, str]:
-        """Receive the oldest message with ``tag`` from any source: ``(obj, src)``."""
+        """Receive the oldest message with ``tag`` from any source: ``(obj, src)``
+        (``timeout`` as for :meth:`recv`)."""
         wire.check_tag(tag)
-        timeout = check_timeout(timeout)
+        timeout = check_timeout(timeout, self._timeout)
         msg = await self._receive.get(None, tag, timeout)
         return await self._receive.finish(msg), msg.src
 
@@ -537,12 +575,13 @@ class CoreCommunicator:
     def blocking_recv(self, src: str, *, tag: int = 0, timeout: float | None = None) -> Any:
         """:meth:`recv` from a thread other than the loop's."""
         return run_threadsafe(self.recv(src, tag=tag, timeout=timeout), timeout, self._loop, self._loop_thread,
-                              self._check_open, self.address)
+                              self._check_open, self.address, default=self._timeout)
 
     async def recv_into(self, target: Any, src: str, *, tag: int = 0, timeout: float | None = None) -> Any:
         """Receive a message and write its arrays/tensors into ``target``'s, in place.
 
         ``target`` must have the same structure, shapes and dtypes as the message.
+        ``timeout`` as for :meth:`recv`.
 
         Returns:
             ``target``.
@@ -555,7 +594,7 @@ class CoreCommunicator:
         """
         if type(tag) is not int or not _TAG_MIN <= tag <= _TAG_MAX:
             wire.check_tag(tag)
-        return await self._receive.recv_into(target, src, tag, check_timeout(timeout))
+        return await self._receive.recv_into(target, src, tag, check_timeout(timeout, self._timeout))
 
     # -- membership --------------------------------------------------------------------
     async def peers(self) -> list[WorkerInfo]:

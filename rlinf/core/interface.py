@@ -60,6 +60,15 @@ class Core(Protocol):
     def check_open(self) -> None:
         """Raise :class:`~rlinf.ClosedError` unless the communicator is started and open."""
 
+    def timeout_of(self, timeout: Any) -> float | None:
+        """The timeout a public operation given ``timeout=`` runs with: ``timeout``
+        checked (:func:`rlinf.info.check_timeout`), or, when None, the communicator's
+        default (``RLINF_TIMEOUT``, ``Settings.timeout``; None: wait forever).
+
+        Raises:
+            TypeError / ValueError: not None or a number of seconds >= 0.
+        """
+
     def start_send(self, obj: Any, dst: str, tag: str) -> asyncio.Future:
         """Queue ``obj`` to ``dst`` now (the order is fixed by this call), as a user
         message with the internal ``tag``. The future completes when the buffers of

@@ -24,6 +24,7 @@ from typing import Any, Callable, Protocol
 
 from ..control.cleanup import remove_leftovers
 from ..errors import CommTimeoutError, WorkerFailedError
+from ..info import check_timeout
 from ..util.futures import retrieve
 from ..util.pipe import dump_value, load_value
 
@@ -212,10 +213,15 @@ async def _wait_exited(ranks: list[RankHandle], timeout: float) -> None:
 
 
 class WorkerGroup:
-    """The workers of one ``spawn`` call: ``name:0 .. name:n-1``."""
+    """The workers of one ``spawn`` call: ``name:0 .. name:n-1``.
 
-    def __init__(self, name: str, ranks: list[RankHandle] | None = None) -> None:
+    ``timeout``: the default of :meth:`call` and :meth:`join` (the cluster's
+    ``RLINF_TIMEOUT``; None: forever).
+    """
+
+    def __init__(self, name: str, ranks: list[RankHandle] | None = None, *, timeout: float | None = None) -> None:
         self.name = name
+        self._timeout = timeout
         self._ranks: list[RankHandle] = [] if ranks is None else ranks
         self._release: list[Callable[[], None]] = []
         self._call_ids = itertools.count(1)
@@ -295,12 +301,14 @@ class WorkerGroup:
                 could not be unpickled in the worker or its result here, or a worker died;
                 raised at most :data:`CALL_GRACE` seconds after one call failed (the
                 other calls keep running: they may be waiting for the failed one).
-            CommTimeoutError: not all answered within ``timeout`` (the calls keep running).
+            CommTimeoutError: not all answered within ``timeout`` (None: ``RLINF_TIMEOUT``
+                if set, else forever; the calls keep running).
         """
         if not isinstance(method, str) or not method.isidentifier():
             raise TypeError(f"method must be a method name, got {method!r}")
         if method.startswith("_"):
             raise ValueError(f"{method!r} is private and cannot be called remotely")
+        timeout = check_timeout(timeout, self._timeout)
         ranks_ = self._select(ranks)
         if ranks_ and not ranks_[0].takes_calls:
             raise TypeError(f"group {self.name!r} runs a function; only rlinf.Worker subclasses take calls")
@@ -336,8 +344,10 @@ class WorkerGroup:
 
         Raises:
             WorkerFailedError: a worker raised (remote traceback attached) or died.
-            CommTimeoutError: not all finished within ``timeout`` (they keep running).
+            CommTimeoutError: not all finished within ``timeout`` (None: ``RLINF_TIMEOUT``
+                if set, else forever; they keep running).
         """
+        timeout = check_timeout(timeout, self._timeout)
         ranks_ = self._select(ranks)
         for p in ranks_:
             p.finishing = True   # also told once ready, if it is (re)starting now

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 
 from ..channel.client import create_cluster_channel
 from ..communicator import Communicator
+from ..config import Settings
 from ..errors import ClosedError, CommTimeoutError, WorkerFailedError
 from ..control.cleanup import remove_leftovers
 from .base import REAP_TIMEOUT, LaunchSpec, Launcher, RankHandle, WorkerGroup
@@ -183,6 +184,9 @@ class Cluster:
         bind: where the embedded manager listens (default loopback, any port).
         stop_timeout: on close, seconds a worker gets to stop when asked, and again
             after SIGTERM, before it is killed with SIGKILL.
+
+    ``RLINF_TIMEOUT`` (read when the cluster is constructed) is the default ``timeout``
+    of its groups' ``call`` and ``join``.
     """
 
     def __init__(self, manager: str | None = None, *, token: str | None = None,
@@ -195,6 +199,7 @@ class Cluster:
         self._token = token
         self._bind = bind
         self._stop_timeout = stop_timeout
+        self._timeout = Settings.from_env().timeout    # here, not at import: launchers set variables late
         self._manager: Manager | None = None
         self._groups: list[WorkerGroup] = []
         self._comms: list[Communicator] = []
@@ -310,7 +315,7 @@ class Cluster:
         if any(g.name == name for g in self._groups):
             raise ValueError(f"a group named {name!r} is still running in this cluster: its workers "
                              f"would take each other's addresses; join or kill it first, or pick another name")
-        group = WorkerGroup(name)
+        group = WorkerGroup(name, timeout=self._timeout)
         self._groups.append(group)
         group._launching = True
         try:

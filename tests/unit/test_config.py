@@ -41,6 +41,7 @@ TODAY = {
     "RLINF_WINDOW_BYTES": 8 << 20,           # the credit window (flow control, issue 24)
     "RLINF_WINDOW_MSGS": 4096,
     "RLINF_PEER_TIMEOUT": 2.5,
+    "RLINF_TIMEOUT": None,                   # operations without timeout= wait forever
     "RLINF_HEARTBEAT_INTERVAL": 0.25,
     "RLINF_TCP_ENCRYPTION": True,
     "RLINF_HOST": None,
@@ -193,6 +194,27 @@ def test_from_env_parses_each_kind():
     assert (s.node_id, s.token, s.address) == ("node-a", "secret", None)
 
 
+def test_the_default_timeout():
+    """RLINF_TIMEOUT: unset is None (wait forever), a duration otherwise; no 0 sentinel."""
+    assert Settings.from_env({}).timeout is None and Settings.from_env({"RLINF_TIMEOUT": " "}).timeout is None
+    assert Settings.from_env({"RLINF_TIMEOUT": "1.5"}).timeout == 1.5
+    assert Settings(timeout=2).timeout == 2.0 and type(Settings(timeout=2).timeout) is float
+    assert Settings(timeout=2).replace(timeout=None).timeout is None
+    peer = [k.env for k in knobs()].index("RLINF_PEER_TIMEOUT")
+    assert [k.env for k in knobs()][peer + 1] == "RLINF_TIMEOUT"     # documented next to it
+
+
+def test_check_timeout_applies_the_default():
+    from rlinf.info import check_timeout
+
+    assert check_timeout(None) is None and check_timeout(None, 3.0) == 3.0
+    assert check_timeout(1, 3.0) == 1.0 and check_timeout(0, 3.0) == 0.0     # an explicit one wins
+    with pytest.raises(ValueError, match="timeout"):
+        check_timeout(-1, 3.0)
+    with pytest.raises(TypeError, match="timeout"):
+        check_timeout("1", 3.0)
+
+
 def test_empty_means_unset():
     blank = {env: "" for env in TODAY} | {"RLINF_SHM_CAP": "   "}
     assert Settings.from_env(blank) == Settings()
@@ -205,6 +227,9 @@ def test_empty_means_unset():
     ("RLINF_SHM_VIEWS", "maybe", "RLINF_SHM_VIEWS='maybe': not a boolean"),
     ("RLINF_PEER_TIMEOUT", "nan", "RLINF_PEER_TIMEOUT='nan': not a duration (use seconds > 0"),
     ("RLINF_HEARTBEAT_INTERVAL", "0", "RLINF_HEARTBEAT_INTERVAL='0': not a duration"),
+    ("RLINF_TIMEOUT", "0", "RLINF_TIMEOUT='0': not a duration (use seconds > 0"),
+    ("RLINF_TIMEOUT", "inf", "RLINF_TIMEOUT='inf': not a duration"),
+    ("RLINF_TIMEOUT", "30s", "RLINF_TIMEOUT='30s': not a duration"),
     ("RLINF_BUSY_POLL", "-5", "RLINF_BUSY_POLL='-5': not a duration (use microseconds >= 0"),
     ("RLINF_COPY_THREADS", "0", "RLINF_COPY_THREADS='0': must be a whole number >= 1"),
     ("RLINF_COPY_THREADS", "two", "RLINF_COPY_THREADS='two': not a whole number"),
@@ -236,6 +261,7 @@ def test_frozen_and_replace():
     ({"peer_timeout": 0}, ValueError), ({"peer_timeout": float("nan")}, ValueError),
     ({"busy_poll_us": -1}, ValueError), ({"shm_threshold": -1}, ValueError),
     ({"cuda_ipc_cap": 1024}, ValueError), ({"copy_threads": 0}, ValueError),
+    ({"timeout": 0}, ValueError), ({"timeout": -1.0}, ValueError), ({"timeout": "30"}, TypeError),
     ({"shm_views": 1}, TypeError), ({"shm_cap": "4G"}, TypeError), ({"shm_offload": True}, TypeError),
     ({"disable_transports": "shm"}, TypeError), ({"token": 5}, TypeError), ({"shm_fd_cache": None}, TypeError),
 ])
