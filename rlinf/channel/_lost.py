@@ -35,6 +35,7 @@ def suspend(core: Any, src: str, incarnation: str) -> list[Handle]:
         if s != src or h.lost or (incarnation and h.incarnation != incarnation):
             continue
         h.lost = True
+        h.suspensions += 1
         suspended.append(h)
         back = core.unassign(h, pending=True)
         core.leave_keys(h)

@@ -55,6 +55,7 @@ class Handle:
         self.src, self.hid, self.incarnation, self.node_id, self.name = src, hid, incarnation, node_id, name
         self.dead = False
         self.lost = False        # taken for lost: suspended until it is back or forgotten
+        self.suspensions = 0     # times it was taken for lost (which suspension a hold timer is for)
         self.joined = now
         # producer side (maxsize > 0): space leased to it, and puts waiting for space
         self.leased = 0

@@ -174,15 +174,17 @@ class ChannelServer:
             self._forget(address, incarnation)
             return
         for h in _lost.suspend(self.core, address, incarnation):
-            self._loop.call_later(LOST_HOLD, self._expire, h)
+            self._loop.call_later(LOST_HOLD, self._expire, h, h.suspensions)
 
     def _forget(self, address: str, incarnation: str) -> None:
         self.core.gone(address, incarnation)
         for key in [k for k in self._held if k[0] == address]:
             del self._held[key]
 
-    def _expire(self, h: Handle) -> None:
-        if h.lost and not h.dead:
+    def _expire(self, h: Handle, suspension: int) -> None:
+        """``h``'s hold for its ``suspension``-th loss ended: forget it if that loss
+        lasts (not if it was back meanwhile, even if lost again since: a new hold runs)."""
+        if h.lost and not h.dead and h.suspensions == suspension:
             log.warning("channel %s: %s was taken for lost %.0f s ago and is not back: its handle is forgotten, "
                         "its items go to other consumers", self.name, h.src, LOST_HOLD)
             self._held.pop((h.src, h.hid), None)

@@ -136,3 +136,32 @@ async def test_a_producer_first_heard_before_its_join_is_suspended_when_lost_not
         consumer = await c1.channel("early", timeout=10)
         got = [await consumer.get(timeout=10) for _ in range(4)]
         assert sorted(got) == [0, 1, 2, 3]
+
+
+async def test_a_hold_ends_with_its_own_loss_not_a_later_one(serve):
+    """A worker taken for lost, back, then taken for lost again: the hold of its first
+    loss ended during the second and forgot it at once, although it had been cut off
+    only a moment (its puts meanwhile were dropped; the chaos soak, seed 23, twice).
+    Each loss now has its own hold."""
+    async with asyncio.timeout(60):
+        server, (c0, c1, _) = await serve("twice")
+        producer = await c0.channel("twice", timeout=10)
+        await producer.put(0)
+        await producer.flush(timeout=10)
+        [h] = [h for h in server.core.handles.values() if h.src == c0.address]
+        info = _lost(server, c0)
+        await until(lambda: h.lost, what="its handle suspended")
+        first = h.suspensions
+        _back(server, c0, info)
+        await producer.put(1)
+        await producer.flush(timeout=10)
+        assert not h.lost                                   # back: its next op resumed it
+        _lost(server, c0)
+        await until(lambda: h.lost and h.suspensions == first + 1, what="suspended again")
+        server._expire(h, first)                            # the first loss's hold ends now
+        assert server.core.handles.get((h.src, h.hid)) is h and h.lost   # still held, not forgotten
+        await producer.put(2)                               # held while it is cut off
+        _back(server, c0, info)
+        await producer.flush(timeout=10)
+        consumer = await c1.channel("twice", timeout=10)
+        assert sorted([await consumer.get(timeout=10) for _ in range(3)]) == [0, 1, 2]
