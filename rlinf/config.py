@@ -345,8 +345,8 @@ class Settings:
     window_bytes: int = _knob(
         "RLINF_WINDOW_BYTES", "size", 8 * MIB,
         "Bytes of user messages one sender may have waiting in this receiver's memory, not yet "
-        "received by its application (its credit window: sends wait for room; one larger message "
-        "still goes when nothing else is outstanding).", minimum=1)
+        "received by its application (its credit window: sends wait for room; the message that "
+        "fills it may overrun it, however large).", minimum=1)
     window_msgs: int = _knob(
         "RLINF_WINDOW_MSGS", "int", 4096,
         "User messages one sender may have waiting in this receiver's memory, not yet received by its "

@@ -12,11 +12,13 @@ sender's user messages may occupy in its memory before its application receives 
   frame set, one goes on its own (``Inflow.taken``), and the resend tick repeats it
   while the counts it told are out of date.
 * The sender (:class:`Credit`, one per outbox) counts what it sent and is not yet
-  acknowledged (*in flight*). A user message may go when ``in flight + held`` plus it
-  fits the window, or when nothing is outstanding at all (one message larger than the
-  window goes alone). Otherwise it waits, in order behind the others that wait, until
-  an acknowledgement or a report of taken messages frees room; ``send`` waits with it
-  (its ``timeout`` applies; a message that times out while waiting was never sent).
+  acknowledged (*in flight*). A user message may go while ``in flight + held`` is
+  below the window (in messages and in bytes): the one that fills it may overrun it,
+  so a message larger than the window goes too, and the receiver holds at most a
+  window plus one message of each sender. Otherwise it waits, in order behind the
+  others that wait, until an acknowledgement or a report of taken messages frees
+  room; ``send`` waits with it (its ``timeout`` applies; a message that times out
+  while waiting was never sent).
 
 Counted are user messages: an int tag, sent through the public API. rlinf's own traffic
 (str tags: collectives, channels; SYSTEM entries: acknowledgements, releases, goodbyes)
@@ -86,16 +88,30 @@ class Credit:
                 f"waiting={len(self.waiting)} of {self.window}>")
 
     def room(self, nbytes: int) -> bool:
-        """Whether a message of ``nbytes`` may go now (ignoring those waiting)."""
-        outstanding = self.in_flight + self.held
-        if not outstanding:
-            return True          # even one larger than the window
+        """Whether a message (of ``nbytes``) may go now, ignoring those waiting: while
+        the window is not full. The message that fills it may overrun it, so one
+        larger than the window goes too, and the receiver holds at most a window plus
+        one message per sender."""
         window = self.window
-        return outstanding < window.msgs and self.in_flight_bytes + self.held_bytes + nbytes <= window.nbytes
+        return (self.in_flight + self.held < window.msgs
+                and self.in_flight_bytes + self.held_bytes < window.nbytes)
 
     def open_to(self, nbytes: int) -> bool:
         """Whether a user message of ``nbytes`` would go now, not wait behind others."""
-        return not self.waiting and self.room(nbytes)
+        return not self.purge() and self.room(nbytes)
+
+    def purge(self) -> int:
+        """Drop the waiting messages at the head whose send was cancelled (timed out);
+        the number still waiting."""
+        waiting = self.waiting
+        while waiting:
+            msg = waiting[0]
+            if msg.future is None or not msg.future.cancelled():
+                break
+            waiting.popleft()
+            if msg.discard is not None:
+                msg.discard()
+        return len(waiting)
 
     def take(self, nbytes: int) -> None:
         """A message of ``nbytes`` goes (it is in flight until acknowledged)."""
@@ -108,19 +124,26 @@ class Credit:
         self.in_flight -= msgs
         self.in_flight_bytes -= nbytes
 
-    def drop(self, msg: Any) -> None:
-        """``msg`` (an ``OutMessage``) is dropped unsent: if counted, no longer in flight."""
+    def drop(self, msg: Any) -> bool:
+        """``msg`` (an ``OutMessage``) is dropped unsent: if counted, no longer in flight
+        (then True: room was freed, those waiting may go)."""
         if msg.counted:
             msg.counted = False
             self.give_back(1, msg.nbytes)
+            return True
+        return False
 
     def report(self, ack: int, held: int, held_bytes: int) -> None:
         """The receiver holds ``held`` messages of ``held_bytes`` from us, as of its
         acknowledgement ``ack``. A report older than the last one taken (a frame set
-        that crossed a later one on another link) is ignored: its count would miss what
-        arrived since."""
-        if ack >= self._ack:
+        that crossed a later one on another link, e.g. sealed when a long bulk transfer
+        started) is ignored: its count would miss what arrived since. For one
+        acknowledgement the count only falls (the application takes), so of two reports
+        the lower holds."""
+        if ack > self._ack:
             self._ack, self.held, self.held_bytes = ack, held, held_bytes
+        elif ack == self._ack:
+            self.held, self.held_bytes = min(self.held, held), min(self.held_bytes, held_bytes)
 
     def wait(self, msg: Any) -> None:
         """Queue ``msg`` until there is room (behind those already waiting)."""

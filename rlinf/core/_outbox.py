@@ -171,7 +171,7 @@ class Outbox:
             raise self.error
         if gated:
             credit = self.credit
-            if credit.waiting or not credit.room(msg.nbytes):
+            if not credit.open_to(msg.nbytes):
                 credit.wait(msg)
                 return False
             credit.take(msg.nbytes)
@@ -195,10 +195,18 @@ class Outbox:
 
     def _admit(self) -> None:
         """Room was freed: queue the messages waiting for credit that fit now."""
+        if self.error is not None:
+            return
         loop = asyncio.get_running_loop()
         for msg in self.credit.admit():
             msg.counted = True
             self.put(msg, loop)
+
+    def _dropped(self, msg: OutMessage) -> None:
+        """``msg`` is dropped unsent: what it took of the window frees room for those
+        waiting (at the next loop turn: this may run inside a flush)."""
+        if self.credit.drop(msg) and self.credit.waiting:
+            asyncio.get_running_loop().call_soon(self._admit)
 
     def withdraw(self, future: asyncio.Future) -> bool:
         """Take the message of ``future`` back out of the queue, unsent (its ``discard``
@@ -210,7 +218,7 @@ class Outbox:
             for msg in queue:
                 if msg.future is future:
                     queue.remove(msg)
-                    self.credit.drop(msg)
+                    self._dropped(msg)
                     if msg.discard is not None:
                         msg.discard()
                     return True
@@ -230,8 +238,10 @@ class Outbox:
         if kept:
             self.log.resend_from = kept[0].seq
         self.flush()
-        if self.inflow is not None and self.inflow.owed:
-            self.send_ack()
+        if self.inflow is not None:
+            self.send_ack()    # (also the count of what we hold: one on a link that broke may be lost)
+        if self.credit.waiting:
+            self._admit()      # the window may have changed with the peer's WorkerInfo
 
     def flush(self) -> None:
         """Send queued messages in order, as far as the link accepts them without blocking
@@ -248,7 +258,7 @@ class Outbox:
             head = queue[0]
             if head.future is not None and head.future.cancelled():   # timed out while queued
                 queue.popleft()
-                self.credit.drop(head)
+                self._dropped(head)
                 if head.discard is not None:
                     head.discard()
                 continue
@@ -258,7 +268,7 @@ class Outbox:
                     return
                 if head.copying.cancelled() or head.copying.exception() is not None:
                     queue.popleft()      # the copy failed: this message cannot go
-                    self.credit.drop(head)
+                    self._dropped(head)
                     self._drop(head, head.copying)
                     continue
             if head.transport == BULK:
@@ -304,7 +314,7 @@ class Outbox:
                     if not msg.large and msg.future is not None:
                         self._complete(msg)
                 else:     # cancelled while queued
-                    self.credit.drop(msg)
+                    self._dropped(msg)
                     if msg.discard is not None:
                         msg.discard()
             if head.large:
@@ -392,6 +402,8 @@ class Outbox:
         if upto <= log.acked and not nack:
             if credit.waiting:
                 self._admit()
+            if not log.kept and not credit.waiting and self._settled:
+                self._settle()
             return     # nothing new acknowledged
         for kept in log.ack(upto):
             if kept.credit:
@@ -418,7 +430,7 @@ class Outbox:
     def settled(self) -> asyncio.Future | None:
         """A future done once every frame set sent is acknowledged and no message waits
         for credit (None: already)."""
-        if not self.log.kept and not self.credit.waiting or self.error is not None:
+        if not self.log.kept and not self.credit.purge() or self.error is not None:
             return None
         waiter = asyncio.get_running_loop().create_future()
         self._settled.append(waiter)
@@ -510,9 +522,10 @@ class Outbox:
         if self._bulk_link is not None:
             self._bulk_link.close()
             self._bulk_link = None
-        for msg in self.queue:
-            if msg.transport == BULK:
-                _to_zmq(msg)
+        for queue in (self.queue, self.credit.waiting):
+            for msg in queue:
+                if msg.transport == BULK:
+                    _to_zmq(msg)
 
     def _send_alone(self, msg: OutMessage) -> None:
         """Send ``msg``, the only queued message, now: :meth:`flush` for one small

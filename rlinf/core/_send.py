@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from typing import Any, Callable
 
 from ..codec import Codec, is_device_buffer
@@ -180,9 +181,12 @@ class SendPath:
             nbytes += sum(place[2] for place in gpu[5])
             transport, discard = routing.CUDA_IPC, functools.partial(self._gpu.discard, gpu)
         if not large and not need_future and outbox.ready:
-            outbox.put(OutMessage(entry, frames, nbytes, None, False, transport=transport, discard=discard),
-                       self._loop, gated=gated)
-            return None
+            msg = OutMessage(entry, frames, nbytes, None, False, transport=transport, discard=discard)
+            if outbox.put(msg, self._loop, gated=gated):
+                return None
+            msg.future = self._loop.create_future()     # it waits for credit after all (a GPU
+            msg.started = time.perf_counter()           # message's size grew with its slot)
+            return msg.future
         future = self._loop.create_future()
         if outbox.put(OutMessage(entry, frames, nbytes, future, large, transport=transport, discard=discard),
                       self._loop, gated=gated) and not large and outbox.ready and not future.done():

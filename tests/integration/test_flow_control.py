@@ -124,3 +124,16 @@ async def test_collectives_and_acknowledgements_pass_full_windows(cluster):
         got_b, got_a = await asyncio.gather(_drain(b, "a:0", WINDOW_MSGS + 1), _drain(a, "b:0", WINDOW_MSGS + 1))
         await asyncio.gather(*blocked)
         assert got_a == got_b == list(range(WINDOW_MSGS + 1))
+
+
+async def test_a_large_message_is_not_held_back_by_a_small_one_read_later(cluster):
+    """Metadata on one tag, then a message larger than the window on another, which the
+    receiver reads first (as MPI programs do): the large one must not wait until the
+    small one is received."""
+    async with asyncio.timeout(60), cluster.connect("a:0") as a, \
+            cluster.connect("b:0", settings=_small_window()) as b:
+        await a.send("meta", "b:0", tag=7, timeout=10)
+        big = np.arange(4 * WINDOW_BYTES // 8, dtype=np.int64)
+        await a.send(big, "b:0", tag=1, timeout=10)
+        assert np.array_equal(await b.recv("a:0", tag=1, timeout=10), big)
+        assert await b.recv("a:0", tag=7, timeout=10) == "meta"

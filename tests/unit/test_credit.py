@@ -34,21 +34,30 @@ def test_messages_go_while_the_window_has_room_then_wait_in_order():
 def test_room_counts_what_the_receiver_holds_and_what_is_in_flight():
     credit = Credit(Window(msgs=10, nbytes=1000))
     credit.take(300)
-    credit.report(5, 2, 600)                        # it holds 2 messages, 600 bytes
-    assert credit.room(100) and not credit.room(101)
+    credit.report(5, 2, 600)                        # it holds 2 messages, 600 bytes: 900 used
+    assert credit.room(100)                         # the one that fills the window goes (even larger)
+    credit.take(100)
+    assert not credit.room(1)                       # full
     credit.report(7, 0, 0)                          # its application took them
     assert credit.room(700)
+    credit.report(8, 8, 10)                         # 10 messages outstanding: full in messages
+    assert not credit.room(1)
 
 
-def test_a_message_larger_than_the_window_goes_only_when_nothing_is_outstanding():
+def test_a_message_larger_than_the_window_goes_while_the_window_is_not_full():
+    """Not only when nothing is outstanding: a small message on another tag that the
+    receiver reads later must not hold back a large one it reads first."""
     credit = Credit(Window(msgs=10, nbytes=1000))
-    assert credit.room(5000)                        # nothing outstanding: it goes alone
+    credit.take(10)
+    credit.give_back(1, 10)
+    credit.report(1, 1, 10)                         # a small one waits unread at the receiver
+    assert credit.room(5000)
     credit.take(5000)
     assert not credit.room(1)
     credit.give_back(1, 5000)
-    credit.report(1, 1, 5000)                       # acknowledged, not yet received
+    credit.report(2, 2, 5010)                       # acknowledged, not yet received
     assert not credit.room(1)
-    credit.report(1, 0, 0)
+    credit.report(3, 0, 0)
     assert credit.room(5000)
 
 
@@ -59,8 +68,10 @@ def test_a_late_report_does_not_undo_a_newer_one():
     credit.report(20, 4, 400)
     credit.report(12, 1, 100)                       # older acknowledgement: ignored
     assert (credit.held, credit.held_bytes) == (4, 400)
-    credit.report(20, 2, 200)                       # same acknowledgement, later: taken
+    credit.report(20, 2, 200)                       # same acknowledgement, fewer held: taken
     assert (credit.held, credit.held_bytes) == (2, 200)
+    credit.report(20, 4, 400)                       # same one, sealed earlier (a bulk frame set that
+    assert (credit.held, credit.held_bytes) == (2, 200)   # started long ago): ignored
 
 
 def test_a_send_cancelled_while_waiting_is_dropped_and_never_counted():
