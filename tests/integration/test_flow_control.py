@@ -13,6 +13,8 @@ import pytest
 import rlinf
 from rlinf.config import Settings
 
+from .wait import until
+
 pytestmark = pytest.mark.multiproc
 
 WINDOW_MSGS, WINDOW_BYTES = 16, 64 << 10
@@ -28,6 +30,12 @@ def _held(receiver, sender) -> tuple[int, int]:
     return (sum(i.held for i in inflows), sum(i.held_bytes for i in inflows))
 
 
+def _waiting(sender, dst: str) -> int:
+    """How many of ``sender``'s messages to ``dst`` wait for room."""
+    session = sender._sessions.get(dst)
+    return len(session.outbox.credit.waiting) if session is not None else 0
+
+
 async def _drain(comm, src: str, n: int) -> list:
     return [await comm.recv(src, timeout=10) for _ in range(n)]
 
@@ -39,15 +47,11 @@ async def test_a_slow_receiver_holds_at_most_its_window(cluster):
             cluster.connect("b:0", settings=_small_window()) as b:
         payload = bytes(1024)
         sending = asyncio.ensure_future(_send_all(a, "b:0", 200, payload))
-        most = (0, 0)
-        while not sending.done():
-            await asyncio.sleep(0.01)      # a sample of the receiver's memory, not a synchronisation
-            held = _held(b, a)
-            most = max(most, held)
-            if held[0] >= WINDOW_MSGS or held[1] + len(payload) > WINDOW_BYTES:
-                break
+        await until(lambda: _waiting(a, "b:0") or sending.done(), what="the sender waiting for room")
         assert not sending.done(), "the sender finished although the receiver took nothing"
-        assert most[0] <= WINDOW_MSGS and most[1] <= WINDOW_BYTES, most
+        await until(lambda: _held(b, a)[0] == WINDOW_MSGS, what="the window's messages held")
+        held = _held(b, a)
+        assert held[0] <= WINDOW_MSGS and held[1] <= WINDOW_BYTES, held
         assert a.stats().peers["b:0"].credit_waits >= 1
         got = []
         for _ in range(200):
@@ -86,7 +90,7 @@ async def test_a_message_larger_than_the_window_goes_when_nothing_is_outstanding
         big = np.arange(4 * WINDOW_BYTES // 8, dtype=np.int64)
         await a.send(big, "b:0", timeout=10)
         second = asyncio.ensure_future(a.send(big * 2, "b:0", timeout=10))
-        await asyncio.sleep(0.2)          # time for it to go if it could (it must not)
+        await until(lambda: _waiting(a, "b:0") or second.done(), what="the second send waiting for room")
         assert not second.done() and _held(b, a)[0] == 1
         assert np.array_equal(await b.recv("a:0", timeout=10), big)
         await second
