@@ -17,7 +17,13 @@ delivered twice). Its ``epoch``, random, tells a receiver that a log started ane
 Receiver (:class:`Inflow`, one per sender incarnation, kept by the peer sessions):
 frame sets are delivered in ``seq`` order whichever link brought them (ZeroMQ, the
 stream, the bulk stream); one that arrives early is parked until the ones before it
-came; one already delivered is dropped (and acknowledged again). What arrived is
+came; one already delivered is dropped (and acknowledged again). One exception keeps
+small messages from waiting for bulk ones (DESIGN.md §4: ordering is per sender,
+receiver and tag): while a large message is on its way on the bulk stream, the sender
+goes on sending user messages with other tags, each frame set saying which message it
+may *skip* (``wire``: ``skip``); such a frame set is delivered as soon as everything
+before it but that message arrived, and remembered as delivered ahead (``beyond``)
+until the acknowledgement, which only ever covers an unbroken prefix, passes it. What arrived is
 acknowledged on the next frame set to the sender, or on its own after
 :data:`ACK_DELAY` (at once for large frame sets, whose send completes only then). A gap
 that lasts :data:`GAP_DELAY` asks the sender to resend.
@@ -34,6 +40,8 @@ import secrets
 from typing import Any
 
 import msgpack
+
+from ._credit import lane_cost
 
 __all__ = ["ACK_DELAY", "GAP_DELAY", "RTO", "RTO_MAX", "TICK", "Kept", "SendLog", "Inflow", "new_epoch"]
 
@@ -68,20 +76,23 @@ class Kept:
     garbage collector walks them all); ``payload`` its payload frames
     (None once a bulk stream delivered it: it is never sent again), ``msg`` the large
     message it carries, whose send completes once it is acknowledged and released;
-    ``credit``, what of it counts against the receiver's window (see :mod:`rlinf.core._credit`).
+    ``credit``, what of it counts against the receiver's window (messages, small-lane and
+    bulk-lane bytes; see :mod:`rlinf.core._credit`); ``skip``, the bulk message it may
+    overtake (``n + 1``; 0: none).
     """
 
-    __slots__ = ("seq", "end", "entries", "body", "payload", "msg", "credit")
+    __slots__ = ("seq", "end", "entries", "body", "payload", "msg", "credit", "skip")
 
     def __init__(self, seq: int, end: int, entries: list, body: bytes, payload: list | None, msg: Any = None,
-                 credit: tuple[int, int] | None = None) -> None:
+                 credit: tuple[int, int, int] | None = None, skip: int = 0) -> None:
         self.seq = seq
         self.end = end
         self.entries = entries
         self.body = body
         self.payload = payload
         self.msg = msg
-        self.credit = credit      # (messages, bytes) of it that count against the peer's window
+        self.credit = credit      # (messages, bytes, bulk bytes) of it that count against the peer's window
+        self.skip = skip
 
 
 class SendLog:
@@ -104,8 +115,8 @@ class SendLog:
         return f"<SendLog {self.epoch:08x} next={self.next} acked={self.acked} kept={len(self.kept)}>"
 
     def keep(self, seq: int, count: int, entries: list | None, body: bytes, payload: list | None,
-             msg: Any = None, credit: tuple[int, int] | None = None) -> Kept:
-        kept = Kept(seq, seq + count, entries, body, payload, msg, credit)
+             msg: Any = None, credit: tuple[int, int, int] | None = None, skip: int = 0) -> Kept:
+        kept = Kept(seq, seq + count, entries, body, payload, msg, credit, skip)
         self.next = kept.end
         self.kept.append(kept)
         return kept
@@ -144,18 +155,21 @@ class Inflow:
 
     ``expected`` is the next message number to deliver (all below arrived), in the
     sender's log ``epoch`` (0 until its first frame set). ``parked`` holds frame sets
-    that came early, by ``seq``. ``owed``: an acknowledgement is due.
+    that came early, by ``seq`` (``(entries, frames, packed, skip)``; ``skippers`` counts
+    those with a ``skip``); ``beyond`` the frame sets delivered ahead of ``expected``
+    (``seq -> end``). ``owed``: an acknowledgement is due.
 
-    Flow control (see :mod:`rlinf.core._credit`): ``held`` and ``held_bytes`` count the
-    sender's user messages waiting in our mailbox (the mailbox keeps them, through
-    ``Message.credit``); ``reported`` and ``reported_bytes`` what the last frame set to
-    the sender said; ``step``/``step_bytes``: how much taken since then is worth a
-    frame set of its own (``notify()`` sends it).
+    Flow control (see :mod:`rlinf.core._credit`): ``held``, ``held_bytes`` and
+    ``held_bulk`` count the sender's user messages waiting in our mailbox and their
+    bytes by lane (the mailbox keeps them, through ``Message.credit``); ``reported``
+    and ``reported_bytes`` what the last frame set to the sender said; ``step``/
+    ``step_bytes``: how much taken since then is worth a frame set of its own
+    (``notify()`` sends it).
     """
 
-    __slots__ = ("address", "incarnation", "identity", "epoch", "packed", "expected", "parked", "owed",
-                 "timer", "gap_timer", "acked_sent", "held", "held_bytes", "reported", "reported_bytes",
-                 "step", "step_bytes", "notify")
+    __slots__ = ("address", "incarnation", "identity", "epoch", "packed", "expected", "parked", "beyond",
+                 "skippers", "owed", "timer", "gap_timer", "acked_sent", "held", "held_bytes", "held_bulk",
+                 "reported", "reported_bytes", "step", "step_bytes", "notify")
 
     def __init__(self, address: str, incarnation: str, identity: bytes) -> None:
         self.address = address
@@ -165,20 +179,97 @@ class Inflow:
         self.packed = b"\x00"
         self.expected = 0
         self.parked: dict[int, tuple] = {}
+        self.beyond: dict[int, int] = {}
+        self.skippers = 0
         self.owed = False
         self.timer = None          # the pending acknowledgement's timer
         self.gap_timer = None      # the pending request for a resend
         self.acked_sent = -1       # the last acknowledgement sent
-        self.held = self.held_bytes = 0
+        self.held = self.held_bytes = self.held_bulk = 0
         self.reported = self.reported_bytes = 0
         self.step = self.step_bytes = 1 << 62
         self.notify: Any = None    # () -> None: tell the sender what it may send now
 
-    def taken(self) -> None:
-        """Our application took messages: tell the sender when that frees enough."""
-        if (self.reported - self.held >= self.step or self.reported_bytes - self.held_bytes >= self.step_bytes) \
-                and self.notify is not None:
+    # -- flow control ---------------------------------------------------------------------------
+    def hold(self, nbytes: int) -> None:
+        """A user message of ``nbytes`` from the sender waits in our mailbox."""
+        small, bulk = lane_cost(nbytes)
+        self.held += 1
+        self.held_bytes += small
+        self.held_bulk += bulk
+
+    def release(self, nbytes: int) -> None:
+        """A message :meth:`hold` counted left the mailbox (taken or dropped): tell the
+        sender when that frees enough."""
+        small, bulk = lane_cost(nbytes)
+        self.held -= 1
+        self.held_bytes -= small
+        self.held_bulk -= bulk
+        if (self.reported - self.held >= self.step or self.reported_bytes - self.held_bytes - self.held_bulk
+                >= self.step_bytes) and self.notify is not None:
             self.notify()
+
+    @property
+    def stale(self) -> bool:
+        """Whether the sender was last told we hold more than we do."""
+        return self.reported > self.held or self.reported_bytes > self.held_bytes + self.held_bulk
+
+    def fields(self) -> tuple[bytes, int, int, int, int]:
+        """The acknowledgement and flow-control fields of a frame set to the sender now
+        (``ack_epoch``, ``ack``, ``held``, ``held_bytes``, ``held_bulk``), noted as told."""
+        self.reported, self.reported_bytes = self.held, self.held_bytes + self.held_bulk
+        return self.packed, self.expected, self.held, self.held_bytes, self.held_bulk
+
+    # -- ordering -------------------------------------------------------------------------------
+    def seen(self, seq: int) -> bool:
+        """Whether the frame set ``seq`` was delivered already."""
+        return seq < self.expected or seq in self.beyond
+
+    def clear_before(self, seq: int, skip: int) -> bool:
+        """Whether everything before ``seq`` was delivered but message ``skip - 1``
+        (the bulk message a frame set with ``skip`` may overtake)."""
+        at, beyond = self.expected, self.beyond
+        while at < seq:
+            end = beyond.get(at)
+            if end is not None:
+                at = end
+            elif at == skip - 1:
+                at += 1
+            else:
+                return False
+        return True
+
+    def delivered(self, seq: int, count: int) -> None:
+        """Frame set ``seq`` of ``count`` messages was delivered."""
+        if seq != self.expected:
+            self.beyond[seq] = seq + count
+            return
+        self.expected = end = seq + count
+        beyond = self.beyond
+        while beyond and (end := beyond.pop(end, None)) is not None:
+            self.expected = end
+
+    def park(self, seq: int, early: tuple) -> None:
+        """Keep frame set ``seq`` (``(entries, frames, packed, skip)``) until it may go."""
+        if seq not in self.parked:
+            self.parked[seq] = early
+            self.skippers += early[3] != 0
+
+    def unpark(self) -> tuple[int, tuple] | None:
+        """The parked frame set that may be delivered now, taken out (None: none)."""
+        parked = self.parked
+        if not parked:
+            return None
+        early = parked.pop(self.expected, None)
+        if early is not None:
+            self.skippers -= early[3] != 0
+            return self.expected, early
+        if self.skippers:
+            for seq in sorted(s for s, e in parked.items() if e[3]):
+                if self.clear_before(seq, parked[seq][3]):
+                    self.skippers -= 1
+                    return seq, parked.pop(seq)
+        return None
 
     def __repr__(self) -> str:
         return f"<Inflow {self.address} {self.epoch:08x} expected={self.expected} parked={len(self.parked)}>"
@@ -188,8 +279,9 @@ class Inflow:
         old one had begun (messages of the old one may be missing)."""
         started = self.expected > 0 or bool(self.parked)
         self.epoch, self.packed = epoch, packed_epoch(epoch)
-        self.expected = 0
+        self.expected = self.skippers = 0
         self.parked.clear()
+        self.beyond.clear()
         return started
 
     def cancel_timers(self) -> None:

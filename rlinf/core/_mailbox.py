@@ -116,10 +116,8 @@ class Mailbox:
             self._sources_by_tag[msg.tag].add(msg.src)
         queue.append(msg)
         self.queued += 1
-        credit = msg.credit
-        if credit is not None:
-            credit.held += 1
-            credit.held_bytes += msg.nbytes
+        if msg.credit is not None:
+            msg.credit.hold(msg.nbytes)
 
     def _hand_over(self, waiters: collections.deque[_Waiter] | None, msg: Message) -> bool:
         while waiters:
@@ -143,18 +141,13 @@ class Mailbox:
             self._sources_by_tag[msg.tag].add(msg.src)
         queue.appendleft(msg)
         self.queued += 1
-        credit = msg.credit
-        if credit is not None:
-            credit.held += 1
-            credit.held_bytes += msg.nbytes
+        if msg.credit is not None:
+            msg.credit.hold(msg.nbytes)
 
     @staticmethod
     def _taken(msg: Message) -> None:
         """``msg`` left the queue (received, or dropped): its sender's window gains room."""
-        credit = msg.credit
-        credit.held -= 1
-        credit.held_bytes -= msg.nbytes
-        credit.taken()
+        msg.credit.release(msg.nbytes)
 
     def _pop(self, key: tuple[str, Any]) -> Message:
         queue = self._queues[key]

@@ -17,8 +17,11 @@ its copy into the slot runs in an executor (``copying``), the outbox holds it, a
 message behind it, until the copy is done, so the order stays the call order. A large
 message to another node may go over the peer's bulk TCP stream (``bulk``, see
 ``rlinf/transports/tcp_bulk.py``): its buffers are referenced until the receiver
-acknowledged it, and every message behind it waits for that acknowledgement too (the
-order stays the call order across the two transports); if the bulk stream fails, that
+acknowledged it. Meanwhile user messages with other tags behind it go on through
+ZeroMQ and overtake it (the receiver delivers them ahead of it: see
+:mod:`rlinf.core._delivery`); the first message with its tag, a SYSTEM message or the
+next bulk one waits for that acknowledgement, and everything behind it (the order per
+tag stays the call order across the two transports). If the bulk stream fails, that
 message and later ones go through ZeroMQ instead. When the link pushes back (high-water
 mark), flushing pauses until the socket is writable, and new sends wait (backpressure:
 nothing is dropped).
@@ -33,8 +36,9 @@ import time
 from typing import Any, Awaitable, Callable, Coroutine
 
 from . import wire
-from ._credit import DEFAULT_WINDOW, Credit, Window
+from ._credit import BULK_BYTES, DEFAULT_WINDOW, Credit, Window, lane_cost
 from ._delivery import Inflow, Kept, SendLog
+from ._outmsg import BATCH_BYTES, BATCH_COUNT, IN_FLIGHT, SMALL_MESSAGE, OutMessage, to_zmq, wire_bytes
 from ..errors import AuthenticationError, ClosedError, PeerLostError, TransportUnavailableError, WouldBlock
 from ..info import WorkerInfo
 from .routing import BULK
@@ -43,64 +47,6 @@ from .stats import Counters
 __all__ = ["IN_FLIGHT", "OutMessage", "Outbox", "SMALL_MESSAGE"]
 
 log = logging.getLogger("rlinf.core.communicator")
-
-#: Messages below this many payload bytes are copied and coalesced.
-SMALL_MESSAGE = 1 << 20
-#: Bytes of one coalesced frame set. Below glibc's mmap threshold (128 KiB): larger
-#: headers and blobs are fresh mappings each time, written at ~0.7 GB/s (page faults)
-#: on the sender and again allocated by ZeroMQ on the receiver; measured, 1 KiB
-#: messages cost the sender ~15 µs each in 1 MiB frame sets and ~12 µs in 64 KiB ones.
-_BATCH_BYTES = 64 << 10
-_BATCH_COUNT = 4096
-#: Seconds after a send during which the link counts as busy: a message that follows
-#: sooner is queued for the next flush (coalesced with the rest of its burst) instead
-#: of going out alone. Far below any round trip (>= ~50 µs even on raw sockets), so
-#: request/reply traffic is always sent at once.
-IN_FLIGHT = 20e-6
-
-
-def _to_zmq(msg: OutMessage) -> None:
-    """Turn a message queued for the bulk stream into a large ZeroMQ message."""
-    msg.frames, msg.entry[wire.LAYOUT], _ = wire.split_frames(msg.frames)
-    msg.transport = "zmq"
-
-
-def _wire_bytes(msg: OutMessage) -> int:
-    """What a small message adds to a coalesced frame set: its codec header and, unless
-    its buffers travel in shared memory (only their descriptor does), its payload."""
-    if msg.transport == "zmq":
-        return len(msg.entry[wire.CODEC_HEADER]) + msg.nbytes
-    return len(msg.entry[wire.CODEC_HEADER]) + sum(len(f) for f in msg.frames)   # e.g. a GPU message's host part
-
-
-class OutMessage:
-    """One queued message. ``future`` is None for fire-and-forget small sends.
-
-    ``entry`` is ``[kind, tag, codec_header, layout]`` (+ a slot; see :mod:`rlinf.core.wire`);
-    a small message's ``layout`` may be None: the flush derives it from ``frames``.
-    ``copying`` (a future) holds the message until its shared-memory copy is done;
-    ``discard()`` is called if the message is dropped unsent.
-    """
-
-    __slots__ = ("entry", "frames", "nbytes", "future", "large", "started", "transport", "copying", "discard",
-                 "pending", "acked", "counted")
-
-    def __init__(self, entry: list, frames: list, nbytes: int, future: asyncio.Future | None, large: bool,
-                 *, transport: str = "zmq", copying: asyncio.Future | None = None,
-                 discard: Callable[[], None] | None = None) -> None:
-        self.entry = entry
-        self.frames = frames
-        self.nbytes = nbytes
-        self.future = future
-        self.large = large
-        self.transport = transport
-        self.copying = copying
-        self.discard = discard
-        self.pending = 0          # a large message: its sendings the transport has not released yet
-        self.acked = False        # a large message: the receiver acknowledged it
-        self.counted = False      # it counts against the receiver's window (see rlinf.core._credit)
-        # fire-and-forget small sends complete at once: no latency to measure
-        self.started = time.perf_counter() if future is not None else 0.0
 
 
 class Outbox:
@@ -127,7 +73,15 @@ class Outbox:
         self._counters = counters
         self._scheduled = False
         self._blocked = False
-        self._held = False        # the head's shared-memory copy is still running
+        self._held = False        # the head's shared-memory copy, or a bulk message's numbering, is pending
+        #: a bulk message on its way: ``seq + 1`` and its tag (see :meth:`_overtakes`); 0: none
+        self._skip = 0
+        self._bulk_tag: Any = None
+        #: meanwhile, the messages that wait for it, in order, and their tags; ``_wall``: a
+        #: SYSTEM message among them, which nothing passes
+        self._behind: collections.deque[OutMessage] = collections.deque()
+        self._behind_tags: set = set()
+        self._wall = False
         self._batched = 0
         self._clock = clock
         #: ``bulk() -> awaitable link`` to the peer's bulk listener (large payloads to
@@ -171,7 +125,7 @@ class Outbox:
             raise self.error
         if gated:
             credit = self.credit
-            if not credit.open_to(msg.nbytes):
+            if not credit.open_to(msg.nbytes, msg.tag):
                 credit.wait(msg)
                 return False
             credit.take(msg.nbytes)
@@ -186,10 +140,10 @@ class Outbox:
             self._scheduled = True
             loop.call_soon(self._tick)
         if msg.large:
-            self._batched = _BATCH_BYTES
+            self._batched = BATCH_BYTES
         else:
-            self._batched += _wire_bytes(msg) + 64
-        if self._batched >= _BATCH_BYTES or len(queue) >= _BATCH_COUNT:
+            self._batched += wire_bytes(msg) + 64
+        if self._batched >= BATCH_BYTES or len(queue) >= BATCH_COUNT:
             self.flush()
         return True
 
@@ -271,6 +225,9 @@ class Outbox:
                     self._dropped(head)
                     self._drop(head, head.copying)
                     continue
+            if self._skip and not self._overtakes(head):
+                self._put_behind(queue.popleft())
+                continue
             if head.transport == BULK:
                 self._send_bulk(head)
                 return
@@ -279,18 +236,19 @@ class Outbox:
             else:
                 batch, size = [], 0
                 for msg in queue:
-                    if msg.large or size >= _BATCH_BYTES or len(batch) >= _BATCH_COUNT or (
-                            msg.copying is not None and not msg.copying.done()):
+                    if msg.large or size >= BATCH_BYTES or len(batch) >= BATCH_COUNT or (
+                            msg.copying is not None and not msg.copying.done()) or (
+                            self._skip and not self._overtakes(msg)):
                         break
                     if msg.future is None or not msg.future.cancelled():
                         batch.append(msg)
-                        size += _wire_bytes(msg)
+                        size += wire_bytes(msg)
             if head.large:
                 sent, tracker = self._send_set(link, [head.entry], False, head.frames, head,
-                                               (1, head.nbytes) if head.counted else None)
+                                               (1, *lane_cost(head.nbytes)) if head.counted else None)
             else:   # coalesced: one packed frame for every buffer of the batch
                 entries, pieces = [], []
-                counted = counted_bytes = 0
+                counted = counted_bytes = counted_bulk = 0
                 for msg in batch:
                     entry = msg.entry
                     if entry[wire.LAYOUT] is None:     # (a GPU message keeps its CUDA IPC item)
@@ -300,9 +258,12 @@ class Outbox:
                     pieces.extend(msg.frames)
                     if msg.counted:
                         counted += 1
-                        counted_bytes += msg.nbytes
+                        if msg.nbytes >= BULK_BYTES:    # (in shared memory: its descriptor is small)
+                            counted_bulk += msg.nbytes
+                        else:
+                            counted_bytes += msg.nbytes
                 sent, tracker = self._send_set(link, entries, True, [b"".join(pieces)] if pieces else [], None,
-                                               (counted, counted_bytes) if counted else None)
+                                               (counted, counted_bytes, counted_bulk) if counted else None)
             if not sent:
                 return
             sent = 0
@@ -321,29 +282,27 @@ class Outbox:
                 self._spawn(self._await_release(link, tracker, head))
 
     def _send_set(self, link, entries: list, packed: bool, payload: list, msg: OutMessage | None = None,
-                  credit: tuple[int, int] | None = None) -> tuple[bool, Any]:
+                  credit: tuple[int, int, int] | None = None) -> tuple[bool, Any]:
         """Number, send and keep one frame set of ``entries`` (``msg``: the large message
         it carries, whose frames are tracked; ``credit``: what of it is counted in flight)."""
-        log, inflow, header = self.log, self.inflow, self._header
+        log, inflow, header, skip = self.log, self.inflow, self._header, self._skip
         body = header.body(entries, packed)
         seq = log.next
         if inflow is None:
-            sealed = header.seal(body, log.packed, seq, b"\x00", 0)
+            sealed = header.seal(body, log.packed, seq, b"\x00", 0, 0, 0, 0, skip)
         else:
-            sealed = header.seal(body, log.packed, seq, inflow.packed, inflow.expected, inflow.held,
-                                 inflow.held_bytes)
+            sealed = header.seal(body, log.packed, seq, *inflow.fields(), skip)
         sent, tracker = self._transmit(link, [sealed, *payload], msg is not None)
         if sent:
             if inflow is not None:
                 inflow.owed = False
-                inflow.reported, inflow.reported_bytes = inflow.held, inflow.held_bytes
             special = msg is not None
             if not special:
                 for entry in entries:
                     if len(entry) > 4:
                         special = True
                         break
-            log.keep(seq, len(entries), entries if special else None, body, payload, msg, credit)
+            log.keep(seq, len(entries), entries if special else None, body, payload, msg, credit, skip)
             if msg is not None:
                 msg.pending += 1
         return sent, tracker
@@ -358,7 +317,7 @@ class Outbox:
             if kept.end <= start or kept.payload is None:
                 continue
             msg = kept.msg
-            sealed = header.seal(kept.body, log.packed, kept.seq, *fields)
+            sealed = header.seal(kept.body, log.packed, kept.seq, *fields, kept.skip)
             sent, tracker = self._transmit(link, [sealed, *kept.payload], msg is not None)
             if not sent:
                 if log.resend_from is not None:
@@ -382,15 +341,13 @@ class Outbox:
     def _ack_fields(self) -> tuple:
         """The acknowledgement and flow-control fields of a frame set sent now."""
         inflow = self.inflow
-        if inflow is None:
-            return b"\x00", 0, 0, 0
-        inflow.reported, inflow.reported_bytes = inflow.held, inflow.held_bytes
-        return inflow.packed, inflow.expected, inflow.held, inflow.held_bytes
+        return (b"\x00", 0, 0, 0, 0) if inflow is None else inflow.fields()
 
-    def acked(self, epoch: int, upto: int, held: int = 0, held_bytes: int = 0) -> None:
+    def acked(self, epoch: int, upto: int, held: int = 0, held_bytes: int = 0, held_bulk: int = 0) -> None:
         """The peer acknowledged every message of our log ``epoch`` below ``upto`` (a
         negative ``upto``, ``-(n + 1)``: below ``n``, and asks for a resend from there),
-        and holds ``held`` of our user messages (``held_bytes``) not yet received."""
+        and holds ``held`` of our user messages (``held_bytes`` and ``held_bulk``: small
+        and bulk lane) not yet received."""
         log = self.log
         if epoch != log.epoch:
             return     # about a log of ours that is gone
@@ -398,7 +355,7 @@ class Outbox:
         nack = upto < 0
         if nack:
             upto = -upto - 1
-        credit.report(upto, held, held_bytes)
+        credit.report(upto, held, held_bytes, held_bulk)
         if upto <= log.acked and not nack:
             if credit.waiting:
                 self._admit()
@@ -443,21 +400,44 @@ class Outbox:
         link, inflow = self.link, self.inflow
         if link is None or inflow is None or self._blocked or self.error is not None:
             return
-        ack_epoch, ack, held, held_bytes = self._ack_fields()
+        ack_epoch, ack, *held = self._ack_fields()
         if nack:
             ack = -(ack + 1)
         log = self.log
-        sealed = self._header.seal(self._header.body([]), log.packed, log.next, ack_epoch, ack, held, held_bytes)
+        sealed = self._header.seal(self._header.body([]), log.packed, log.next, ack_epoch, ack, *held)
         if self._transmit(link, [sealed], False)[0]:
             inflow.owed = False
             inflow.acked_sent = inflow.expected
 
     def _send_bulk(self, msg: OutMessage) -> None:
-        """Hand the head to the bulk stream; the queue waits until the receiver has it
-        (its acknowledgement), so nothing sent later through ZeroMQ can overtake it."""
+        """Hand the head to the bulk stream. The queue waits until it has its number;
+        then, until the receiver has it (its acknowledgement), only what may overtake it
+        goes (:meth:`_overtakes`), and the receiver delivers that ahead of it."""
         self.queue.popleft()     # with the transport now: a failing peer no longer fails it here
         self._held = True
         self._spawn(self._bulk_send(msg))
+
+    def _overtakes(self, msg: OutMessage) -> bool:
+        """Whether ``msg`` may go while the bulk message is on its way: a user message
+        for ZeroMQ whose tag is neither the bulk message's nor one of those waiting for
+        it (ordering is per tag), and no SYSTEM message (goodbyes, releases) waits before
+        it: those keep their place."""
+        return (not self._wall and msg.transport != BULK and msg.entry[wire.KIND] == wire.USER
+                and msg.tag != self._bulk_tag and msg.tag not in self._behind_tags)
+
+    def _put_behind(self, msg: OutMessage) -> None:
+        """``msg`` waits for the bulk message on its way (messages behind it may pass)."""
+        self._behind.append(msg)
+        self._behind_tags.add(msg.tag)
+        self._wall = self._wall or msg.entry[wire.KIND] != wire.USER
+
+    def _bulk_done(self) -> None:
+        """The bulk message is no longer on its way: what waited for it goes first."""
+        self._held, self._skip, self._bulk_tag, self._wall = False, 0, None, False
+        if self._behind:
+            self.queue.extendleft(reversed(self._behind))
+            self._behind.clear()
+            self._behind_tags.clear()
 
     async def _bulk_send(self, msg: OutMessage) -> None:
         """The bulk send of the head. A stream that cannot be opened is not an error:
@@ -474,7 +454,7 @@ class Outbox:
                         log.warning("rlinf: no bulk TCP to %s (%s); large payloads go through ZeroMQ",
                                     self.address, exc)
                         self._drop_bulk()
-                        _to_zmq(msg)
+                        to_zmq(msg)
                         self.queue.appendleft(msg)
                     elif msg.future is not None and not msg.future.done():
                         msg.future.set_exception(self.error)
@@ -483,8 +463,12 @@ class Outbox:
             body = header.body([msg.entry])
             seq = log_.next
             kept = log_.keep(seq, 1, [msg.entry], body, None, None,     # never sent again as it is
-                             (1, msg.nbytes) if msg.counted else None)
-            await self._bulk_link.send(header.seal(body, log_.packed, seq, *self._ack_fields()), msg.frames)
+                             (1, *lane_cost(msg.nbytes)) if msg.counted else None)
+            sealed = header.seal(body, log_.packed, seq, *self._ack_fields())
+            self._skip, self._bulk_tag, self._held = seq + 1, msg.tag, False
+            if self.queue:
+                asyncio.get_running_loop().call_soon(self.flush)    # what may overtake it
+            await self._bulk_link.send(sealed, msg.frames)
         except (ClosedError, PeerLostError) as exc:
             if self.error is None:
                 log.warning("rlinf: bulk TCP to %s broke (%s); large payloads go through ZeroMQ", self.address, exc)
@@ -495,7 +479,7 @@ class Outbox:
                 self._complete(msg)
             elif kept is not None and self.error is None:   # again, through ZeroMQ
                 kept.msg = msg
-                _to_zmq(msg)
+                to_zmq(msg)
                 kept.entries = [msg.entry]
                 kept.body = self._header.body(kept.entries)
                 kept.payload = msg.frames
@@ -512,7 +496,7 @@ class Outbox:
             msg.frames = []
             self._complete(msg)
         finally:
-            self._held = False
+            self._bulk_done()
             if self.error is None:
                 self.flush()
 
@@ -522,24 +506,25 @@ class Outbox:
         if self._bulk_link is not None:
             self._bulk_link.close()
             self._bulk_link = None
-        for queue in (self.queue, self.credit.waiting):
+        for queue in (self.queue, self._behind, self.credit.waiting):
             for msg in queue:
                 if msg.transport == BULK:
-                    _to_zmq(msg)
+                    to_zmq(msg)
 
     def _send_alone(self, msg: OutMessage) -> None:
         """Send ``msg``, the only queued message, now: :meth:`flush` for one small
         message that waits for nothing (the wire format of a one-message batch)."""
         link = self.link
         if (msg.large or msg.copying is not None or link is None or self._blocked or self._held
-                or self.log.resend_from is not None):
+                or self.log.resend_from is not None or self._skip and not self._overtakes(msg)):
             self.flush()
             return
         entry, pieces = msg.entry, msg.frames
         if entry[wire.LAYOUT] is None:
             entry = wire.with_layout(entry, [len(f) for f in pieces])
         payload = [pieces[0] if len(pieces) == 1 else b"".join(pieces)] if pieces else []
-        if self._send_set(link, [entry], True, payload, None, (1, msg.nbytes) if msg.counted else None)[0]:
+        if self._send_set(link, [entry], True, payload, None,
+                          (1, *lane_cost(msg.nbytes)) if msg.counted else None)[0]:
             self.queue.popleft()
             self._counters.sent(self.address, msg.nbytes, msg.transport)
             if msg.future is not None:
@@ -654,6 +639,7 @@ class Outbox:
         entries, which tell the receiver that these messages are lost (one that had
         arrived is dropped there as a duplicate)."""
         self.error = exc
+        self._bulk_done()
         waiting = self.credit.waiting
         while self.queue or waiting:
             msg = self.queue.popleft() if self.queue else waiting.popleft()

@@ -446,7 +446,7 @@ class PeerSessions:
                     outbox.resend()
             for inflow in list(self.inflows.values()):
                 # a sender may wait for room our last report did not show (see rlinf.core._credit)
-                if inflow.reported > inflow.held or inflow.reported_bytes > inflow.held_bytes:
+                if inflow.stale:
                     self._report_room(inflow)
 
     # -- the receive side of the delivery protocol -------------------------------------------

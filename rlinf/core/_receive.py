@@ -97,8 +97,8 @@ class ReceivePath:
         sessions = self._sessions
         inflow = sessions.inflows.get(peer)
         try:
-            src, incarnation, entries, packed, epoch, seq, ack_epoch, ack, held, held_bytes = wire.unpack(
-                received.header, frames)
+            (src, incarnation, entries, packed, epoch, seq, ack_epoch, ack, held, held_bytes, held_bulk,
+             skip) = wire.unpack(received.header, frames)
             # (an inflow is the connection identity's, so its fields are the cheaper check)
             if (inflow is None or inflow.address != src or inflow.incarnation != incarnation) and \
                     peer != f"{src}|{incarnation}".encode():
@@ -115,8 +115,8 @@ class ReceivePath:
                 kept = inflow or sessions.new_inflow(peer, src, incarnation)
                 if epoch != kept.epoch:
                     kept.adopt(epoch)     # (its receives raise already: it is taken for lost)
-                if seq >= kept.expected:
-                    kept.parked.setdefault(seq, (entries, frames, packed))
+                if not kept.seen(seq):
+                    kept.park(seq, (entries, frames, packed, skip))
             else:
                 self._counters.dropped()
             return
@@ -125,7 +125,7 @@ class ReceivePath:
             if session is not None:
                 outbox = session.outbox
                 if outbox.info is not None and outbox.info.incarnation == incarnation:
-                    outbox.acked(ack_epoch, ack, held, held_bytes)
+                    outbox.acked(ack_epoch, ack, held, held_bytes, held_bulk)
         if not entries:
             return
         if inflow is None:
@@ -133,22 +133,20 @@ class ReceivePath:
         if epoch != inflow.epoch and inflow.adopt(epoch):
             self._restarted(src, incarnation)
         if seq != inflow.expected:
-            if seq < inflow.expected:     # sent again, arrived before: acknowledge it again
+            if inflow.seen(seq):     # sent again, arrived before: acknowledge it again
                 self._counters.duplicate()
                 sessions.owe_ack(inflow, True)
-            elif seq not in inflow.parked:
-                inflow.parked[seq] = (entries, frames, packed)
-                sessions.gap(inflow)
-            return
+                return
+            if not (skip and inflow.clear_before(seq, skip)):
+                if seq not in inflow.parked:
+                    inflow.park(seq, (entries, frames, packed, skip))
+                    sessions.gap(inflow)
+                return
+            # overtakes a bulk message still on its way (another tag): delivered ahead
         self._deliver(inflow, entries, frames, packed)
-        inflow.expected = seq + len(entries)
-        parked = inflow.parked
-        if parked:
-            while (early := parked.pop(inflow.expected, None)) is not None:
-                self._deliver(inflow, *early)
-                inflow.expected += len(early[0])
-            if not parked:
-                sessions.gap_closed(inflow)
+        inflow.delivered(seq, len(entries))
+        if inflow.parked:
+            self._unpark(inflow)
         if inflow.timer is None or not packed:     # (else the pending timer acknowledges it)
             sessions.owe_ack(inflow, not packed)
         else:
@@ -159,17 +157,23 @@ class ReceivePath:
         meanwhile (held in order) and acknowledge it."""
         identity = f"{address}|{incarnation}".encode()
         inflow = self._sessions.inflows.get(identity)
-        if inflow is None or not inflow.parked:
-            return
+        if inflow is not None and inflow.parked and self._unpark(inflow):
+            self._sessions.owe_ack(inflow, True)
+
+    def _unpark(self, inflow: Inflow) -> bool:
+        """Deliver the parked frame sets of ``inflow`` that may go now, in order; whether
+        any did. A gap that remains is watched (see ``PeerSessions.gap``)."""
         delivered = False
-        while (early := inflow.parked.pop(inflow.expected, None)) is not None:
-            self._deliver(inflow, *early)
-            inflow.expected += len(early[0])
+        while (early := inflow.unpark()) is not None:
+            seq, (entries, frames, packed, _skip) = early
+            self._deliver(inflow, entries, frames, packed)
+            inflow.delivered(seq, len(entries))
             delivered = True
         if inflow.parked:
             self._sessions.gap(inflow)
-        if delivered:
-            self._sessions.owe_ack(inflow, True)
+        else:
+            self._sessions.gap_closed(inflow)
+        return delivered
 
     def _restarted(self, src: str, incarnation: str) -> None:
         """``src`` numbers its messages anew though we had some of the old numbering:

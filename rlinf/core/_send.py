@@ -142,7 +142,7 @@ class SendPath:
         for b in buffers:
             nbytes += b.nbytes if type(b) is memoryview else memoryview(b).nbytes
         gated = type(tag) is int and kind == wire.USER
-        if gated and not need_future and not outbox.credit.open_to(nbytes + len(codec_header)):
+        if gated and not need_future and not outbox.credit.open_to(nbytes + len(codec_header), tag):
             need_future = True       # it waits for credit: the sender awaits that
         if nbytes >= self._config.shm_threshold and nbytes and self._shm is not None \
                 and outbox.info is not None and self._sessions.shm_route(session):

@@ -165,8 +165,7 @@ class Counters:
             p50 = lat[len(lat) // 2] if lat else None
             p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None
             c = credits.get(name)
-            flow = () if c is None else (c.in_flight + c.held, c.in_flight_bytes + c.held_bytes, len(c.waiting),
-                                         c.waits, c.waited)
+            flow = () if c is None else (*c.used, len(c.waiting), c.waits, c.waited)
             peers[name] = PeerStats(p.msgs_out, p.bytes_out, p.msgs_in, p.bytes_in, p50, p99, name in connected,
                                     *flow)
         transports = {k: TransportStats(v[0], v[1]) for k, v in self.transports.items()}

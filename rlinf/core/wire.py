@@ -2,15 +2,19 @@
 
 A frame set on a data link is ``[header, *payload_frames]``. The header is a msgpack
 array ``[VERSION, src, incarnation, entries, packed, epoch, seq, ack_epoch, ack, held,
-held_bytes]``; the last six carry the delivery protocol and the flow control of the pair
+held_bytes, held_bulk, skip]``; the last eight carry the delivery protocol and the flow
+control of the pair
 (see :mod:`rlinf.core._delivery` and :mod:`rlinf.core._credit`): the entries are
 messages ``seq``, ``seq + 1``, ... of the sender's log ``epoch`` to this receiver, and
 ``ack`` acknowledges the receiver's own log ``ack_epoch`` to the sender (every message
 below ``ack`` arrived; a negative ``ack``, ``-(n + 1)``, also asks for everything from
-``n`` on to be sent again; ``ack_epoch`` 0: no acknowledgement); ``held`` and
-``held_bytes`` say how many of the receiver's user messages from the sender (and their
-bytes) wait in its mailbox, not yet received by its application, as of that
-acknowledgement. A frame set without entries only acknowledges. Each entry describes
+``n`` on to be sent again; ``ack_epoch`` 0: no acknowledgement); ``held``,
+``held_bytes`` and ``held_bulk`` say how many of the receiver's user messages from the
+sender (and their bytes, small ones and bulk ones apart) wait in its mailbox, not yet
+received by its application, as of that acknowledgement. ``skip``, when not 0, is
+``n + 1`` for a bulk message ``n`` still on its way on another link that this frame set
+may overtake (none of its entries has that message's tag). A frame set without entries
+only acknowledges. Each entry describes
 one message::
 
     [kind, tag, codec_header, layout]
@@ -103,7 +107,7 @@ __all__ = ["VERSION", "USER", "SYSTEM", "MAX_FRAME", "Entry", "pack_header", "He
            "SLOT_ALIGN", "MAX_SLOT", "MAX_FRAMES", "MAX_HEADER", "INT_MIN", "INT_MAX", "SlotRef", "FdRef", "GpuRef",
            "PullRef", "slot_layout", "parse_segment_name"]
 
-VERSION = 3
+VERSION = 4
 USER = 0
 SYSTEM = 1
 #: Largest payload frame; bigger buffers are chunked (page-fault cost of huge frames).
@@ -302,11 +306,12 @@ def _unpack_pull_entry(raw: list, limit: int, low: int) -> tuple[Entry, int]:
 
 
 def pack_header(src: str, incarnation: str, entries: list[list], packed: bool = False, epoch: int = 0,
-                seq: int = 0, ack_epoch: int = 0, ack: int = 0, held: int = 0, held_bytes: int = 0) -> bytes:
+                seq: int = 0, ack_epoch: int = 0, ack: int = 0, held: int = 0, held_bytes: int = 0,
+                held_bulk: int = 0, skip: int = 0) -> bytes:
     """Pack a frame-set header. ``entries`` are ``[kind, tag, codec_header, layout]``,
     optionally followed by a slot descriptor (see the module docstring)."""
-    return msgpack.packb([VERSION, src, incarnation, entries, packed, epoch, seq, ack_epoch, ack, held, held_bytes],
-                         **_packer_opts)
+    return msgpack.packb([VERSION, src, incarnation, entries, packed, epoch, seq, ack_epoch, ack, held, held_bytes,
+                          held_bulk, skip], **_packer_opts)
 
 
 class HeaderPacker:
@@ -323,9 +328,9 @@ class HeaderPacker:
 
     def __init__(self, src: str, incarnation: str) -> None:
         packer = msgpack.Packer(**_packer_opts)
-        # fixarray of 11 items: VERSION, src, incarnation, entries, packed, epoch, seq, ack_epoch, ack,
-        # held, held_bytes
-        self._prefix = b"\x9b" + packer.pack(VERSION) + packer.pack(src) + packer.pack(incarnation)
+        # fixarray of 13 items: VERSION, src, incarnation, entries, packed, epoch, seq, ack_epoch, ack,
+        # held, held_bytes, held_bulk, skip
+        self._prefix = b"\x9d" + packer.pack(VERSION) + packer.pack(src) + packer.pack(incarnation)
         self._pack = packer.pack
 
     def body(self, entries: list[list], packed: bool = False) -> bytes:
@@ -333,21 +338,22 @@ class HeaderPacker:
         return self._prefix + self._pack(entries) + (b"\xc3" if packed else b"\xc2")
 
     def seal(self, body: bytes, epoch: bytes, seq: int, ack_epoch: bytes, ack: int, held: int = 0,
-             held_bytes: int = 0) -> bytes:
+             held_bytes: int = 0, held_bulk: int = 0, skip: int = 0) -> bytes:
         """``body`` completed with the delivery and flow-control fields (epochs already packed)."""
         pack = self._pack
-        return body + epoch + pack(seq) + ack_epoch + pack(ack) + pack(held) + pack(held_bytes)
+        return (body + epoch + pack(seq) + ack_epoch + pack(ack) + pack(held) + pack(held_bytes) + pack(held_bulk)
+                + pack(skip))
 
     def pack(self, entries: list[list], packed: bool = False) -> bytes:
         """A whole header with delivery fields 0 (see :func:`pack_header`)."""
-        return self.body(entries, packed) + b"\x00\x00\x00\x00\x00\x00"
+        return self.body(entries, packed) + b"\x00" * 8
 
 
-def unpack(data, frames: list) -> tuple[str, str, list[Entry], bool, int, int, int, int, int, int]:
+def unpack(data, frames: list) -> tuple[str, str, list[Entry], bool, int, int, int, int, int, int, int, int]:
     """Validate and unpack a frame-set header against the payload frames that came with it.
 
     Returns:
-        ``(src, incarnation, entries, packed, epoch, seq, ack_epoch, ack, held, held_bytes)``.
+        ``(src, incarnation, entries, packed, epoch, seq, ack_epoch, ack, held, held_bytes, held_bulk, skip)``.
 
     Raises:
         ProtocolError: wrong version, bad shape, or a layout that does not match the frames.
@@ -367,11 +373,11 @@ def unpack(data, frames: list) -> tuple[str, str, list[Entry], bool, int, int, i
             )
     except Exception as exc:  # msgpack raises many types for garbage input
         raise ProtocolError(f"undecodable data header: {exc}") from exc
-    if not (isinstance(obj, list) and len(obj) == 11):
+    if not (isinstance(obj, list) and len(obj) == 13):
         if isinstance(obj, list) and obj and obj[0] != VERSION:
             raise ProtocolError(f"unsupported wire version {obj[0]!r} (expected {VERSION})")
-        raise ProtocolError("data header is not an 11-item array")
-    version, src, incarnation, raw_entries, packed, epoch, seq, ack_epoch, ack, held, held_bytes = obj
+        raise ProtocolError("data header is not a 13-item array")
+    version, src, incarnation, raw_entries, packed, epoch, seq, ack_epoch, ack, held, held_bytes, held_bulk, skip = obj
     if version != VERSION:
         raise ProtocolError(f"unsupported wire version {version!r} (expected {VERSION})")
     if (not isinstance(src, str) or not isinstance(incarnation, str) or not isinstance(raw_entries, list)
@@ -379,7 +385,8 @@ def unpack(data, frames: list) -> tuple[str, str, list[Entry], bool, int, int, i
         raise ProtocolError("data header has fields of the wrong type")
     if not (type(epoch) is int and type(seq) is int and type(ack_epoch) is int and type(ack) is int
             and 0 <= epoch <= _U32 and 0 <= ack_epoch <= _U32 and 0 <= seq < _SEQ_END and -_SEQ_END < ack < _SEQ_END
-            and type(held) is int and type(held_bytes) is int and 0 <= held < _SEQ_END and 0 <= held_bytes < _SEQ_END):
+            and type(held) is int and type(held_bytes) is int and 0 <= held < _SEQ_END and 0 <= held_bytes < _SEQ_END
+            and type(held_bulk) is int and type(skip) is int and 0 <= held_bulk < _SEQ_END and 0 <= skip <= seq):
         raise ProtocolError("data header has bad delivery fields")
     entries = []
     append = entries.append
@@ -408,7 +415,7 @@ def unpack(data, frames: list) -> tuple[str, str, list[Entry], bool, int, int, i
             raise ProtocolError(f"header announces {total} packed bytes, {have} arrived")
     elif total != len(frames):
         raise ProtocolError(f"header announces {total} payload frames, {len(frames)} arrived")
-    return src, incarnation, entries, packed, epoch, seq, ack_epoch, ack, held, held_bytes
+    return src, incarnation, entries, packed, epoch, seq, ack_epoch, ack, held, held_bytes, held_bulk, skip
 
 
 def unpack_header(data, frames: list) -> tuple[str, str, list[Entry], bool]:

@@ -286,3 +286,51 @@ async def big_transfer(comm, ctl, peer: str, role: str, nbytes: int, timeout: fl
     ctl.emit("report", **report)
     await ctl.command("exit", timeout=120)
     return {}
+
+
+# --------------------------------------------------------------------------- flow control
+
+
+async def bulk_and_pings(comm, ctl, peer: str, nbytes: int, period: float = 0.02):
+    """One ``nbytes`` message on tag 0, then a small one on tag 0 (which must arrive after
+    it), while pinging ``peer`` on tag 1 every ``period`` seconds (echoed) until the
+    large send completes. Reports each ping's round trip and whether it completed while
+    the large message was still on its way."""
+    async def sent(work) -> None:
+        await work
+
+    big = asyncio.ensure_future(sent(comm.async_send({"seq": 7, "data": payload(7, nbytes)}, peer, tag=0)))
+    after = asyncio.ensure_future(sent(comm.async_send("after", peer, tag=0)))
+    rtts, during = [], 0
+    while not big.done():
+        t = time.monotonic()
+        await comm.send(len(rtts), peer, tag=1, timeout=30)
+        back = await comm.recv(peer, tag=1, timeout=30)
+        assert back == len(rtts), f"ping {len(rtts)}: got the echo of {back}"
+        rtts.append(time.monotonic() - t)
+        during += not big.done()
+        await asyncio.wait([big], timeout=period)
+    await asyncio.wait_for(big, 60)
+    await asyncio.wait_for(after, 60)
+    await comm.send("stop", peer, tag=1, timeout=30)
+    await comm.recv(peer, tag=2, timeout=60)               # the receiver checked what it got
+    return {"rtts": rtts, "during": during}
+
+
+async def bulk_sink(comm, ctl, peer: str, nbytes: int):
+    """The other end of ``bulk_and_pings``: echoes tag 1 until "stop"; checks that tag 0
+    brings the large message intact, then the small one."""
+    async def echo() -> int:
+        n = 0
+        while (got := await comm.recv(peer, tag=1, timeout=120)) != "stop":
+            await comm.send(got, peer, tag=1, timeout=30)
+            n += 1
+        return n
+
+    echoer = asyncio.ensure_future(echo())
+    first = await comm.recv(peer, tag=0, timeout=120)
+    second = await comm.recv(peer, tag=0, timeout=60)
+    pings = await asyncio.wait_for(echoer, 120)
+    await comm.send("checked", peer, tag=2, timeout=30)
+    return {"big_first": isinstance(first, dict) and first["seq"] == 7 and intact(7, first["data"], nbytes),
+            "after_second": second == "after", "echoed": pings}

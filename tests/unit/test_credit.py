@@ -6,19 +6,21 @@ from __future__ import annotations
 import asyncio
 import types
 
-from rlinf.core._credit import Credit, Window
+from rlinf.core._credit import BULK_BYTES, Credit, Window
+
+MiB = 1 << 20
 
 
-def _msg(nbytes: int, future=None):
-    return types.SimpleNamespace(nbytes=nbytes, future=future, discard=None, counted=False)
+def _msg(nbytes: int, future=None, tag=0):
+    return types.SimpleNamespace(nbytes=nbytes, future=future, discard=None, counted=False, tag=tag)
 
 
 def test_messages_go_while_the_window_has_room_then_wait_in_order():
     credit = Credit(Window(msgs=3, nbytes=1000))
     for _ in range(3):
-        assert credit.open_to(100)
+        assert credit.open_to(100, 0)
         credit.take(100)
-    assert not credit.open_to(100)                  # 3 messages outstanding: the window is full
+    assert not credit.open_to(100, 0)                  # 3 messages outstanding: the window is full
     waiting = [_msg(100), _msg(100)]
     for m in waiting:
         credit.wait(m)
@@ -91,3 +93,36 @@ def test_a_send_cancelled_while_waiting_is_dropped_and_never_counted():
         assert credit.waits == 2
     finally:
         loop.close()
+
+
+def test_bulk_messages_and_small_ones_have_a_lane_each():
+    """A bulk transfer filling its lane (in flight, then held unread) leaves the small
+    lane open: a 64 B ping does not wait for a 40 MiB message to be received."""
+    credit = Credit(Window(msgs=10, nbytes=8 * MiB))
+    credit.take(40 * MiB)
+    assert not credit.room(BULK_BYTES) and credit.room(64)
+    credit.take(64)
+    credit.give_back(1, 0, 40 * MiB)                # acknowledged ...
+    credit.report(1, 1, 0, 40 * MiB)                # ... and held unread: the bulk lane stays full
+    assert not credit.room(2 * MiB) and credit.room(64)
+    credit.take(7 * MiB)                            # counted in its lane (bulk: 1 MiB or more)
+    assert credit.in_flight_bulk == 7 * MiB and credit.in_flight_bytes == 64
+    credit.report(2, 0, 0, 0)
+    credit.give_back(1, 0, 7 * MiB)
+    assert credit.room(BULK_BYTES) and credit.used == (1, 64)
+
+
+def test_a_message_passes_those_waiting_only_with_another_tag():
+    credit = Credit(Window(msgs=10, nbytes=8 * MiB))
+    credit.take(40 * MiB)                           # a bulk message in flight: its lane is full
+    big = _msg(40 * MiB, tag=0)
+    credit.wait(big)
+    assert not credit.open_to(64, 0)                # same tag: behind it
+    assert credit.open_to(64, 1)                    # another tag: goes now
+    same, other = _msg(64, tag=0), _msg(64, tag=1)
+    credit.wait(same)
+    credit.wait(other)
+    assert list(credit.admit()) == [other]          # admitted past the bulk one, not past its tag
+    assert list(credit.waiting) == [big, same]
+    credit.give_back(1, 0, 40 * MiB)
+    assert list(credit.admit()) == [big, same]      # then in order

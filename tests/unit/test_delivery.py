@@ -14,8 +14,8 @@ from rlinf.core.stats import Counters
 from ..recording_link import RecordingLink
 
 
-def _small(i: int) -> OutMessage:
-    return OutMessage(wire.plain_entry(wire.USER, 0, b"h", None), [bytes([i])], 1, None, False)
+def _small(i: int, tag: int = 0) -> OutMessage:
+    return OutMessage(wire.plain_entry(wire.USER, tag, b"h", None), [bytes([i])], 1, None, False)
 
 
 def test_a_log_numbers_frame_sets_and_forgets_what_is_acknowledged():
@@ -135,3 +135,79 @@ async def test_a_new_message_never_overtakes_a_resend_that_was_pushed_back():
             await asyncio.sleep(0)
     seqs = [wire.unpack(f[0], f[1:])[5] for f in link.sent]
     assert seqs == [0, 1, 0, 1, 2], seqs     # sent, sent again, then the new one
+
+
+# --------------------------------------------------------------------------- overtaking bulk
+
+
+def test_a_frame_set_overtakes_only_the_bulk_message_it_names():
+    """Receiver: frame sets that may skip bulk message 0 (``skip`` = 1) are delivered
+    ahead of it, in their order; one that names nothing waits for the gap to close."""
+    inflow = delivery.Inflow("a:0", "i", b"a:0|i")
+    assert inflow.clear_before(1, 1)             # only message 0 missing: the one it may skip
+    inflow.delivered(1, 1)
+    assert inflow.expected == 0 and inflow.seen(1) and not inflow.seen(0)
+    assert not inflow.clear_before(3, 1)         # message 2 is missing too
+    inflow.park(3, ([None], [], True, 1))
+    assert inflow.unpark() is None
+    assert inflow.clear_before(2, 1)
+    inflow.delivered(2, 1)
+    assert inflow.unpark()[0] == 3               # now only message 0 is missing before it
+    inflow.delivered(3, 1)
+    assert not inflow.clear_before(5, 0)         # no skip: waits for message 0 (and 4)
+    inflow.delivered(0, 1)                       # the bulk message: the prefix closes over the rest
+    assert inflow.expected == 4 and not inflow.beyond and not inflow.skippers
+
+
+class _BulkLink:
+    """A bulk stream whose one send finishes when the test says so."""
+
+    def __init__(self) -> None:
+        self.done = asyncio.Event()
+        self.sent: list[bytes] = []
+
+    async def send(self, header: bytes, frames: list) -> None:
+        self.sent.append(header)
+        await self.done.wait()
+
+    def close(self) -> None:
+        pass
+
+
+async def test_messages_with_other_tags_overtake_a_bulk_message_on_its_way():
+    """Sender: while a bulk message (tag 0) is on its way, user messages with other tags
+    go at once, naming the bulk message they may overtake, also past one with tag 0,
+    which waits until the bulk stream has delivered."""
+    from rlinf.core.routing import BULK
+
+    loop = asyncio.get_running_loop()
+    link, bulk = RecordingLink(), _BulkLink()
+    box = Outbox("peer:0", ("me:0", "inc0"), Counters("me:0"))
+
+    async def dial():
+        return bulk
+    box.bulk = dial
+    box.attach(link, None)
+    big = OutMessage(wire.plain_entry(wire.USER, 0, b"h", [1]), [memoryview(bytes(2 << 20))], 2 << 20,
+                     loop.create_future(), True, transport=BULK)
+    box.put(big, loop)
+    box.flush()
+    async with asyncio.timeout(5):
+        while not bulk.sent:
+            await asyncio.sleep(0)
+    box.put(_small(1, tag=1), loop)                           # another tag: goes
+    box.put(_small(2), loop)                                  # tag 0: waits
+    box.put(_small(3, tag=2), loop)                           # passes it
+    box.put(_small(4), loop)                                  # tag 0: behind the other one
+    box.flush()
+    got = [wire.unpack(f[0], f[1:]) for f in link.sent]
+    assert [(g[11], [e.tag for e in g[2]]) for g in got] in ([(1, [1]), (1, [2])], [(1, [1, 2])])   # may skip 0
+    assert got[0][5] == 1
+    sent = len(link.sent)
+    bulk.done.set()
+    async with asyncio.timeout(5):
+        while len(link.sent) == sent:
+            await asyncio.sleep(0)
+    got = [wire.unpack(f[0], f[1:]) for f in link.sent[sent:]]
+    assert [(g[5], g[11], [e.tag for e in g[2]]) for g in got] == [(3, 0, [0, 0])]   # then in their order
+    assert big.future.done()
