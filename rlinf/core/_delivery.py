@@ -22,8 +22,9 @@ small messages from waiting for bulk ones (DESIGN.md §4: ordering is per sender
 receiver and tag): while a large message is on its way on the bulk stream, the sender
 goes on sending user messages with other tags, each frame set saying which message it
 may *skip* (``wire``: ``skip``); such a frame set is delivered as soon as everything
-before it but that message arrived, and remembered as delivered ahead (``beyond``)
-until the acknowledgement, which only ever covers an unbroken prefix, passes it. What arrived is
+before it but that message arrived, and the receiver acknowledges it apart
+(``wire``: ``ahead``; the acknowledgement itself covers an unbroken prefix), so the
+sender frees its credit and never sends it again. What arrived is
 acknowledged on the next frame set to the sender, or on its own after
 :data:`ACK_DELAY` (at once for large frame sets, whose send completes only then). A gap
 that lasts :data:`GAP_DELAY` asks the sender to resend.
@@ -98,7 +99,7 @@ class Kept:
 class SendLog:
     """The sender's side of one pair: numbering and the frame sets kept for a resend."""
 
-    __slots__ = ("epoch", "packed", "next", "kept", "acked", "seen", "idle", "rto", "resend_from")
+    __slots__ = ("epoch", "packed", "next", "kept", "acked", "ahead", "seen", "idle", "rto", "resend_from")
 
     def __init__(self, epoch: int | None = None) -> None:
         self.epoch = epoch or new_epoch()
@@ -106,7 +107,8 @@ class SendLog:
         self.next = 0
         self.kept: collections.deque[Kept] = collections.deque()
         self.acked = 0            # every message below this arrived
-        self.seen = 0             # ``acked`` at the last tick (see :meth:`due`)
+        self.ahead = 0            # and those from ``acked + 1`` to ``ahead - 1`` (0: none; see Inflow)
+        self.seen = (0, 0)        # ``acked`` and ``ahead`` at the last tick (see :meth:`due`)
         self.idle = 0.0           # seconds of ticks without progress while frame sets are kept
         self.rto = RTO
         self.resend_from: int | None = None   # a resend in progress: the next seq to send again
@@ -132,7 +134,29 @@ class SendLog:
             done.append(kept.popleft())
         if self.resend_from is not None and self.resend_from < self.acked:
             self.resend_from = self.acked if kept else None
+        if self.ahead <= self.acked:
+            self.ahead = 0
         return done
+
+    def ack_ahead(self, upto: int, ahead: int) -> list[Kept]:
+        """Messages ``upto + 1`` to ``ahead - 1`` arrived too (ahead of message ``upto``):
+        the frame sets that tells of for the first time. They stay kept until the
+        acknowledgement passes them, but are never sent again."""
+        if upto != self.acked or ahead <= max(self.ahead, upto + 1):
+            return []
+        done = []
+        for kept in reversed(self.kept):      # the newest first: what was told before is older
+            if kept.end > ahead:
+                continue
+            if kept.end <= self.ahead or kept.seq <= upto:
+                break
+            done.append(kept)
+        self.ahead = ahead
+        return done
+
+    def arrived(self, kept: Kept) -> bool:
+        """Whether ``kept`` is known to have arrived (it is not sent again)."""
+        return kept.end <= self.acked or self.acked < kept.seq and kept.end <= self.ahead
 
     def due(self) -> bool:
         """One tick passed (:data:`TICK`): True when the kept frame sets must be sent
@@ -140,8 +164,8 @@ class SendLog:
         if not self.kept:
             self.idle, self.rto = 0.0, RTO
             return False
-        if self.acked != self.seen:
-            self.seen, self.idle, self.rto = self.acked, 0.0, RTO
+        if (self.acked, self.ahead) != self.seen:
+            self.seen, self.idle, self.rto = (self.acked, self.ahead), 0.0, RTO
             return False
         self.idle += TICK
         if self.idle < self.rto:
@@ -156,8 +180,9 @@ class Inflow:
     ``expected`` is the next message number to deliver (all below arrived), in the
     sender's log ``epoch`` (0 until its first frame set). ``parked`` holds frame sets
     that came early, by ``seq`` (``(entries, frames, packed, skip)``; ``skippers`` counts
-    those with a ``skip``); ``beyond`` the frame sets delivered ahead of ``expected``
-    (``seq -> end``). ``owed``: an acknowledgement is due.
+    those with a ``skip``); messages ``expected + 1`` to ``ahead - 1`` were delivered
+    ahead of message ``expected``, a bulk message on its way (``ahead`` 0: none).
+    ``owed``: an acknowledgement is due.
 
     Flow control (see :mod:`rlinf.core._credit`): ``held``, ``held_bytes`` and
     ``held_bulk`` count the sender's user messages waiting in our mailbox and their
@@ -167,7 +192,7 @@ class Inflow:
     (``notify()`` sends it).
     """
 
-    __slots__ = ("address", "incarnation", "identity", "epoch", "packed", "expected", "parked", "beyond",
+    __slots__ = ("address", "incarnation", "identity", "epoch", "packed", "expected", "parked", "ahead",
                  "skippers", "owed", "timer", "gap_timer", "acked_sent", "held", "held_bytes", "held_bulk",
                  "reported", "reported_bytes", "step", "step_bytes", "notify")
 
@@ -179,7 +204,7 @@ class Inflow:
         self.packed = b"\x00"
         self.expected = 0
         self.parked: dict[int, tuple] = {}
-        self.beyond: dict[int, int] = {}
+        self.ahead = 0
         self.skippers = 0
         self.owed = False
         self.timer = None          # the pending acknowledgement's timer
@@ -214,40 +239,34 @@ class Inflow:
         """Whether the sender was last told we hold more than we do."""
         return self.reported > self.held or self.reported_bytes > self.held_bytes + self.held_bulk
 
-    def fields(self) -> tuple[bytes, int, int, int, int]:
+    def fields(self) -> tuple[bytes, int, int, int, int, int]:
         """The acknowledgement and flow-control fields of a frame set to the sender now
-        (``ack_epoch``, ``ack``, ``held``, ``held_bytes``, ``held_bulk``), noted as told."""
+        (``ack_epoch``, ``ack``, ``ahead``, ``held``, ``held_bytes``, ``held_bulk``),
+        noted as told."""
         self.reported, self.reported_bytes = self.held, self.held_bytes + self.held_bulk
-        return self.packed, self.expected, self.held, self.held_bytes, self.held_bulk
+        return self.packed, self.expected, self.ahead, self.held, self.held_bytes, self.held_bulk
 
     # -- ordering -------------------------------------------------------------------------------
+    # A frame set delivered ahead skipped exactly the bulk message ``expected`` (everything
+    # else before it had arrived), so what was delivered ahead is always one run of
+    # messages, ``expected + 1`` to ``ahead - 1``.
     def seen(self, seq: int) -> bool:
         """Whether the frame set ``seq`` was delivered already."""
-        return seq < self.expected or seq in self.beyond
+        return seq < self.expected or self.expected < seq < self.ahead
 
     def clear_before(self, seq: int, skip: int) -> bool:
         """Whether everything before ``seq`` was delivered but message ``skip - 1``
         (the bulk message a frame set with ``skip`` may overtake)."""
-        at, beyond = self.expected, self.beyond
-        while at < seq:
-            end = beyond.get(at)
-            if end is not None:
-                at = end
-            elif at == skip - 1:
-                at += 1
-            else:
-                return False
-        return True
+        return skip - 1 == self.expected and seq == (self.ahead or self.expected + 1)
 
     def delivered(self, seq: int, count: int) -> None:
         """Frame set ``seq`` of ``count`` messages was delivered."""
-        if seq != self.expected:
-            self.beyond[seq] = seq + count
-            return
-        self.expected = end = seq + count
-        beyond = self.beyond
-        while beyond and (end := beyond.pop(end, None)) is not None:
-            self.expected = end
+        if seq != self.expected:       # ahead of the bulk message (see clear_before)
+            self.ahead = seq + count
+        elif self.ahead:
+            self.expected, self.ahead = max(self.ahead, seq + count), 0
+        else:
+            self.expected = seq + count
 
     def park(self, seq: int, early: tuple) -> None:
         """Keep frame set ``seq`` (``(entries, frames, packed, skip)``) until it may go."""
@@ -258,18 +277,18 @@ class Inflow:
     def unpark(self) -> tuple[int, tuple] | None:
         """The parked frame set that may be delivered now, taken out (None: none)."""
         parked = self.parked
-        if not parked:
+        seq = self.expected
+        early = parked.get(seq)
+        if early is None and self.skippers:
+            seq = self.ahead or seq + 1
+            early = parked.get(seq)
+            if early is not None and early[3] - 1 != self.expected:
+                early = None
+        if early is None:
             return None
-        early = parked.pop(self.expected, None)
-        if early is not None:
-            self.skippers -= early[3] != 0
-            return self.expected, early
-        if self.skippers:
-            for seq in sorted(s for s, e in parked.items() if e[3]):
-                if self.clear_before(seq, parked[seq][3]):
-                    self.skippers -= 1
-                    return seq, parked.pop(seq)
-        return None
+        del parked[seq]
+        self.skippers -= early[3] != 0
+        return seq, early
 
     def __repr__(self) -> str:
         return f"<Inflow {self.address} {self.epoch:08x} expected={self.expected} parked={len(self.parked)}>"
@@ -277,11 +296,10 @@ class Inflow:
     def adopt(self, epoch: int) -> bool:
         """The sender's log is ``epoch``: True when that starts a new log although the
         old one had begun (messages of the old one may be missing)."""
-        started = self.expected > 0 or bool(self.parked)
+        started = self.expected > 0 or self.ahead > 0 or bool(self.parked)
         self.epoch, self.packed = epoch, packed_epoch(epoch)
-        self.expected = self.skippers = 0
+        self.expected = self.ahead = self.skippers = 0
         self.parked.clear()
-        self.beyond.clear()
         return started
 
     def cancel_timers(self) -> None:

@@ -38,6 +38,7 @@ from typing import Any, Awaitable, Callable, Coroutine
 from . import wire
 from ._credit import BULK_BYTES, DEFAULT_WINDOW, Credit, Window, lane_cost
 from ._delivery import Inflow, Kept, SendLog
+from ._overtake import Overtaking
 from ._outmsg import BATCH_BYTES, BATCH_COUNT, IN_FLIGHT, SMALL_MESSAGE, OutMessage, to_zmq, wire_bytes
 from ..errors import AuthenticationError, ClosedError, PeerLostError, TransportUnavailableError, WouldBlock
 from ..info import WorkerInfo
@@ -73,15 +74,9 @@ class Outbox:
         self._counters = counters
         self._scheduled = False
         self._blocked = False
-        self._held = False        # the head's shared-memory copy, or a bulk message's numbering, is pending
-        #: a bulk message on its way: ``seq + 1`` and its tag (see :meth:`_overtakes`); 0: none
-        self._skip = 0
-        self._bulk_tag: Any = None
-        #: meanwhile, the messages that wait for it, in order, and their tags; ``_wall``: a
-        #: SYSTEM message among them, which nothing passes
-        self._behind: collections.deque[OutMessage] = collections.deque()
-        self._behind_tags: set = set()
-        self._wall = False
+        self._held = False        # the head's shared-memory copy is still running
+        #: the bulk message on its way and what waits for it (see rlinf.core._overtake)
+        self._way = Overtaking()
         self._batched = 0
         self._clock = clock
         #: ``bulk() -> awaitable link`` to the peer's bulk listener (large payloads to
@@ -206,7 +201,7 @@ class Outbox:
             return
         if self.log.resend_from is not None and not self._resend(link):
             return
-        if self._held:
+        if self._held or self._way.numbering:
             return
         while queue:
             head = queue[0]
@@ -225,8 +220,8 @@ class Outbox:
                     self._dropped(head)
                     self._drop(head, head.copying)
                     continue
-            if self._skip and not self._overtakes(head):
-                self._put_behind(queue.popleft())
+            if self._way.skip and not self._way.overtakes(head):
+                self._way.wait(queue.popleft())
                 continue
             if head.transport == BULK:
                 self._send_bulk(head)
@@ -238,7 +233,7 @@ class Outbox:
                 for msg in queue:
                     if msg.large or size >= BATCH_BYTES or len(batch) >= BATCH_COUNT or (
                             msg.copying is not None and not msg.copying.done()) or (
-                            self._skip and not self._overtakes(msg)):
+                            self._way.skip and not self._way.overtakes(msg)):
                         break
                     if msg.future is None or not msg.future.cancelled():
                         batch.append(msg)
@@ -271,7 +266,7 @@ class Outbox:
                 msg = queue.popleft()
                 if msg is batch[sent]:
                     sent += 1
-                    self._counters.sent(self.address, msg.nbytes, msg.transport)
+                    self._count(msg)
                     if not msg.large and msg.future is not None:
                         self._complete(msg)
                 else:     # cancelled while queued
@@ -285,13 +280,13 @@ class Outbox:
                   credit: tuple[int, int, int] | None = None) -> tuple[bool, Any]:
         """Number, send and keep one frame set of ``entries`` (``msg``: the large message
         it carries, whose frames are tracked; ``credit``: what of it is counted in flight)."""
-        log, inflow, header, skip = self.log, self.inflow, self._header, self._skip
+        log, inflow, header, skip = self.log, self.inflow, self._header, self._way.skip
         body = header.body(entries, packed)
         seq = log.next
         if inflow is None:
-            sealed = header.seal(body, log.packed, seq, b"\x00", 0, 0, 0, 0, skip)
+            sealed = header.seal(body, log.packed, seq, skip, b"\x00", 0)
         else:
-            sealed = header.seal(body, log.packed, seq, *inflow.fields(), skip)
+            sealed = header.seal(body, log.packed, seq, skip, *inflow.fields())
         sent, tracker = self._transmit(link, [sealed, *payload], msg is not None)
         if sent:
             if inflow is not None:
@@ -314,10 +309,10 @@ class Outbox:
         start = log.resend_from
         fields = self._ack_fields()
         for kept in list(log.kept):
-            if kept.end <= start or kept.payload is None:
+            if kept.end <= start or kept.payload is None or log.arrived(kept):
                 continue
             msg = kept.msg
-            sealed = header.seal(kept.body, log.packed, kept.seq, *fields, kept.skip)
+            sealed = header.seal(kept.body, log.packed, kept.seq, kept.skip, *fields)
             sent, tracker = self._transmit(link, [sealed, *kept.payload], msg is not None)
             if not sent:
                 if log.resend_from is not None:
@@ -341,13 +336,15 @@ class Outbox:
     def _ack_fields(self) -> tuple:
         """The acknowledgement and flow-control fields of a frame set sent now."""
         inflow = self.inflow
-        return (b"\x00", 0, 0, 0, 0) if inflow is None else inflow.fields()
+        return (b"\x00", 0, 0, 0, 0, 0) if inflow is None else inflow.fields()
 
-    def acked(self, epoch: int, upto: int, held: int = 0, held_bytes: int = 0, held_bulk: int = 0) -> None:
+    def acked(self, epoch: int, upto: int, ahead: int = 0, held: int = 0, held_bytes: int = 0,
+              held_bulk: int = 0) -> None:
         """The peer acknowledged every message of our log ``epoch`` below ``upto`` (a
-        negative ``upto``, ``-(n + 1)``: below ``n``, and asks for a resend from there),
-        and holds ``held`` of our user messages (``held_bytes`` and ``held_bulk``: small
-        and bulk lane) not yet received."""
+        negative ``upto``, ``-(n + 1)``: below ``n``, and asks for a resend from there)
+        and, ``ahead`` not 0, those from ``upto + 1`` to ``ahead - 1``; it holds ``held``
+        of our user messages (``held_bytes`` and ``held_bulk``: small and bulk lane) not
+        yet received."""
         log = self.log
         if epoch != log.epoch:
             return     # about a log of ours that is gone
@@ -356,27 +353,41 @@ class Outbox:
         if nack:
             upto = -upto - 1
         credit.report(upto, held, held_bytes, held_bulk)
+        if ahead:
+            for kept in log.ack_ahead(upto, ahead):
+                self._arrived(kept)
         if upto <= log.acked and not nack:
             if credit.waiting:
                 self._admit()
-            if not log.kept and not credit.waiting and self._settled:
+            if self._settled and self._idle():
                 self._settle()
             return     # nothing new acknowledged
         for kept in log.ack(upto):
-            if kept.credit:
-                credit.give_back(*kept.credit)
-            msg = kept.msg
-            if msg is not None:
-                msg.acked = True
-                if msg.pending == 0:
-                    msg.frames = []
-                    self._complete(msg)
+            self._arrived(kept)
         if nack:
             self.resend()
         if credit.waiting and self.error is None:
             self._admit()
-        if not log.kept and not credit.waiting and self._settled:
+        if self._settled and self._idle():
             self._settle()
+
+    def _arrived(self, kept: Kept) -> None:
+        """The peer has the frame set ``kept``: its credit is free, its large message's
+        send completes (once the transport released it)."""
+        if kept.credit:
+            self.credit.give_back(*kept.credit)
+            kept.credit = None
+        msg = kept.msg
+        if msg is not None:
+            kept.msg = None
+            msg.acked = True
+            if msg.pending == 0:
+                msg.frames = []
+                self._complete(msg)
+
+    def _idle(self) -> bool:
+        """Nothing sent waits for an acknowledgement, nothing for credit or a bulk message."""
+        return not self.log.kept and not self.credit.waiting and not self._way.busy
 
     def _settle(self) -> None:
         for waiter in self._settled:
@@ -387,7 +398,10 @@ class Outbox:
     def settled(self) -> asyncio.Future | None:
         """A future done once every frame set sent is acknowledged and no message waits
         for credit (None: already)."""
-        if not self.log.kept and not self.credit.purge() or self.error is not None:
+        if self.error is not None:
+            return None
+        self.credit.purge()       # (sends cancelled while waiting for credit do not count)
+        if self._idle():
             return None
         waiter = asyncio.get_running_loop().create_future()
         self._settled.append(waiter)
@@ -400,11 +414,11 @@ class Outbox:
         link, inflow = self.link, self.inflow
         if link is None or inflow is None or self._blocked or self.error is not None:
             return
-        ack_epoch, ack, *held = self._ack_fields()
+        ack_epoch, ack, *rest = self._ack_fields()
         if nack:
             ack = -(ack + 1)
         log = self.log
-        sealed = self._header.seal(self._header.body([]), log.packed, log.next, ack_epoch, ack, *held)
+        sealed = self._header.seal(self._header.body([]), log.packed, log.next, 0, ack_epoch, ack, *rest)
         if self._transmit(link, [sealed], False)[0]:
             inflow.owed = False
             inflow.acked_sent = inflow.expected
@@ -412,32 +426,22 @@ class Outbox:
     def _send_bulk(self, msg: OutMessage) -> None:
         """Hand the head to the bulk stream. The queue waits until it has its number;
         then, until the receiver has it (its acknowledgement), only what may overtake it
-        goes (:meth:`_overtakes`), and the receiver delivers that ahead of it."""
+        goes (see :mod:`rlinf.core._overtake`), and the receiver delivers that ahead of it."""
         self.queue.popleft()     # with the transport now: a failing peer no longer fails it here
-        self._held = True
+        self._way.numbering = True
         self._spawn(self._bulk_send(msg))
 
-    def _overtakes(self, msg: OutMessage) -> bool:
-        """Whether ``msg`` may go while the bulk message is on its way: a user message
-        for ZeroMQ whose tag is neither the bulk message's nor one of those waiting for
-        it (ordering is per tag), and no SYSTEM message (goodbyes, releases) waits before
-        it: those keep their place."""
-        return (not self._wall and msg.transport != BULK and msg.entry[wire.KIND] == wire.USER
-                and msg.tag != self._bulk_tag and msg.tag not in self._behind_tags)
-
-    def _put_behind(self, msg: OutMessage) -> None:
-        """``msg`` waits for the bulk message on its way (messages behind it may pass)."""
-        self._behind.append(msg)
-        self._behind_tags.add(msg.tag)
-        self._wall = self._wall or msg.entry[wire.KIND] != wire.USER
-
-    def _bulk_done(self) -> None:
-        """The bulk message is no longer on its way: what waited for it goes first."""
-        self._held, self._skip, self._bulk_tag, self._wall = False, 0, None, False
-        if self._behind:
-            self.queue.extendleft(reversed(self._behind))
-            self._behind.clear()
-            self._behind_tags.clear()
+    def _count(self, msg: OutMessage) -> None:
+        """Count ``msg`` as sent, on the path its payload took (see ``CommStats``)."""
+        path = msg.transport
+        if path == "zmq":
+            link = self.link
+            self._counters.sent(self.address, msg.nbytes, path if link is None else link.kind)
+        elif path == BULK:
+            self._counters.sent(self.address, msg.nbytes, path)
+        else:     # shared memory, pulled or CUDA IPC: only a descriptor crossed the socket
+            sent = wire_bytes(msg)
+            self._counters.sent(self.address, sent, path, msg.nbytes - sent)
 
     async def _bulk_send(self, msg: OutMessage) -> None:
         """The bulk send of the head. A stream that cannot be opened is not an error:
@@ -459,13 +463,16 @@ class Outbox:
                     elif msg.future is not None and not msg.future.done():
                         msg.future.set_exception(self.error)
                     return
+            if self.error is not None:     # failed while the stream was dialled: never numbered
+                self._fail_sent(msg)
+                return
             log_, header = self.log, self._header
             body = header.body([msg.entry])
             seq = log_.next
             kept = log_.keep(seq, 1, [msg.entry], body, None, None,     # never sent again as it is
                              (1, *lane_cost(msg.nbytes)) if msg.counted else None)
-            sealed = header.seal(body, log_.packed, seq, *self._ack_fields())
-            self._skip, self._bulk_tag, self._held = seq + 1, msg.tag, False
+            sealed = header.seal(body, log_.packed, seq, 0, *self._ack_fields())
+            self._way.started(seq, msg.tag)
             if self.queue:
                 asyncio.get_running_loop().call_soon(self.flush)    # what may overtake it
             await self._bulk_link.send(sealed, msg.frames)
@@ -474,7 +481,7 @@ class Outbox:
                 log.warning("rlinf: bulk TCP to %s broke (%s); large payloads go through ZeroMQ", self.address, exc)
                 self._drop_bulk()
             if kept is not None and self.log.acked > kept.seq:   # it arrived before the stream broke
-                self._counters.sent(self.address, msg.nbytes, msg.transport)
+                self._count(msg)
                 msg.frames = []
                 self._complete(msg)
             elif kept is not None and self.error is None:   # again, through ZeroMQ
@@ -492,13 +499,15 @@ class Outbox:
             raise
         else:     # the receiver has it: the bulk link acknowledged it
             self._sent_at = self._clock()
-            self._counters.sent(self.address, msg.nbytes, msg.transport)
+            self._count(msg)
             msg.frames = []
             self._complete(msg)
         finally:
-            self._bulk_done()
+            self._way.done(self.queue)
             if self.error is None:
                 self.flush()
+            if self._settled and self._idle():
+                self._settle()
 
     def _drop_bulk(self) -> None:
         """No bulk stream from now on: what is queued for it goes through ZeroMQ."""
@@ -506,7 +515,7 @@ class Outbox:
         if self._bulk_link is not None:
             self._bulk_link.close()
             self._bulk_link = None
-        for queue in (self.queue, self._behind, self.credit.waiting):
+        for queue in (self.queue, self._way.behind, self.credit.waiting):
             for msg in queue:
                 if msg.transport == BULK:
                     to_zmq(msg)
@@ -515,8 +524,9 @@ class Outbox:
         """Send ``msg``, the only queued message, now: :meth:`flush` for one small
         message that waits for nothing (the wire format of a one-message batch)."""
         link = self.link
-        if (msg.large or msg.copying is not None or link is None or self._blocked or self._held
-                or self.log.resend_from is not None or self._skip and not self._overtakes(msg)):
+        way = self._way
+        if (msg.large or msg.copying is not None or link is None or self._blocked or self._held or way.numbering
+                or self.log.resend_from is not None or way.skip and not way.overtakes(msg)):
             self.flush()
             return
         entry, pieces = msg.entry, msg.frames
@@ -526,7 +536,7 @@ class Outbox:
         if self._send_set(link, [entry], True, payload, None,
                           (1, *lane_cost(msg.nbytes)) if msg.counted else None)[0]:
             self.queue.popleft()
-            self._counters.sent(self.address, msg.nbytes, msg.transport)
+            self._count(msg)
             if msg.future is not None:
                 self._complete(msg)
 
@@ -639,7 +649,7 @@ class Outbox:
         entries, which tell the receiver that these messages are lost (one that had
         arrived is dropped there as a duplicate)."""
         self.error = exc
-        self._bulk_done()
+        self._way.done(self.queue)
         waiting = self.credit.waiting
         while self.queue or waiting:
             msg = self.queue.popleft() if self.queue else waiting.popleft()

@@ -97,8 +97,8 @@ class ReceivePath:
         sessions = self._sessions
         inflow = sessions.inflows.get(peer)
         try:
-            (src, incarnation, entries, packed, epoch, seq, ack_epoch, ack, held, held_bytes, held_bulk,
-             skip) = wire.unpack(received.header, frames)
+            (src, incarnation, entries, packed, epoch, seq, skip, ack_epoch, ack, ahead, held, held_bytes,
+             held_bulk) = wire.unpack(received.header, frames)
             # (an inflow is the connection identity's, so its fields are the cheaper check)
             if (inflow is None or inflow.address != src or inflow.incarnation != incarnation) and \
                     peer != f"{src}|{incarnation}".encode():
@@ -125,7 +125,7 @@ class ReceivePath:
             if session is not None:
                 outbox = session.outbox
                 if outbox.info is not None and outbox.info.incarnation == incarnation:
-                    outbox.acked(ack_epoch, ack, held, held_bytes, held_bulk)
+                    outbox.acked(ack_epoch, ack, ahead, held, held_bytes, held_bulk)
         if not entries:
             return
         if inflow is None:
@@ -191,7 +191,10 @@ class ReceivePath:
         for entry, buffers, nbytes, in_shm, error, ready, pulling in self._inbound.entries(
                 src, entries, frames, packed, incarnation):
             if entry.kind == wire.USER:
-                self._counters.received(src, nbytes + len(entry.codec_header))
+                if in_shm or pulling is not None:     # the payload came through memory
+                    self._counters.received(src, len(entry.codec_header), nbytes)
+                else:
+                    self._counters.received(src, nbytes + len(entry.codec_header))
                 self._mailbox.deliver(Message(src, incarnation, entry.tag, entry.codec_header, buffers,
                                               nbytes=nbytes, shm=in_shm, error=error, ready=ready, pulling=pulling,
                                               credit=inflow if type(entry.tag) is int else None))

@@ -202,7 +202,7 @@ class SendPath:
         entry = wire.pull_entry(tag, codec_header, layout, item)
         discard = lambda: pull.drop(item[0], outbox.error)   # noqa: E731
         try:
-            outbox.put(OutMessage(entry, [], nbytes + len(codec_header), sent, False, transport=routing.SHM,
+            outbox.put(OutMessage(entry, [], nbytes + len(codec_header), sent, False, transport=routing.PULL,
                                   discard=discard), self._loop, gated=gated)
         except BaseException as exc:   # the outbox failed meanwhile: no hold is left behind
             pull.drop(item[0], exc)

@@ -40,6 +40,7 @@ __all__ = [
     "INLINE",
     "STREAM",
     "SHM",
+    "PULL",
     "BULK",
     "CUDA_IPC",
     "NCCL",
@@ -65,6 +66,9 @@ written and read by the event loops (``rlinf/transports/stream.py``); disabled, 
 ``ipc://`` carries them."""
 SHM = "shm"
 """Same-node shared memory; only a descriptor goes through ZeroMQ."""
+PULL = "pull"
+"""Not a route of its own: large buffers of the shared-memory route that the receiver
+reads from the sender's memory (``rlinf/transports/shm/_pull.py``); a path stats count."""
 BULK = "bulk"
 """A large payload to another node over an authenticated TCP stream of its own, read into
 recycled memory (sealed when TCP encryption is on); see ``rlinf/transports/tcp_bulk.py``."""

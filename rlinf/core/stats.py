@@ -23,6 +23,11 @@ _WINDOW = 2048
 class PeerStats:
     """Traffic with one peer. Latencies are send-call-to-completion times, in seconds.
 
+    ``bytes_out``/``bytes_in`` count what crossed a socket (headers and payload: ZeroMQ,
+    the stream and bulk links); ``shared_out``/``shared_in`` the payload that moved
+    through memory instead (shared-memory slots, pulls, CUDA IPC): only its descriptor
+    crossed a socket.
+
     Flow control (our user messages to it, see ``docs/concepts.md``): ``credit_msgs`` and
     ``credit_bytes`` of its window in use (in flight, or held by it not yet received),
     ``credit_waiting`` messages waiting for room now, ``credit_waits`` messages that had
@@ -41,11 +46,14 @@ class PeerStats:
     credit_waiting: int = 0
     credit_waits: int = 0
     credit_wait_s: float = 0.0
+    shared_out: int = 0
+    shared_in: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class TransportStats:
-    """Traffic per transport ("zmq", "shm", ...)."""
+    """What we sent per path: "zmq", "stream", "bulk" (bytes written to that socket) and
+    "shm", "pull", "cuda_ipc" (payload bytes moved through memory)."""
 
     msgs: int = 0
     bytes: int = 0
@@ -86,6 +94,16 @@ class CommStats:
         """Bytes received from all peers (headers and payload)."""
         return sum(p.bytes_in for p in self.peers.values())
 
+    @property
+    def shared_out(self) -> int:
+        """Payload bytes sent to all peers through memory (not through a socket)."""
+        return sum(p.shared_out for p in self.peers.values())
+
+    @property
+    def shared_in(self) -> int:
+        """Payload bytes received from all peers through memory."""
+        return sum(p.shared_in for p in self.peers.values())
+
     def to_dict(self) -> dict:
         return {
             "address": self.address, "uptime": self.uptime, "connections": self.connections,
@@ -93,6 +111,7 @@ class CommStats:
             "duplicate_frames": self.duplicate_frames,
             "msgs_out": self.msgs_out, "msgs_in": self.msgs_in,
             "bytes_out": self.bytes_out, "bytes_in": self.bytes_in,
+            "shared_out": self.shared_out, "shared_in": self.shared_in,
             "transports": {k: {"msgs": v.msgs, "bytes": v.bytes} for k, v in self.transports.items()},
             "waiting_for_credit": {k: p.credit_waiting for k, p in self.peers.items() if p.credit_waiting},
         }
@@ -101,17 +120,19 @@ class CommStats:
         lines = [f"CommStats {self.address}: {self.connections} connections, up {self.uptime:.1f} s"]
         for peer, s in sorted(self.peers.items()):
             lat = f" p50={s.latency_p50 * 1e6:.0f}us p99={s.latency_p99 * 1e6:.0f}us" if s.latency_p50 else ""
-            lines.append(f"  {peer:<20} out {s.msgs_out} msgs/{s.bytes_out} B  in {s.msgs_in} msgs/{s.bytes_in} B{lat}")
+            shared = f" (+{s.shared_out} B / +{s.shared_in} B through memory)" if s.shared_out or s.shared_in else ""
+            lines.append(f"  {peer:<20} out {s.msgs_out} msgs/{s.bytes_out} B  in {s.msgs_in} msgs/{s.bytes_in} B"
+                         f"{shared}{lat}")
         for name, t in sorted(self.transports.items()):
             lines.append(f"  via {name:<8} {t.msgs} msgs/{t.bytes} B")
         return "\n".join(lines)
 
 
 class _Peer:
-    __slots__ = ("msgs_out", "bytes_out", "msgs_in", "bytes_in", "latencies")
+    __slots__ = ("msgs_out", "bytes_out", "msgs_in", "bytes_in", "shared_out", "shared_in", "latencies")
 
     def __init__(self) -> None:
-        self.msgs_out = self.bytes_out = self.msgs_in = self.bytes_in = 0
+        self.msgs_out = self.bytes_out = self.msgs_in = self.bytes_in = self.shared_out = self.shared_in = 0
         self.latencies: collections.deque[float] = collections.deque(maxlen=_WINDOW)
 
 
@@ -127,13 +148,19 @@ class Counters:
         self.resent_frames = 0
         self.duplicate_frames = 0
 
-    def sent(self, peer: str, nbytes: int, transport: str = "zmq") -> None:
+    def sent(self, peer: str, nbytes: int, transport: str = "zmq", shared: int = 0) -> None:
+        """A message to ``peer`` went: ``nbytes`` through a socket, ``shared`` through
+        memory; ``transport`` is the path its payload took."""
         p = self.peers[peer]
         p.msgs_out += 1
         p.bytes_out += nbytes
         t = self.transports[transport]
         t[0] += 1
-        t[1] += nbytes
+        if shared:
+            p.shared_out += shared
+            t[1] += shared
+        else:
+            t[1] += nbytes
 
     def dropped(self) -> None:
         """A frame set (or one of its messages) was dropped as malformed."""
@@ -147,10 +174,12 @@ class Counters:
         """A frame set that had arrived before arrived again (and was dropped)."""
         self.duplicate_frames += 1
 
-    def received(self, peer: str, nbytes: int) -> None:
+    def received(self, peer: str, nbytes: int, shared: int = 0) -> None:
+        """A message from ``peer`` arrived: ``nbytes`` through a socket, ``shared`` through memory."""
         p = self.peers[peer]
         p.msgs_in += 1
         p.bytes_in += nbytes
+        p.shared_in += shared
 
     def latency(self, peer: str, seconds: float) -> None:
         self.peers[peer].latencies.append(seconds)
@@ -167,7 +196,7 @@ class Counters:
             c = credits.get(name)
             flow = () if c is None else (*c.used, len(c.waiting), c.waits, c.waited)
             peers[name] = PeerStats(p.msgs_out, p.bytes_out, p.msgs_in, p.bytes_in, p50, p99, name in connected,
-                                    *flow)
+                                    *flow, shared_out=p.shared_out, shared_in=p.shared_in)
         transports = {k: TransportStats(v[0], v[1]) for k, v in self.transports.items()}
         return CommStats(self.address, time.monotonic() - self.started, peers, transports,
                          len(connected), self.dropped_frames, self.resent_frames, self.duplicate_frames)

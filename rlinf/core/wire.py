@@ -1,20 +1,21 @@
 """The data-plane frame layout, packed and validated in one place.
 
 A frame set on a data link is ``[header, *payload_frames]``. The header is a msgpack
-array ``[VERSION, src, incarnation, entries, packed, epoch, seq, ack_epoch, ack, held,
-held_bytes, held_bulk, skip]``; the last eight carry the delivery protocol and the flow
-control of the pair
+array ``[VERSION, src, incarnation, entries, packed, epoch, seq, skip, ack_epoch, ack,
+ahead, held, held_bytes, held_bulk]``; the last nine carry the delivery protocol and the
+flow control of the pair
 (see :mod:`rlinf.core._delivery` and :mod:`rlinf.core._credit`): the entries are
 messages ``seq``, ``seq + 1``, ... of the sender's log ``epoch`` to this receiver, and
 ``ack`` acknowledges the receiver's own log ``ack_epoch`` to the sender (every message
 below ``ack`` arrived; a negative ``ack``, ``-(n + 1)``, also asks for everything from
-``n`` on to be sent again; ``ack_epoch`` 0: no acknowledgement); ``held``,
-``held_bytes`` and ``held_bulk`` say how many of the receiver's user messages from the
-sender (and their bytes, small ones and bulk ones apart) wait in its mailbox, not yet
-received by its application, as of that acknowledgement. ``skip``, when not 0, is
-``n + 1`` for a bulk message ``n`` still on its way on another link that this frame set
-may overtake (none of its entries has that message's tag). A frame set without entries
-only acknowledges. Each entry describes
+``n`` on to be sent again; ``ack_epoch`` 0: no acknowledgement); ``ahead``, when not 0,
+says that every message from ``ack + 1`` to ``ahead - 1`` arrived too (delivered ahead of
+message ``ack``, a bulk message still on its way); ``held``, ``held_bytes`` and
+``held_bulk`` say how many of the receiver's user messages from the sender (and their
+bytes, small ones and bulk ones apart) wait in its mailbox, not yet received by its
+application, as of that acknowledgement. ``skip``, when not 0, is ``n + 1`` for a bulk
+message ``n`` still on its way on another link that this frame set may overtake (none of
+its entries has that message's tag). A frame set without entries only acknowledges. Each entry describes
 one message::
 
     [kind, tag, codec_header, layout]
@@ -306,12 +307,12 @@ def _unpack_pull_entry(raw: list, limit: int, low: int) -> tuple[Entry, int]:
 
 
 def pack_header(src: str, incarnation: str, entries: list[list], packed: bool = False, epoch: int = 0,
-                seq: int = 0, ack_epoch: int = 0, ack: int = 0, held: int = 0, held_bytes: int = 0,
-                held_bulk: int = 0, skip: int = 0) -> bytes:
+                seq: int = 0, skip: int = 0, ack_epoch: int = 0, ack: int = 0, ahead: int = 0, held: int = 0,
+                held_bytes: int = 0, held_bulk: int = 0) -> bytes:
     """Pack a frame-set header. ``entries`` are ``[kind, tag, codec_header, layout]``,
     optionally followed by a slot descriptor (see the module docstring)."""
-    return msgpack.packb([VERSION, src, incarnation, entries, packed, epoch, seq, ack_epoch, ack, held, held_bytes,
-                          held_bulk, skip], **_packer_opts)
+    return msgpack.packb([VERSION, src, incarnation, entries, packed, epoch, seq, skip, ack_epoch, ack, ahead, held,
+                          held_bytes, held_bulk], **_packer_opts)
 
 
 class HeaderPacker:
@@ -328,32 +329,33 @@ class HeaderPacker:
 
     def __init__(self, src: str, incarnation: str) -> None:
         packer = msgpack.Packer(**_packer_opts)
-        # fixarray of 13 items: VERSION, src, incarnation, entries, packed, epoch, seq, ack_epoch, ack,
-        # held, held_bytes, held_bulk, skip
-        self._prefix = b"\x9d" + packer.pack(VERSION) + packer.pack(src) + packer.pack(incarnation)
+        # fixarray of 14 items: VERSION, src, incarnation, entries, packed, epoch, seq, skip, ack_epoch,
+        # ack, ahead, held, held_bytes, held_bulk
+        self._prefix = b"\x9e" + packer.pack(VERSION) + packer.pack(src) + packer.pack(incarnation)
         self._pack = packer.pack
 
     def body(self, entries: list[list], packed: bool = False) -> bytes:
         """The header up to its delivery fields."""
         return self._prefix + self._pack(entries) + (b"\xc3" if packed else b"\xc2")
 
-    def seal(self, body: bytes, epoch: bytes, seq: int, ack_epoch: bytes, ack: int, held: int = 0,
-             held_bytes: int = 0, held_bulk: int = 0, skip: int = 0) -> bytes:
+    def seal(self, body: bytes, epoch: bytes, seq: int, skip: int, ack_epoch: bytes, ack: int, ahead: int = 0,
+             held: int = 0, held_bytes: int = 0, held_bulk: int = 0) -> bytes:
         """``body`` completed with the delivery and flow-control fields (epochs already packed)."""
         pack = self._pack
-        return (body + epoch + pack(seq) + ack_epoch + pack(ack) + pack(held) + pack(held_bytes) + pack(held_bulk)
-                + pack(skip))
+        return (body + epoch + pack(seq) + pack(skip) + ack_epoch + pack(ack) + pack(ahead) + pack(held)
+                + pack(held_bytes) + pack(held_bulk))
 
     def pack(self, entries: list[list], packed: bool = False) -> bytes:
         """A whole header with delivery fields 0 (see :func:`pack_header`)."""
-        return self.body(entries, packed) + b"\x00" * 8
+        return self.body(entries, packed) + b"\x00" * 9
 
 
-def unpack(data, frames: list) -> tuple[str, str, list[Entry], bool, int, int, int, int, int, int, int, int]:
+def unpack(data, frames: list) -> tuple[str, str, list[Entry], bool, int, int, int, int, int, int, int, int, int]:
     """Validate and unpack a frame-set header against the payload frames that came with it.
 
     Returns:
-        ``(src, incarnation, entries, packed, epoch, seq, ack_epoch, ack, held, held_bytes, held_bulk, skip)``.
+        ``(src, incarnation, entries, packed, epoch, seq, skip, ack_epoch, ack, ahead, held, held_bytes,
+        held_bulk)``.
 
     Raises:
         ProtocolError: wrong version, bad shape, or a layout that does not match the frames.
@@ -373,11 +375,12 @@ def unpack(data, frames: list) -> tuple[str, str, list[Entry], bool, int, int, i
             )
     except Exception as exc:  # msgpack raises many types for garbage input
         raise ProtocolError(f"undecodable data header: {exc}") from exc
-    if not (isinstance(obj, list) and len(obj) == 13):
+    if not (isinstance(obj, list) and len(obj) == 14):
         if isinstance(obj, list) and obj and obj[0] != VERSION:
             raise ProtocolError(f"unsupported wire version {obj[0]!r} (expected {VERSION})")
-        raise ProtocolError("data header is not a 13-item array")
-    version, src, incarnation, raw_entries, packed, epoch, seq, ack_epoch, ack, held, held_bytes, held_bulk, skip = obj
+        raise ProtocolError("data header is not a 14-item array")
+    (version, src, incarnation, raw_entries, packed, epoch, seq, skip, ack_epoch, ack, ahead, held, held_bytes,
+     held_bulk) = obj
     if version != VERSION:
         raise ProtocolError(f"unsupported wire version {version!r} (expected {VERSION})")
     if (not isinstance(src, str) or not isinstance(incarnation, str) or not isinstance(raw_entries, list)
@@ -386,7 +389,8 @@ def unpack(data, frames: list) -> tuple[str, str, list[Entry], bool, int, int, i
     if not (type(epoch) is int and type(seq) is int and type(ack_epoch) is int and type(ack) is int
             and 0 <= epoch <= _U32 and 0 <= ack_epoch <= _U32 and 0 <= seq < _SEQ_END and -_SEQ_END < ack < _SEQ_END
             and type(held) is int and type(held_bytes) is int and 0 <= held < _SEQ_END and 0 <= held_bytes < _SEQ_END
-            and type(held_bulk) is int and type(skip) is int and 0 <= held_bulk < _SEQ_END and 0 <= skip <= seq):
+            and type(held_bulk) is int and type(skip) is int and 0 <= held_bulk < _SEQ_END and 0 <= skip <= seq
+            and type(ahead) is int and 0 <= ahead < _SEQ_END):
         raise ProtocolError("data header has bad delivery fields")
     entries = []
     append = entries.append
@@ -415,7 +419,7 @@ def unpack(data, frames: list) -> tuple[str, str, list[Entry], bool, int, int, i
             raise ProtocolError(f"header announces {total} packed bytes, {have} arrived")
     elif total != len(frames):
         raise ProtocolError(f"header announces {total} payload frames, {len(frames)} arrived")
-    return src, incarnation, entries, packed, epoch, seq, ack_epoch, ack, held, held_bytes, held_bulk, skip
+    return src, incarnation, entries, packed, epoch, seq, skip, ack_epoch, ack, ahead, held, held_bytes, held_bulk
 
 
 def unpack_header(data, frames: list) -> tuple[str, str, list[Entry], bool]:

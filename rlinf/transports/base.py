@@ -142,7 +142,11 @@ class Link(abc.ABC):
     errors: :class:`WouldBlock` (the link is full), :class:`~rlinf.errors.ClosedError`
     (we closed it) and :class:`~rlinf.errors.PeerLostError` (the connection broke; the
     native error is its ``__cause__``). All methods run on the loop thread.
+
+    ``kind`` names the path a link's bytes take, as ``comm.stats().transports`` counts them.
     """
+
+    kind = "link"
 
     @abc.abstractmethod
     def try_send(self, frames: Sequence[Any], *, track: bool = False) -> Tracker | None:

@@ -367,6 +367,8 @@ class StreamLink(Link):
     :meth:`wait_writable` waits until the transport drained it below its low mark.
     """
 
+    kind = "stream"
+
     def __init__(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport, protocol: _Client,
                  endpoint: str) -> None:
         self.endpoint = endpoint

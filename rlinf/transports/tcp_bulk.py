@@ -434,6 +434,8 @@ class BulkLink(Link):
     closed it meanwhile), and later calls :class:`~rlinf.errors.ClosedError`.
     """
 
+    kind = "bulk"
+
     def __init__(self, loop: asyncio.AbstractEventLoop, stream: _Stream, endpoint: str) -> None:
         self.endpoint = endpoint
         self._loop = loop

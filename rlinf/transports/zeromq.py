@@ -268,6 +268,8 @@ class ZmqLink(Link):
     :meth:`released` on a helper thread shared by the transport's links.
     """
 
+    kind = "zmq"
+
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket, endpoint: str,
                  watcher: ReleaseWatcher) -> None:
         self.endpoint = endpoint

@@ -61,6 +61,23 @@ async def test_large_nested_objects_go_through_shm_both_ways(cluster, driver):
         assert worker["created"] <= 2 < worker["exports"]   # slots are reused, not made per message
 
 
+async def test_stats_count_bytes_through_memory_apart_from_bytes_through_sockets(cluster, driver):
+    """Issue 28 (6): ``bytes_out``/``bytes_in`` are what crossed a socket; the payload of
+    a message in shared memory counts as ``shared_out``/``shared_in`` and under "shm"."""
+    async with asyncio.timeout(60):
+        group = await cluster.spawn(workers_shm.echo, "echo", 1, args=("driver:0", 1))
+        obj = {"tensors": {"big": torch.ones(1 << 20)}}          # 4 MiB
+        await driver.send(obj, "echo:0")
+        await driver.recv("echo:0")
+        peer = driver.stats().peers["echo:0"]
+        assert peer.shared_out == peer.shared_in == 4 << 20, peer
+        assert peer.bytes_out < 4096 and peer.bytes_in < 4096, peer     # descriptors and headers
+        assert driver.stats().transports["shm"].bytes == 4 << 20
+        assert driver.stats().shared_out == 4 << 20
+        await driver.send("done", "echo:0", tag=99)
+        await group.join()
+
+
 async def test_small_messages_stay_inline(cluster, driver):
     async with asyncio.timeout(60):
         group = await cluster.spawn(workers_shm.echo, "echo", 1, args=("driver:0", 1))

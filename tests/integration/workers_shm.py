@@ -15,8 +15,12 @@ def shm_state(comm) -> dict:
     pool = comm._shm.pool
     stats = comm.stats().transports
     return {"busy": pool.busy, "created": pool.created, "exports": pool.exports, "fallbacks": pool.fallbacks,
-            "segments": pool.segment_names(), "shm_msgs": stats["shm"].msgs if "shm" in stats else 0,
-            "zmq_msgs": stats["zmq"].msgs if "zmq" in stats else 0}
+            "segments": pool.segment_names(), "shm_msgs": _msgs(stats, "shm", "pull"),   # in a slot, or pulled
+            "zmq_msgs": _msgs(stats, "zmq", "stream")}                                 # inline, on the data link
+
+
+def _msgs(stats: dict, *paths: str) -> int:
+    return sum(stats[p].msgs for p in paths if p in stats)
 
 
 async def echo(comm, peer: str, n: int):

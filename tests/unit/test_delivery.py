@@ -147,16 +147,38 @@ def test_a_frame_set_overtakes_only_the_bulk_message_it_names():
     assert inflow.clear_before(1, 1)             # only message 0 missing: the one it may skip
     inflow.delivered(1, 1)
     assert inflow.expected == 0 and inflow.seen(1) and not inflow.seen(0)
+    assert inflow.fields()[1:3] == (0, 2)        # acknowledged apart: 1 arrived ahead of 0
     assert not inflow.clear_before(3, 1)         # message 2 is missing too
     inflow.park(3, ([None], [], True, 1))
     assert inflow.unpark() is None
+    assert not inflow.clear_before(2, 2)         # it names another message than the one missing
     assert inflow.clear_before(2, 1)
     inflow.delivered(2, 1)
     assert inflow.unpark()[0] == 3               # now only message 0 is missing before it
     inflow.delivered(3, 1)
     assert not inflow.clear_before(5, 0)         # no skip: waits for message 0 (and 4)
     inflow.delivered(0, 1)                       # the bulk message: the prefix closes over the rest
-    assert inflow.expected == 4 and not inflow.beyond and not inflow.skippers
+    assert inflow.expected == 4 and not inflow.ahead and not inflow.skippers
+    assert inflow.fields()[1:3] == (4, 0)
+
+
+def test_a_new_numbering_is_noticed_when_only_messages_delivered_ahead_arrived():
+    """Review finding: message 0 (bulk) never came, 1 was delivered ahead; a new epoch
+    must report the old log as begun (messages may be missing)."""
+    inflow = delivery.Inflow("a:0", "i", b"a:0|i")
+    inflow.adopt(7)
+    inflow.delivered(1, 1)
+    assert inflow.adopt(8)
+
+
+def test_the_sender_frees_what_arrived_ahead_and_never_sends_it_again():
+    log = delivery.SendLog()
+    for seq in range(4):
+        log.keep(seq, 1, None, b"", [b"x"], credit=(1, 1, 0))
+    assert [k.seq for k in log.ack_ahead(0, 3)] == [2, 1]     # 1 and 2 arrived ahead of 0
+    assert log.ack_ahead(0, 3) == []                          # told once
+    assert [log.arrived(k) for k in log.kept] == [False, True, True, False]
+    assert [k.seq for k in log.ack(3)] == [0, 1, 2] and log.ahead == 0
 
 
 class _BulkLink:
@@ -201,7 +223,7 @@ async def test_messages_with_other_tags_overtake_a_bulk_message_on_its_way():
     box.put(_small(4), loop)                                  # tag 0: behind the other one
     box.flush()
     got = [wire.unpack(f[0], f[1:]) for f in link.sent]
-    assert [(g[11], [e.tag for e in g[2]]) for g in got] in ([(1, [1]), (1, [2])], [(1, [1, 2])])   # may skip 0
+    assert [(g[6], [e.tag for e in g[2]]) for g in got] in ([(1, [1]), (1, [2])], [(1, [1, 2])])   # may skip 0
     assert got[0][5] == 1
     sent = len(link.sent)
     bulk.done.set()
@@ -209,5 +231,5 @@ async def test_messages_with_other_tags_overtake_a_bulk_message_on_its_way():
         while len(link.sent) == sent:
             await asyncio.sleep(0)
     got = [wire.unpack(f[0], f[1:]) for f in link.sent[sent:]]
-    assert [(g[5], g[11], [e.tag for e in g[2]]) for g in got] == [(3, 0, [0, 0])]   # then in their order
+    assert [(g[5], g[6], [e.tag for e in g[2]]) for g in got] == [(3, 0, [0, 0])]   # then in their order
     assert big.future.done()

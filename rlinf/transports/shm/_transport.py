@@ -42,6 +42,8 @@ class ShmLink(Link):
     inline on the carrier link, whose rule then applies (its tracker is passed on).
     """
 
+    kind = "shm"
+
     def __init__(self, transport: ShmTransport, carrier: Link, endpoint: str) -> None:
         self._transport = transport
         self._carrier = carrier
