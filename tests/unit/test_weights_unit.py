@@ -1,0 +1,98 @@
+"""The weight store's pure parts: the bucket layout and copies, and the directory's
+bookkeeping (visibility, readers holding versions, holders leaving)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rlinf.util.copier import Copier
+from rlinf.weights._directory import Directory, ShardRef
+from rlinf.weights._holder import chunks
+from rlinf.weights._layout import Layout, flatten, fresh, match, pack, unpack
+
+
+def _ref(holder: str = "weights.w:0") -> ShardRef:
+    return ShardRef(holder, "node", "seg", 64, "key", [])
+
+
+def test_layout_round_trip_through_a_bucket():
+    tree = {"a": torch.randn(5, 3).t(), "b": [np.arange(7, dtype=np.int16), torch.tensor(2.5, dtype=torch.bfloat16)],
+            "c": (torch.ones(0),), 1: torch.tensor([True, False])}
+    layout, leaves = Layout.of(tree)
+    assert all(o % 64 == 0 for o in layout.offsets)
+    again = Layout.from_wire(layout.to_wire())
+    assert again.key == layout.key and again.paths == layout.paths
+    bucket = np.zeros(layout.total, np.uint8)
+    copier = Copier(1)
+    pack(layout, leaves, bucket, copier)
+    out, per_layout = fresh([again])
+    unpack(again, bucket, per_layout[0], list(range(len(per_layout[0]))), copier)
+    assert torch.equal(out["a"], tree["a"]) and out["a"].is_contiguous()
+    assert isinstance(out["b"][0], np.ndarray) and np.array_equal(out["b"][0], tree["b"][0])
+    assert out["b"][1].dtype == torch.bfloat16 and float(out["b"][1]) == 2.5
+    assert isinstance(out["c"], tuple) and out["c"][0].shape == (0,)
+    assert torch.equal(out[1], tree[1])
+
+
+def test_match_checks_everything_before_anything_is_copied():
+    layout, _ = Layout.of({"x": torch.zeros(2, 2), "y": {"z": torch.zeros(3)}})
+    _, targets = flatten({"y": {"z": torch.zeros(3)}, "x": torch.zeros(2, 2)})
+    [(got, order)] = match([layout], targets)
+    assert [layout.paths[i] for i in order] == [("y", "z"), ("x",)]
+    for bad, message in [({"x": torch.zeros(2, 2)}, "y/z: published, but not"),
+                         ({"x": torch.zeros(2, 2), "y": {"z": torch.zeros(3, dtype=torch.int32)}}, "y/z: the target is int32"),
+                         ({"x": torch.zeros(4), "y": {"z": torch.zeros(3)}}, r"x: the target is float32\[4\]")]:
+        with pytest.raises(ValueError, match=message):
+            match([layout], flatten(bad)[1])
+    with pytest.raises(TypeError, match="not str"):
+        Layout.of({"x": "str"})
+
+
+def test_chunks_cut_at_tensor_boundaries():
+    layout, _ = Layout.of({f"t{i}": np.zeros(1000, np.uint8) for i in range(10)})
+    parts = chunks(layout, size=3000)
+    assert parts[0][0] == 0 and parts[-1][1] == layout.total
+    assert [p[2] for p in parts][1:] == [p[3] for p in parts][:-1]          # leaves: contiguous, disjoint
+    assert all(b - a >= 3000 or p is parts[-1] for p in parts for a, b in [p[:2]])
+
+
+def test_a_version_is_visible_when_its_last_shard_is_in_and_waiters_get_it():
+    d = Directory("w")
+    assert d.acquire("r:0", 1, None) is None                  # nothing yet: waits
+    grants, freed = d.add_shard(1, 0, 2, _ref("weights.w:0"))
+    assert (grants, freed, d.latest) == ([], [], None)
+    grants, freed = d.add_shard(1, 1, 2, _ref("weights.w:1"))
+    assert [g.src for g in grants] == ["r:0"] and d.latest == 1
+    with pytest.raises(ValueError, match="not newer"):
+        d.add_shard(1, 0, 2, _ref())
+    with pytest.raises(ValueError, match="has 2 shard"):
+        d.add_shard(2, 0, 3, _ref())
+
+
+def test_a_read_version_is_kept_until_released():
+    d = Directory("w")
+    d.add_shard(1, 0, 1, _ref())
+    assert d.acquire("r:0", 1, None).version.number == 1
+    _, freed = d.add_shard(2, 0, 1, _ref())
+    assert freed == [] and sorted(d.versions) == [1, 2]       # r:0 still reads 1
+    assert [v.number for v in d.release("r:0", 1, "shm", 64)] == [1]
+    assert d.release("r:0", 1) == []                          # a second release is ignored
+    assert d.acquire("r:1", 2, 2) is None                     # waits for a newer one
+    assert d.cancel("r:1", 2) and not d.cancel("r:1", 2)
+    d.acquire("r:2", 3, None)                                 # holds 2
+    assert d.add_shard(3, 0, 1, _ref())[1] == []
+    assert [v.number for v in d.reader_gone("r:2")] == [2]
+    assert d.bytes_by_path == {"shm": 64}
+
+
+def test_a_holder_gone_takes_its_versions_and_fails_the_waiting():
+    d = Directory("w")
+    d.add_shard(1, 0, 2, _ref("weights.w:0"))
+    d.add_shard(1, 1, 2, _ref("weights.w:1"))
+    assert d.acquire("r:0", 1, 1) is None
+    dropped, failed = d.holder_gone("weights.w:1")
+    assert [v.number for v in dropped] == [1] and failed == [("r:0", 1)] and d.latest is None
+    with pytest.raises(LookupError, match="weights.w:1"):
+        d.acquire("r:0", 2, None)
