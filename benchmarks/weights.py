@@ -1,4 +1,4 @@
-"""Weight store benchmarks (BENCHMARKS.md W1, W3), rlinf beside gloo and the copy floor in one run.
+"""Weight store benchmarks (BENCHMARKS.md W1-W3), rlinf beside gloo, the copy floor and raw TCP in one run.
 
     python benchmarks/weights.py [--quick] [--gib 1.0]
 
@@ -12,13 +12,17 @@ W1: a bf16 state dict shaped like a ~0.5B-parameter transformer (hidden 896, MLP
     0); and the copy floor: one memcpy of the bytes (the capture) followed by 3 copies
     of them run at once in 3 threads (the pullers' copies, as concurrently as the
     cores allow), all into memory already paged in. Ray is not installed here.
+W2: the same state dict (a quarter of W1's size: 6 pullers hold a copy each) from the
+    publisher's node to 3 other emulated nodes (``RLINF_NODE_ID``) with 2 pullers each,
+    beside one raw TCP transfer of the same bytes between two processes (loopback).
 W3: 2 pullers pull a 4 MiB tree 500 times each while the publisher publishes 200
     versions back to back (every tensor of version v filled with v): torn reads = pulls
     whose tensors hold anything but the version the pull returned.
 
-Medians over the timed rounds, after a warm-up round (the first publish creates the
-shared-memory buckets; the first pulls map them). ``--quick`` (``rlinf bench --quick``)
-runs 64 MiB, 3 rounds, and W3 with 100 pulls against 40 publishes.
+Medians over the timed rounds, after two warm-up rounds (the first two publishes create
+the two shared-memory buckets that later versions reuse; the first pulls map them).
+``--quick`` (``rlinf bench --quick``) runs 64 MiB, 3 rounds, and W3 with 100 pulls
+against 40 publishes.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from rlinf.control.client import run as run_loop  # noqa: E402
 ctx = baseline_context("torch", "torch.distributed")
 os.environ.setdefault("RLINF_PEER_TIMEOUT", "10")    # a loaded 2-vCPU VM can starve a heartbeat
 PULLERS = 3
-WARMUP = 1
+WARMUP = 2
 _ONE = {"OMP_NUM_THREADS": "1"}     # torch's spinning OpenMP threads starve 4 busy processes on 2 CPUs
 
 
@@ -85,8 +89,8 @@ def nbytes(state: dict) -> int:
 
 
 # ----------------------------------------------------------------------------- rlinf
-async def _puller(comm, total: int, rounds: int) -> None:
-    ws = await comm.weights("bench")
+async def _puller(comm, total: int, rounds: int, name: str = "bench") -> None:
+    ws = await comm.weights(name)
     into = make_state(total, fill=0.0)
     version = 0
     for _ in range(rounds):
@@ -110,6 +114,61 @@ async def _w1_rlinf(total: int, rounds: int) -> tuple[float, int, int]:
         finally:
             await pullers.join(timeout=120)
         return statistics.median(times[WARMUP:]), len(state), nbytes(state)
+
+
+async def _w2_rlinf(total: int, rounds: int) -> float:
+    """W2: the publisher (this process) on a node of its own, 3 other emulated nodes
+    (``RLINF_NODE_ID``) with 2 pullers each; one refresh = publish until all 6 pulled."""
+    async with rlinf.Cluster() as cluster, cluster.connect("driver:0") as comm:
+        ws = await comm.weights("w2")
+        state = make_state(total)
+        groups = [await cluster.spawn(_puller, f"node{i}", 2, args=(total, rounds, "w2"),
+                                      env={**_ONE, "RLINF_NODE_ID": f"w2-node-{i}"}) for i in range(3)]
+        addresses = [a for g in groups for a in g.addresses]
+        times = []
+        try:
+            for version in range(1, rounds + 1):
+                t0 = time.perf_counter()
+                await ws.publish(state, version)
+                for address in addresses:
+                    assert await comm.recv(address, timeout=300) == version
+                times.append(time.perf_counter() - t0)
+        finally:
+            for g in groups:
+                await g.join(timeout=120)
+        return statistics.median(times[WARMUP:])
+
+
+def _raw_sink(port: int, total: int, rounds: int) -> None:
+    buf = bytearray(total)
+    view = memoryview(buf)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        for _ in range(rounds):
+            got = 0
+            while got < total:
+                got += s.recv_into(view[got:], min(total - got, 1 << 22))
+            s.sendall(b"k")
+
+
+def _raw_socket(total: int, rounds: int) -> float:
+    """One TCP transfer of ``total`` bytes between two processes (loopback), from a
+    buffer paged in to one paged in, until the receiver's one-byte answer; median s."""
+    src = np.ones(total, np.uint8)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        proc = ctx.Process(target=_raw_sink, args=(server.getsockname()[1], total, rounds))
+        proc.start()
+        conn, _ = server.accept()
+        times = []
+        with conn:
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                conn.sendall(memoryview(src))
+                conn.recv(1)
+                times.append(time.perf_counter() - t0)
+        proc.join(60)
+    return statistics.median(times[WARMUP:])
 
 
 async def _w3_publisher(comm, versions: int) -> int:
@@ -168,11 +227,12 @@ def _gloo_member(rank: int, port: int, total: int, rounds: int, results) -> None
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=PULLERS + 1)
     try:
         state = make_state(total, fill=None if rank == 0 else 0.0)
-        flat = torch.empty(nbytes(state), dtype=torch.uint8)
-        if rank == 0:
-            torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values()], out=flat)
         found = {}
-        for name in ("flat", "per_tensor"):
+        for name in ("per_tensor", "flat"):
+            if name == "flat":      # one model's worth of memory per process at a time
+                size = nbytes(state)
+                del state
+                flat = torch.full((size,), 1 if rank == 0 else 0, dtype=torch.uint8)
             times = []
             for _ in range(rounds):
                 t0 = time.perf_counter()
@@ -238,12 +298,18 @@ def run(quick: bool = False, gib: float | None = None) -> list[Row]:
     floor = _floor(size, rounds)
     gloo = _gloo(total, rounds)
     torn, pulls, seen = run_loop(_w3(100 if quick else 1000, 40 if quick else 200))
+    w2_total = total if quick else total // 4
+    w2 = run_loop(_w2_rlinf(w2_total, rounds))
+    raw = _raw_socket(w2_total, rounds)
     label = f"W1 refresh {size / 2**30:.2f} GiB bf16 ({tensors} tensors), 1 -> 3 pullers"
     return [
         Row(label, rl, "gloo broadcast, one flat buffer", gloo["flat"], "s", target=">= 4x"),
         Row(label, rl, "gloo broadcast per tensor", gloo["per_tensor"], "s", target=">= 4x"),
         Row(label, rl, "copy floor (capture + 3 copies at once)", floor, "s", target="the real target",
             note="ratio < 1: how close to the floor"),
+        Row(f"W2 refresh {w2_total / 2**20:.0f} MiB, 3 emulated nodes x 2 pullers", w2,
+            "one raw TCP transfer (loopback)", raw, "s", target="<= 1.5x the raw transfer",
+            note="one transfer per puller (6), no per-node fan-out yet"),
         Row("W3 torn reads", float(torn), f"{pulls} pulls racing {40 if quick else 200} publishes", 0.0, "count",
             target="0", note=f"{seen} distinct versions seen by one puller"),
     ]
@@ -254,7 +320,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--gib", type=float, default=None, help="W1's state dict size in GiB (default 1)")
     args = parser.parse_args()
-    print_rows("Weight store (W1, W3)", run(args.quick, args.gib))
+    print_rows("Weight store (W1-W3)", run(args.quick, args.gib))
 
 
 if __name__ == "__main__":

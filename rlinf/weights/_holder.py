@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ import numpy as np
 from ..core.communicator import CoreCommunicator
 from ..core.interface import Core
 from ..errors import ClosedError, DecodeError, PeerLostError, RlinfError
-from ..transports.shm import ShmPool
+from ..transports.shm import SHM_DIR, ShmPool
 from ._calls import Calls, error_message, tag_of
 from ._directory import Directory, Grant, ShardRef, Version
 from ._layout import Layout
@@ -75,7 +76,9 @@ class Holder:
         meta = {"kind": "weights", "store": name, "shard": shard}
         self.comm = CoreCommunicator(self.address, manager=core.manager_address, token=core.token, meta=meta,
                                      exclusive=True)
-        self.pool = ShmPool()
+        # bounded by /dev/shm itself, not RLINF_SHM_CAP (the messaging pool's cap, 4 GiB
+        # by default: two buckets of a 3B-parameter model would not fit under it)
+        self.pool = ShmPool(cap=_shm_size())
         self.slots: dict[int, Any] = {}                 # version -> its bucket's slot
         self.layouts: dict[int, Layout] = {}
         self.directory = Directory(name) if shard == 0 else None
@@ -111,8 +114,8 @@ class Holder:
         slot = self.pool.acquire(nbytes, {})
         if slot is None:
             raise RlinfError(f"weight store {self.name!r}: no shared memory for a {nbytes}-byte version "
-                             f"({len(self.slots)} version(s) held here, {self.pool.mapped >> 20} MiB, cap "
-                             f"{self.pool.cap >> 20} MiB; RLINF_SHM_CAP raises the cap)")
+                             f"({len(self.slots)} version(s) held here, {self.pool.mapped >> 20} MiB; "
+                             f"{SHM_DIR} has {self.pool.cap >> 20} MiB)")
         return slot
 
     def drop_bucket(self, slot: Any) -> None:
@@ -265,6 +268,14 @@ class Holder:
         finally:
             self.slots.clear()
             self.pool.close()
+
+
+def _shm_size() -> int:
+    try:
+        st = os.statvfs(SHM_DIR)
+        return st.f_frsize * st.f_blocks
+    except OSError:
+        return 0
 
 
 def _ignore(future: asyncio.Future) -> None:

@@ -63,9 +63,9 @@ class WeightStats:
             return "never" if t is None else f"{now - t:.1f} s ago"
 
         def sizes(by_path: dict[str, int]) -> str:
-            return ", ".join(f"{p} {n / 2**20:.1f} MiB" for p, n in sorted(by_path.items())) or "none"
+            return ", ".join(f"{p} {_size(n)}" for p, n in sorted(by_path.items())) or "none"
 
-        held = "; ".join(f"v{n}: {v['bytes'] / 2**20:.1f} MiB, {v['readers']} reading"
+        held = "; ".join(f"v{n}: {_size(v['bytes'])}, {v['readers']} reading"
                          + ("" if v["complete"] else f", {v['shards']}/{self.num_shards} shards")
                          for n, v in self.versions.items()) or "none"
         return "\n".join([
@@ -78,3 +78,11 @@ class WeightStats:
             f"  this handle: {self.this_pulls} pull(s), last {ago(self.this_last_pull)}; bytes: "
             f"{sizes(self.this_bytes_by_path)}; last published {self.this_published}",
         ])
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"

@@ -130,6 +130,22 @@ async def test_newer_than_waits_and_times_out(cluster, driver):
             await reader.aclose()
 
 
+async def test_a_cancelled_pull_holds_nothing(driver):
+    async with asyncio.timeout(30):
+        ws = await driver.weights("cancel")
+        await ws.publish({"w": torch.ones(3)}, 1)
+        task = asyncio.create_task(ws.pull({"w": torch.zeros(3)}, newer_than=1))
+        await until(lambda: _waiting(ws, 1), what="the pull to wait")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await until(lambda: _waiting(ws, 0), what="the directory to drop the cancelled pull")
+        await ws.publish({"w": torch.full((3,), 2.0)}, 2)
+        await ws.publish({"w": torch.full((3,), 3.0)}, 3)
+        stats = await ws.stats()
+        assert list(stats.versions) == [3] and stats.pulls == 0, stats
+
+
 async def _waiting(ws, n: int) -> bool:
     return (await ws.stats()).waiting == n
 
@@ -203,6 +219,14 @@ async def test_a_killed_publisher_fails_waiting_pulls(cluster, driver):
             await waiting
         await until(lambda: not [n for n in os.listdir("/dev/shm") if n.startswith(f"rlinf-{pid}-")],
                     what="the dead publisher's segments to be swept")
+        # a restarted trainer (here: this process) makes the store live again
+        await ws.publish({"w": torch.ones(3)}, 7)
+        other = await cluster.connect("late:0").start()
+        try:
+            assert (await (await other.weights("doomed")).get(timeout=10))[1] == 7
+            assert (await ws.get(timeout=10))[1] == 7
+        finally:
+            await other.aclose()
 
 
 async def test_a_puller_on_another_node_gets_the_bytes_over_the_network(cluster, driver):
