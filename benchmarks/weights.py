@@ -21,8 +21,9 @@ W3: 2 pullers pull a 4 MiB tree 500 times each while the publisher publishes 200
 
 Medians over the timed rounds, after two warm-up rounds (the first two publishes create
 the two shared-memory buckets that later versions reuse; the first pulls map them).
-``--quick`` (``rlinf bench --quick``) runs 64 MiB, 3 rounds, and W3 with 100 pulls
-against 40 publishes.
+``--quick`` (``rlinf bench --quick``) runs 64 MiB, 3 timed rounds (8 otherwise), and W3
+with 100 pulls against 40 publishes. rlinf's workers run with ``OMP_NUM_THREADS=1``:
+torch's OpenMP threads spin while they wait, which starves 4 busy processes on 2 CPUs.
 """
 
 from __future__ import annotations
@@ -293,7 +294,7 @@ def _floor(total: int, rounds: int) -> float:
 
 def run(quick: bool = False, gib: float | None = None) -> list[Row]:
     total = int((1 / 16 if quick else (gib or 1.0)) * (1 << 30))
-    rounds = WARMUP + (3 if quick else 5)
+    rounds = WARMUP + (3 if quick else 8)
     rl, tensors, size = run_loop(_w1_rlinf(total, rounds))
     floor = _floor(size, rounds)
     gloo = _gloo(total, rounds)

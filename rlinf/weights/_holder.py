@@ -3,8 +3,8 @@
 A process that publishes shard ``k`` of store ``name`` joins the cluster as the worker
 ``weights.<name>:<k>`` (its own small communicator, registered ``exclusive``: the name is
 found cluster-wide the way a channel's server is, and two publishers of one shard
-cannot both hold it). It owns the shared-memory buckets of its versions (a
-:class:`~rlinf.transports.shm.ShmPool`: files named after the process, swept if it
+cannot both hold it). It owns the shared-memory buckets of its versions
+(:class:`~rlinf.weights._buckets.Buckets`: files named after the process, swept if it
 dies) and serves:
 
 * ``free`` (from the directory): a version's bucket may be reused;
@@ -22,15 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-from typing import Any
-
-import numpy as np
-
 from ..core.communicator import CoreCommunicator
 from ..core.interface import Core
 from ..errors import ClosedError, DecodeError, PeerLostError, RlinfError
-from ..transports.shm import SHM_DIR, ShmPool
+from ._buckets import Bucket, Buckets
 from ._calls import Calls, error_message, tag_of
 from ._directory import Directory, Grant, ShardRef, Version
 from ._layout import Layout
@@ -76,10 +71,8 @@ class Holder:
         meta = {"kind": "weights", "store": name, "shard": shard}
         self.comm = CoreCommunicator(self.address, manager=core.manager_address, token=core.token, meta=meta,
                                      exclusive=True)
-        # bounded by /dev/shm itself, not RLINF_SHM_CAP (the messaging pool's cap, 4 GiB
-        # by default: two buckets of a 3B-parameter model would not fit under it)
-        self.pool = ShmPool(cap=_shm_size())
-        self.slots: dict[int, Any] = {}                 # version -> its bucket's slot
+        self.buckets = Buckets()
+        self.versions: dict[int, Bucket] = {}              # version -> its bucket
         self.layouts: dict[int, Layout] = {}
         self.directory = Directory(name) if shard == 0 else None
         self.node = ""
@@ -88,7 +81,7 @@ class Holder:
         self._closed = False
 
     def __repr__(self) -> str:
-        return f"<Holder {self.address} versions={sorted(self.slots)} {self.pool!r}>"
+        return f"<Holder {self.address} versions={sorted(self.versions)} {self.buckets!r}>"
 
     async def start(self) -> Holder:
         """Join the cluster as :attr:`address`.
@@ -105,32 +98,27 @@ class Holder:
         return self
 
     # -- publishing --------------------------------------------------------------------
-    def take_bucket(self, nbytes: int) -> Any:
-        """A slot of at least ``nbytes`` for a new version (reused when one is free).
+    async def take_bucket(self, nbytes: int) -> Bucket:
+        """A bucket of at least ``nbytes`` for a new version (see :class:`Buckets`).
 
         Raises:
-            RlinfError: no shared memory left for it (readers hold the others).
+            RlinfError: no room in ``/dev/shm``.
         """
-        slot = self.pool.acquire(nbytes, {})
-        if slot is None:
-            raise RlinfError(f"weight store {self.name!r}: no shared memory for a {nbytes}-byte version "
-                             f"({len(self.slots)} version(s) held here, {self.pool.mapped >> 20} MiB; "
-                             f"{SHM_DIR} has {self.pool.cap >> 20} MiB)")
-        return slot
+        return await self.buckets.take(nbytes)
 
-    def drop_bucket(self, slot: Any) -> None:
-        self.pool.cancel(slot)
+    def drop_bucket(self, bucket: Bucket) -> None:
+        self.buckets.give(bucket)
 
-    async def add(self, number: int, slot: Any, layout: Layout) -> None:
-        """Make ``slot`` (filled) version ``number`` of this shard: with the directory
+    async def add(self, number: int, bucket: Bucket, layout: Layout) -> None:
+        """Make ``bucket`` (filled) version ``number`` of this shard: with the directory
         here, at once; else by asking it.
 
         Raises:
             ValueError: the directory refused it (not newer, shard count differs).
             PeerLostError: the directory is gone.
         """
-        ref = ShardRef(self.address, self.node, slot.name, layout.total, layout.key, layout.to_wire())
-        self.slots[number], self.layouts[number] = slot, layout
+        ref = ShardRef(self.address, self.node, bucket.name, layout.total, layout.key, layout.to_wire())
+        self.versions[number], self.layouts[number] = bucket, layout
         try:
             if self.directory is not None:
                 grants, freed = self.directory.add_shard(number, self.shard, self.num_shards, ref)
@@ -141,9 +129,9 @@ class Holder:
                                               ref.holder, ref.node, ref.segment, ref.size, ref.layout_key, ref.layout)
                 await answer
         except BaseException:
-            if self.slots.get(number) is slot:
-                del self.slots[number], self.layouts[number]
-                self.pool.cancel(slot)
+            if self.versions.get(number) is bucket:
+                del self.versions[number], self.layouts[number]
+                self.buckets.give(bucket)
             raise
 
     # -- serving -----------------------------------------------------------------------
@@ -200,7 +188,7 @@ class Holder:
         else:
             raise ValueError(f"unknown weight store request {op!r}")
 
-    def _send(self, dst: str, message: tuple, payload: Any = None) -> asyncio.Future | None:
+    def _send(self, dst: str, message: tuple) -> asyncio.Future | None:
         try:
             future = self.comm.internal.start_send(message, dst, self.tag)
         except RlinfError as exc:            # gone or closing: its own hooks tidy up
@@ -224,20 +212,19 @@ class Holder:
                     self._send(ref.holder, ("free", version.number))
 
     def _free_local(self, number: int) -> None:
-        slot = self.slots.pop(number, None)
+        bucket = self.versions.pop(number, None)
         self.layouts.pop(number, None)
-        if slot is not None:
-            self.pool.cancel(slot)
+        if bucket is not None:
+            self.buckets.give(bucket)
 
     def _fetch(self, src: str, req: int, number: int) -> None:
         """Send version ``number``'s bytes to ``src``, a chunk of whole tensors per
         message (the reader holds the version: the bucket stays as it is meanwhile)."""
-        slot, layout = self.slots.get(number), self.layouts.get(number)
-        if slot is None:
+        bucket, layout = self.versions.get(number), self.layouts.get(number)
+        if bucket is None:
             raise PeerLostError(f"version {number} of {self.name!r} is no longer held by {self.address}")
-        bucket: np.ndarray = slot.array
         for start, end, _, _ in chunks(layout):
-            self._send(src, ("chunk", req, start, bucket[start:end]))
+            self._send(src, ("chunk", req, start, bucket.array[start:end]))
 
     def _answer_lost(self, failed: list[tuple[str, int]]) -> None:
         for src, req in failed:
@@ -253,7 +240,7 @@ class Holder:
                 self._answer_lost(failed)
             self._free(self.directory.reader_gone(address))
         elif address == self.directory_address:
-            for number in list(self.slots):        # the directory knew the readers: start afresh
+            for number in list(self.versions):        # the directory knew the readers: start afresh
                 self._free_local(number)
 
     async def aclose(self) -> None:
@@ -266,16 +253,8 @@ class Holder:
         try:
             await self.comm.aclose()
         finally:
-            self.slots.clear()
-            self.pool.close()
-
-
-def _shm_size() -> int:
-    try:
-        st = os.statvfs(SHM_DIR)
-        return st.f_frsize * st.f_blocks
-    except OSError:
-        return 0
+            self.versions.clear()
+            self.buckets.close()
 
 
 def _ignore(future: asyncio.Future) -> None:

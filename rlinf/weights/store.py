@@ -102,14 +102,15 @@ class WeightStore:
                 raise ValueError(f"version {version} is not newer than version {self._published}, "
                                  f"published before by this handle")
             holder = await self._holder_for(shard, num_shards)
-            slot = holder.take_bucket(layout.total)
+            bucket = await holder.take_bucket(layout.total)
             running: list[asyncio.Future] = []
             try:
-                await self._run(pack, layout, leaves, slot.array, self._copier, size=layout.total, running=running)
+                await self._run(pack, layout, leaves, bucket.array, self._copier, size=layout.total,
+                                running=running)
             except BaseException:
-                _after(running, lambda: holder.drop_bucket(slot))   # once the copy stopped writing
+                _after(running, lambda: holder.drop_bucket(bucket))   # once the copy stopped writing
                 raise
-            await holder.add(version, slot, layout)
+            await holder.add(version, bucket, layout)
             self._published = version
 
     async def _holder_for(self, shard: int, num_shards: int) -> Holder:

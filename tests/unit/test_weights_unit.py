@@ -3,11 +3,15 @@ bookkeeping (visibility, readers holding versions, holders leaving)."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+
 import numpy as np
 import pytest
 import torch
 
 from rlinf.util.copier import Copier
+from rlinf.weights._buckets import Buckets
 from rlinf.weights._directory import Directory, ShardRef
 from rlinf.weights._holder import chunks
 from rlinf.weights._layout import Layout, flatten, fresh, match, pack, unpack
@@ -96,3 +100,37 @@ def test_a_holder_gone_takes_its_versions_and_fails_the_waiting():
     assert [v.number for v in dropped] == [1] and failed == [("r:0", 1)] and d.latest is None
     with pytest.raises(LookupError, match="weights.w:1"):
         d.acquire("r:0", 2, None)
+
+
+async def test_buckets_are_reused_kept_few_and_unlinked(tmp_path):
+    buckets = Buckets(str(tmp_path))
+    a = await buckets.take(100_000)
+    b = await buckets.take(100_000)
+    assert a.name != b.name and a.size >= 100_000 and a.array.size == a.size
+    buckets.give(a)
+    assert (await buckets.take(90_000)) is a                  # a free one that fits
+    c = await buckets.take(100_000)
+    for bucket in (a, b, c):
+        buckets.give(bucket)
+    assert len(buckets) == 2                                  # two kept free, the third unlinked
+    assert (await buckets.take(10 << 20)).size >= 10 << 20   # another size: the free ones go
+    assert len(os.listdir(tmp_path)) == 1
+    buckets.close()
+    assert os.listdir(tmp_path) == []
+
+
+async def test_a_bucket_made_for_a_cancelled_publish_is_kept(tmp_path):
+    buckets = Buckets(str(tmp_path))
+    task = asyncio.create_task(buckets.take(64 << 20))
+    await asyncio.sleep(0)                                    # started in its thread
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    made = await buckets.take(64 << 20)                       # the one made meanwhile, or a new one
+    assert made.size >= 64 << 20 and len(buckets) in (1, 2)
+    buckets.close()
+    for _ in range(500):          # the cancelled one's file is unlinked once its thread is done
+        if not os.listdir(tmp_path):
+            break
+        await asyncio.sleep(0.01)
+    assert os.listdir(tmp_path) == []
