@@ -34,8 +34,10 @@ __all__ = ["Holder", "holder_address", "chunks", "CHUNK"]
 
 log = logging.getLogger("rlinf.weights")
 
-#: Bytes per ``fetch`` message (whole tensors; a larger tensor goes alone).
-CHUNK = 32 << 20
+#: Bytes per ``fetch`` message (whole tensors; a larger tensor goes alone), as the
+#: puller asks: small enough that copying one chunk overlaps the next one's transfer.
+CHUNK = 16 << 20
+MIN_CHUNK, MAX_CHUNK = 1 << 20, 1 << 30
 
 
 def holder_address(name: str, shard: int) -> str:
@@ -217,13 +219,16 @@ class Holder:
         if bucket is not None:
             self.buckets.give(bucket)
 
-    def _fetch(self, src: str, req: int, number: int) -> None:
-        """Send version ``number``'s bytes to ``src``, a chunk of whole tensors per
-        message (the reader holds the version: the bucket stays as it is meanwhile)."""
+    def _fetch(self, src: str, req: int, number: int, size: int) -> None:
+        """Send version ``number``'s bytes to ``src``, a chunk of whole tensors of about
+        ``size`` bytes per message (the reader holds the version: the bucket stays as it
+        is meanwhile; it cut the same chunks from the layout)."""
+        if isinstance(size, bool) or not isinstance(size, int) or not MIN_CHUNK <= size <= MAX_CHUNK:
+            raise ValueError(f"chunk size {size!r} out of [{MIN_CHUNK}, {MAX_CHUNK}]")
         bucket, layout = self.versions.get(number), self.layouts.get(number)
         if bucket is None:
             raise PeerLostError(f"version {number} of {self.name!r} is no longer held by {self.address}")
-        for start, end, _, _ in chunks(layout):
+        for start, end, _, _ in chunks(layout, size):
             self._send(src, ("chunk", req, start, bucket.array[start:end]))
 
     def _answer_lost(self, failed: list[tuple[str, int]]) -> None:

@@ -24,7 +24,7 @@ from ..errors import ClosedError, CommTimeoutError, DecodeError, PeerLostError, 
 from ..util.copier import Copier
 from ..util.futures import retrieve
 from ._calls import Calls, tag_of
-from ._holder import Holder, chunks, holder_address
+from ._holder import CHUNK, Holder, chunks, holder_address
 from ._layout import Layout, flatten, fresh, match, pack, unpack
 from ._mapped import Mappings
 from .stats import WeightStats
@@ -252,8 +252,8 @@ class WeightStore:
         req = self._calls.next_id()
         self._fetches[req] = (holder, queue)
         try:
-            self._send(holder, ("fetch", req, number), must=True)
-            for start, end, first, last in chunks(layout):
+            self._send(holder, ("fetch", req, number, CHUNK), must=True)
+            for start, end, first, last in chunks(layout, CHUNK):
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
