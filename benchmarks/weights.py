@@ -310,7 +310,7 @@ def run(quick: bool = False, gib: float | None = None) -> list[Row]:
             note="ratio < 1: how close to the floor"),
         Row(f"W2 refresh {w2_total / 2**20:.0f} MiB, 3 emulated nodes x 2 pullers", w2,
             "one raw TCP transfer (loopback)", raw, "s", target="<= 1.5x the raw transfer",
-            note="one transfer per puller (6), no per-node fan-out yet"),
+            note="one transfer per node (3 relays), then local copies"),
         Row("W3 torn reads", float(torn), f"{pulls} pulls racing {40 if quick else 200} publishes", 0.0, "count",
             target="0", note=f"{seen} distinct versions seen by one puller"),
     ]

@@ -7,8 +7,15 @@ in (:meth:`Directory.add_shard`), pullers acquire the newest complete version
 the newest complete version and no reader holds it: every method returns the versions
 that became free, and the caller frees each shard's bucket.
 
+**Per-node fan-out.** The first puller of a version on a node that holds no copy of a
+shard becomes that node's *relay*: it fetches the remote shards into shared-memory
+buckets of its own (:meth:`Directory.relayed` says when they are in), and the version's
+other pullers on that node wait for it and then read the relay's buckets, as they would
+a holder's. If the relay fails (or leaves), they fetch for themselves.
+
 Invariants: ``latest`` only grows (until a holder dies and takes its versions with it);
-a granted version is never freed before its reader released it (or left).
+a granted version is never freed before its reader released it (or left); a puller
+waiting for its node's relay counts as a reader.
 """
 
 from __future__ import annotations
@@ -40,12 +47,25 @@ class ShardRef:
 
 
 @dataclass
+class Relay:
+    """The puller that brings a version's remote shards to its node: ``ready`` once they
+    are in its buckets (``segments``: shard -> (segment, size)); ``waiting``: the
+    node's other pullers ``(src, req)``."""
+
+    address: str
+    ready: bool = False
+    segments: dict[int, tuple[str, int]] = field(default_factory=dict)
+    waiting: list[tuple[str, int]] = field(default_factory=list)
+
+
+@dataclass
 class Version:
     number: int
     num_shards: int
     shards: dict[int, ShardRef] = field(default_factory=dict)
     readers: collections.Counter = field(default_factory=collections.Counter)
     published: float = 0.0
+    relays: dict[str, Relay] = field(default_factory=dict)      # node -> its relay
 
     @property
     def complete(self) -> bool:
@@ -58,11 +78,15 @@ class Version:
 
 @dataclass
 class Grant:
-    """An answer to an acquire: ``(src, req)`` gets ``version``."""
+    """An answer to an acquire: ``(src, req)`` gets ``version``; ``relay``: it is its
+    node's relay (it fetches, then says :meth:`Directory.relayed`); ``via``: read the
+    remote shards from this ready relay's buckets instead."""
 
     src: str
     req: int
     version: Version
+    relay: bool = False
+    via: Relay | None = None
 
 
 class Directory:
@@ -74,7 +98,7 @@ class Directory:
         self.latest: int | None = None
         self.num_shards: int | None = None
         self.lost: str | None = None      # why no version is complete after a holder died
-        self._waiting: list[tuple[str, int, int | None]] = []    # (src, req, newer_than)
+        self._waiting: list[tuple[str, int, int | None, str]] = []    # (src, req, newer_than, node)
         self.subscribers: set[str] = set()
         self.publishes = 0
         self.grants = 0
@@ -113,40 +137,79 @@ class Directory:
         self.latest, self.lost = number, None
         self.publishes += 1
         self.last_publish = entry.published
-        grants = [Grant(src, req, entry) for src, req, newer in self._waiting if newer is None or number > newer]
+        due = [w for w in self._waiting if w[2] is None or number > w[2]]
         self._waiting = [w for w in self._waiting if not (w[2] is None or number > w[2])]
-        for g in grants:
-            self._grant(g)
-        return grants, self._collect()
+        grants = [g for src, req, _, node in due if (g := self._route(src, req, entry, node)) is not None]
+        return grants, self.collect()
 
     # -- pulling -----------------------------------------------------------------------
-    def acquire(self, src: str, req: int, newer_than: int | None) -> Grant | None:
-        """The newest complete version for ``src`` (held for it until it releases), or
-        None: then ``src`` waits, and a later :meth:`add_shard` grants it.
+    def acquire(self, src: str, req: int, newer_than: int | None, node: str = "") -> Grant | None:
+        """The newest complete version for ``src`` on ``node`` (held for it until it
+        releases), or None: then ``src`` waits (for a newer version, or for its node's
+        relay), and a later :meth:`add_shard` or :meth:`relayed` grants it.
 
         Raises:
             LookupError: no version is complete because a holder died (``lost``).
         """
         self.subscribers.add(src)
         if self.latest is not None and (newer_than is None or self.latest > newer_than):
-            grant = Grant(src, req, self.versions[self.latest])
-            self._grant(grant)
-            return grant
+            return self._route(src, req, self.versions[self.latest], node)
         if self.lost is not None:
             raise LookupError(self.lost)
-        self._waiting.append((src, req, newer_than))
+        self._waiting.append((src, req, newer_than, node))
         return None
 
-    def _grant(self, grant: Grant) -> None:
-        grant.version.readers[grant.src] += 1
+    def _route(self, src: str, req: int, entry: Version, node: str) -> Grant | None:
+        """``src`` reads ``entry`` from now on: directly, as its node's relay, from the
+        node's ready relay, or (None) once the relay is ready."""
+        entry.readers[src] += 1
         self.grants += 1
         self.last_pull = time.time()
+        if not node or all(s.node == node for s in entry.shards.values()):
+            return Grant(src, req, entry)
+        relay = entry.relays.get(node)
+        if relay is None:
+            entry.relays[node] = Relay(src)
+            return Grant(src, req, entry, relay=True)
+        if relay.ready:
+            return Grant(src, req, entry, via=relay)
+        relay.waiting.append((src, req))
+        return None
+
+    def relayed(self, src: str, number: int, segments: dict[int, tuple[str, int]] | None) -> list[Grant]:
+        """The relay ``src`` has version ``number``'s remote shards in its buckets
+        (``segments``), or failed (None: its node's pullers then fetch for themselves).
+        Returns the grants for the node's waiting pullers."""
+        entry = self.versions.get(number)
+        if entry is None:
+            return []
+        for node, relay in list(entry.relays.items()):
+            if relay.address == src and not relay.ready:
+                return self._settle_relay(entry, node, relay, segments)
+        return []
+
+    def _settle_relay(self, entry: Version, node: str, relay: Relay,
+                      segments: dict[int, tuple[str, int]] | None) -> list[Grant]:
+        waiting, relay.waiting = relay.waiting, []
+        if segments is None:
+            del entry.relays[node]
+            return [Grant(src, req, entry) for src, req in waiting]
+        relay.ready, relay.segments = True, dict(segments)
+        return [Grant(src, req, entry, via=relay) for src, req in waiting]
 
     def cancel(self, src: str, req: int) -> bool:
         """``src`` stopped waiting for ``req``; False if it was not waiting (granted)."""
         before = len(self._waiting)
         self._waiting = [w for w in self._waiting if (w[0], w[1]) != (src, req)]
-        return len(self._waiting) != before
+        if len(self._waiting) != before:
+            return True
+        for entry in self.versions.values():
+            for relay in entry.relays.values():
+                if (src, req) in relay.waiting:
+                    relay.waiting.remove((src, req))
+                    self.release(src, entry.number)
+                    return True
+        return False
 
     def release(self, src: str, number: int, path: str = "", nbytes: int = 0) -> list[Version]:
         """``src`` finished reading ``number`` (moving ``nbytes`` by ``path``). Returns
@@ -159,33 +222,45 @@ class Directory:
             del entry.readers[src]
         if path:
             self.bytes_by_path[path] += int(nbytes)
-        return self._collect()
+        return self.collect()
 
-    def reader_gone(self, src: str) -> list[Version]:
-        """``src`` left or died: it reads nothing any more, nor waits."""
+    def reader_gone(self, src: str) -> tuple[list[Grant], list[Version]]:
+        """``src`` left or died: it reads nothing any more, nor waits, nor relays (the
+        pullers waiting for it fetch for themselves: the grants returned). Returns
+        those grants and the versions freed."""
         self._waiting = [w for w in self._waiting if w[0] != src]
         self.subscribers.discard(src)
+        grants: list[Grant] = []
         for entry in self.versions.values():
             entry.readers.pop(src, None)
-        return self._collect()
+            for node, relay in list(entry.relays.items()):
+                relay.waiting = [w for w in relay.waiting if w[0] != src]
+                if relay.address == src:
+                    if relay.ready:
+                        del entry.relays[node]      # its buckets are gone: later pullers fetch anew
+                    else:
+                        grants += self._settle_relay(entry, node, relay, None)
+        return grants, self.collect()
 
     def holder_gone(self, holder: str) -> tuple[list[Version], list[tuple[str, int]]]:
         """The holder ``holder`` died: its versions are gone (the rest of their shards
-        are freed). Returns the versions dropped and, when no complete version is left,
-        the waiting ``(src, req)`` that must fail (``lost`` says why)."""
+        are freed). Returns the versions dropped and the ``(src, req)`` that must fail:
+        those waiting for a relay of a dropped version and, when no complete version is
+        left, every waiting pull (``lost`` says why)."""
         dropped = [v for v in self.versions.values() if any(s.holder == holder for s in v.shards.values())]
+        failed: list[tuple[str, int]] = []
         for entry in dropped:
             del self.versions[entry.number]
+            failed += [w for relay in entry.relays.values() for w in relay.waiting]
         complete = [n for n, v in self.versions.items() if v.complete]
         self.latest = max(complete, default=None)
-        failed: list[tuple[str, int]] = []
         if self.latest is None and dropped:
             self.lost = f"the publisher of a shard of weight store {self.name!r} ({holder}) is gone"
-            failed = [(src, req) for src, req, _ in self._waiting]
+            failed += [(src, req) for src, req, _, _ in self._waiting]
             self._waiting = []
         return dropped, failed
 
-    def _collect(self) -> list[Version]:
+    def collect(self) -> list[Version]:
         """Versions older than the newest complete one that nobody reads: freed now."""
         if self.latest is None:
             return []

@@ -11,7 +11,7 @@ dies) and serves:
 * ``fetch`` (from pullers on other nodes): the bytes of a version, in chunks of whole
   tensors, over the normal messaging path (the bulk stream between nodes);
 * when ``k == 0``, the directory (:mod:`._directory`): ``shard``, ``acquire``,
-  ``release``, ``cancel``, ``latest``, ``stats``.
+  ``release``, ``cancel``, ``relayed``, ``latest``, ``stats``.
 
 When the publisher's communicator closes, the holder closes with it: its buckets are
 unlinked (pullers still copying keep their mappings) and pullers waiting get
@@ -172,17 +172,22 @@ class Holder:
             self._answer(grants)
             self._free(freed)
         elif op == "acquire":
-            req, newer_than, known = message[1:]
+            req, newer_than, known, node = message[1:]
             try:
-                grant = self.directory.acquire(src, req, newer_than)
+                grant = self.directory.acquire(src, req, newer_than, str(node))
             except LookupError as exc:
                 raise PeerLostError(str(exc)) from None
             if grant is not None:
                 self._answer([grant], set(known))
+        elif op == "relayed":
+            number, segments = message[1:]
+            segments = None if segments is None else {int(k): (str(s), int(n)) for k, s, n in segments}
+            self._answer(self.directory.relayed(src, number, segments))
         elif op == "release":
             self._free(self.directory.release(src, *message[1:]))
         elif op == "cancel":
             self.directory.cancel(src, message[1])
+            self._free(self.directory.collect())
         elif op == "latest":
             self._send(src, ("value", message[1], self.directory.latest))
         elif op == "stats":
@@ -201,9 +206,14 @@ class Holder:
 
     def _answer(self, grants: list[Grant], known: set[str] | None = None) -> None:
         for g in grants:
-            shards = [g.version.shards[k].to_wire(known is None or g.version.shards[k].layout_key not in known)
-                      for k in sorted(g.version.shards)]
-            self._send(g.src, ("grant", g.req, g.version.number, shards))
+            shards = []
+            node = next((n for n, r in g.version.relays.items() if r is g.via), "")
+            for k in sorted(g.version.shards):
+                wire = g.version.shards[k].to_wire(known is None or g.version.shards[k].layout_key not in known)
+                if g.via is not None and k in g.via.segments:       # the node's copy, at its relay
+                    wire[0], wire[1], (wire[2], wire[3]) = g.via.address, node, g.via.segments[k]
+                shards.append(wire)
+            self._send(g.src, ("grant", g.req, g.version.number, shards, "relay" if g.relay else ""))
 
     def _free(self, versions: list[Version]) -> None:
         for version in versions:
@@ -212,6 +222,9 @@ class Holder:
                     self._free_local(version.number)
                 else:
                     self._send(ref.holder, ("free", version.number))
+            for relay in version.relays.values():
+                if relay.ready:
+                    self._send(relay.address, ("free", version.number))
 
     def _free_local(self, number: int) -> None:
         bucket = self.versions.pop(number, None)
@@ -231,9 +244,11 @@ class Holder:
         for start, end, _, _ in chunks(layout, size):
             self._send(src, ("chunk", req, start, bucket.array[start:end]))
 
-    def _answer_lost(self, failed: list[tuple[str, int]]) -> None:
+    def _answer_lost(self, failed: list[tuple[str, int]], holder: str) -> None:
+        error = PeerLostError(f"{holder}, the publisher of a shard of weight store {self.name!r}, is gone",
+                              peer=holder)
         for src, req in failed:
-            self._send(src, error_message(req, PeerLostError(self.directory.lost or "gone")))
+            self._send(src, error_message(req, error))
 
     def _on_gone(self, address: str, incarnation: str) -> None:
         if self._calls is not None:
@@ -242,8 +257,10 @@ class Holder:
             if address.startswith("weights.") and address != self.address:
                 dropped, failed = self.directory.holder_gone(address)
                 self._free([v for v in dropped])
-                self._answer_lost(failed)
-            self._free(self.directory.reader_gone(address))
+                self._answer_lost(failed, address)
+            grants, freed = self.directory.reader_gone(address)
+            self._answer(grants)
+            self._free(freed)
         elif address == self.directory_address:
             for number in list(self.versions):        # the directory knew the readers: start afresh
                 self._free_local(number)

@@ -23,6 +23,7 @@ from ..core.interface import Core, HasCore
 from ..errors import ClosedError, CommTimeoutError, DecodeError, PeerLostError, RlinfError
 from ..util.copier import Copier
 from ..util.futures import retrieve
+from ._buckets import Buckets
 from ._calls import Calls, tag_of
 from ._holder import CHUNK, Holder, chunks, holder_address
 from ._layout import Layout, flatten, fresh, match, pack, unpack
@@ -56,6 +57,8 @@ class WeightStore:
         self._fetches: dict[int, tuple[str, asyncio.Queue]] = {}
         self._layouts: collections.OrderedDict[str, Layout] = collections.OrderedDict()
         self._mappings = Mappings()
+        self._relay_pool: Buckets | None = None        # buckets this handle fills as its node's relay
+        self._relay_held: dict[int, list] = {}          # version -> those buckets, until freed
         self._copier = Copier()
         self._reader: asyncio.Task | None = None
         self._found = False              # the directory is known to exist (until it goes)
@@ -165,7 +168,7 @@ class WeightStore:
         timeout = core.timeout_of(timeout)
         try:
             async with asyncio.timeout(timeout):
-                number, refs, epoch = await self._acquire(newer_than)
+                number, refs, epoch, role = await self._acquire(newer_than)
                 held = True
                 try:
                     layouts = [ref[1] for ref in refs]
@@ -175,22 +178,23 @@ class WeightStore:
                     else:
                         tree, plans = None, match(layouts, targets)
                     held = False
-                    await self._copy(number, refs, plans, epoch)
+                    await self._copy(number, refs, plans, epoch, role)
                     return tree, number
                 finally:
                     if held:
-                        self._release(number, "", 0)
+                        self._give_up(number, role)
         except TimeoutError:
             raise CommTimeoutError(f"no version of weight store {self.name!r}"
                                    f"{'' if newer_than is None else f' newer than {newer_than}'} "
                                    f"within {timeout} s") from None
 
-    async def _acquire(self, newer_than: int | None) -> tuple[int, list, int]:
+    async def _acquire(self, newer_than: int | None) -> tuple[int, list, int, str]:
         await self._find()
         epoch = self._epoch
-        req, answer = self._calls.start(self._directory, "acquire", newer_than, list(self._layouts))
+        node = self._core.info.node_id if self._core.info is not None else ""
+        req, answer = self._calls.start(self._directory, "acquire", newer_than, list(self._layouts), node)
         try:
-            number, shards = await answer
+            number, shards, role = await answer
         except asyncio.CancelledError:
             if self._calls.abandon(req):           # still waiting there: stop (a late grant is released)
                 self._send(self._directory, ("cancel", req))
@@ -200,7 +204,7 @@ class WeightStore:
             layout = self._layouts.get(key)
             if layout is None:
                 if wire is None:
-                    self._release(number, "", 0)
+                    self._give_up(number, role)
                     raise RlinfError(f"weight store {self.name!r}: layout {key} unknown here")
                 layout = self._layouts[key] = Layout.from_wire(wire)
                 while len(self._layouts) > _LAYOUTS_KEPT:
@@ -209,44 +213,63 @@ class WeightStore:
                 self._layouts.move_to_end(key)
             refs.append((holder, layout, node, segment, size))
         self._mappings.keep = max(self._mappings.keep, 3 * len(refs) + 1)
-        return number, refs, epoch
+        return number, refs, epoch, role
 
-    async def _copy(self, number: int, refs: list, plans: list, epoch: int) -> None:
+    async def _copy(self, number: int, refs: list, plans: list, epoch: int, role: str) -> None:
         """Copy version ``number`` per plan, then release it (once every copy ended, also
-        when this is cancelled or fails midway)."""
+        when this is cancelled or fails midway). As its node's relay (``role``), first
+        fetch the remote shards into buckets of this process, for the node's other pullers."""
         mine = self._core.info.node_id if self._core.info is not None else None
         moved = collections.Counter()
         running: list[asyncio.Future] = []
+        relayed: list[list] = []           # [shard, segment, size] of the buckets filled here
+        buckets: list = []
+        done = False
         try:
-            for (holder, layout, node, segment, size), (targets, order) in zip(refs, plans):
+            for k, ((holder, layout, node, segment, size), (targets, order)) in enumerate(zip(refs, plans)):
                 if not layout.total:
                     continue
                 bucket = None
                 if node == mine:
                     try:
                         bucket = self._mappings.get(segment, layout.total)
-                    except OSError:
-                        bucket = None        # not shareable after all (or gone): ask the holder
+                    except OSError:          # not shareable after all, or gone: ask the holder
+                        if not holder.startswith("weights."):
+                            raise PeerLostError(f"this node's copy of version {number} of {self.name!r} "
+                                                f"({holder}'s) is gone", peer=holder) from None
+                if bucket is None and role == "relay":
+                    own = await self._relay_buckets().take(layout.total)
+                    buckets.append(own)
+                    await self._fetch(holder, number, layout, targets, order, running, into=own.array)
+                    relayed.append([k, own.name, layout.total])
+                    bucket = own.array
                 if bucket is not None:
                     await self._run(unpack, layout, bucket, targets, order, self._copier,
                                     size=layout.total, running=running)
-                    moved["shm"] += layout.total
                 else:
                     await self._fetch(holder, number, layout, targets, order, running)
-                    moved["net"] += layout.total
+                moved["shm" if node == mine else "net"] += layout.total
             if self._epoch != epoch:
                 raise PeerLostError(f"the publisher of weight store {self.name!r} left during the pull",
                                     peer=self._directory)
-        finally:     # once no copy reads the version any more
+            done = True
+        finally:     # the relay's answer first, then (once no copy reads the version) the release
+            if role == "relay":
+                if done:
+                    self._relay_held[number] = buckets
+                    self._send(self._directory, ("relayed", number, relayed))
+                else:
+                    self._send(self._directory, ("relayed", number, None))
+                    _after(running, lambda: [self._relay_pool.give(b) for b in buckets])
             _after(running, lambda: self._release(number, "net" if moved["net"] else "shm", sum(moved.values())))
         self._pulls += 1
         self._last_pull = time.time()
         self._bytes.update(moved)
 
     async def _fetch(self, holder: str, number: int, layout: Layout, targets: list, order: list,
-                     running: list) -> None:
+                     running: list, into: np.ndarray | None = None) -> None:
         """The bytes of a version from a holder on another node, chunk by chunk, each
-        copied into its targets while the next arrives."""
+        copied into its targets (or into the bucket ``into``) while the next arrives."""
         by_leaf = dict(zip(order, targets))
         queue: asyncio.Queue = asyncio.Queue()
         req = self._calls.next_id()
@@ -260,14 +283,36 @@ class WeightStore:
                 at, data = item
                 if at != start or not isinstance(data, np.ndarray) or data.nbytes != end - start:
                     raise RlinfError(f"weight store {self.name!r}: a chunk at {at} does not fit the layout")
+                raw = data.reshape(-1).view(np.uint8)
+                if into is not None:
+                    await self._run(np.copyto, into[start:end], raw, size=end - start, running=running)
+                    continue
                 part = [i for i in range(first, last) if i in by_leaf]
-                await self._run(unpack, layout, data.reshape(-1).view(np.uint8), [by_leaf[i] for i in part], part,
+                await self._run(unpack, layout, raw, [by_leaf[i] for i in part], part,
                                 self._copier, start, size=end - start, running=running)
         finally:
             self._fetches.pop(req, None)
 
     def _release(self, number: int, path: str, nbytes: int) -> None:
         self._send(self._directory, ("release", number, path, nbytes))
+
+    def _give_up(self, number: int, role: str) -> None:
+        """Release a version granted and not read (a relay says it will not relay)."""
+        if role == "relay":
+            self._send(self._directory, ("relayed", number, None))
+        self._release(number, "", 0)
+
+    def _relay_buckets(self) -> Buckets:
+        if self._relay_pool is None:
+            self._relay_pool = Buckets()
+        return self._relay_pool
+
+    def _free_relayed(self, number: int | None) -> None:
+        """The directory freed ``number`` (None: every version, it is gone): its buckets
+        here may be reused."""
+        for n in list(self._relay_held) if number is None else [number]:
+            for bucket in self._relay_held.pop(n, ()):
+                self._relay_pool.give(bucket)
 
     # -- asking the directory ----------------------------------------------------------
     async def latest(self) -> int | None:
@@ -333,8 +378,10 @@ class WeightStore:
                     fetch[1].put_nowait((message[2], message[3]))
             elif op == "error" and message[1] in self._fetches:
                 self._fetches[message[1]][1].put_nowait(PeerLostError(str(message[3]), peer=src))
+            elif op == "free" and src == self._directory:
+                self._free_relayed(message[1])
             elif not self._calls.settle(message) and op == "grant":
-                self._release(message[2], "", 0)     # granted after its pull gave up
+                self._give_up(message[2], message[4])     # granted after its pull gave up
 
     def _send(self, dst: str, message: tuple, *, must: bool = False) -> None:
         try:
@@ -354,6 +401,7 @@ class WeightStore:
         if address == self._directory:
             self._found = False
             self._epoch += 1
+            self._free_relayed(None)
 
     async def _run(self, fn: Any, *args: Any, size: int, running: list) -> None:
         """``fn(*args)``: on the loop when small, else in a thread, whose future goes in
@@ -379,6 +427,8 @@ class WeightStore:
             queue.put_nowait(error)
         self._mappings.close()
         self._copier.close()
+        if self._relay_pool is not None:
+            self._relay_pool.close()
 
 
 def _after(running: list[asyncio.Future], then: Any) -> None:

@@ -229,14 +229,25 @@ async def test_a_killed_publisher_fails_waiting_pulls(cluster, driver):
             await other.aclose()
 
 
-async def test_a_puller_on_another_node_gets_the_bytes_over_the_network(cluster, driver):
+async def test_pullers_on_another_node_get_the_bytes_over_the_network_once(cluster, driver):
+    """Two pullers on another node, two pulls each: the first to ask fetches the version
+    over the network into buckets of its own (the node's relay); every other pull there
+    copies from those. Freed with the version: nothing is left behind."""
     async with asyncio.timeout(60):
         ws = await driver.weights("far")
         await ws.publish(ww.mixed_tree(4), 4)
-        puller = await cluster.spawn(ww.pull_mixed, "far", args=("far", 4), env={"RLINF_NODE_ID": "node-far"})
-        [(v, tree, into, by_path)] = await puller.join(timeout=30)
-        assert v == 4
-        assert_same(_contiguous(ww.mixed_tree(4)), tree)
-        assert_same(_contiguous(ww.mixed_tree(4)), into)
-        assert set(by_path) == {"net"} and by_path["net"] > 0
-        assert list((await ws.stats()).versions) == [4]       # both pulls released it
+        size = (await ws.stats()).versions[4]["bytes"]
+        pullers = await cluster.spawn(ww.pull_mixed, "far", n=2, args=("far", 4), env={"RLINF_NODE_ID": "node-far"})
+        for address in pullers.addresses:
+            await driver.recv(address, tag=5)
+        stats = await ws.stats()
+        for address in pullers.addresses:
+            await driver.send("go", address, tag=6)
+        results = await pullers.join(timeout=30)
+        for v, tree, into, _ in results:
+            assert v == 4
+            assert_same(_contiguous(ww.mixed_tree(4)), tree)
+            assert_same(_contiguous(ww.mixed_tree(4)), into)
+        assert stats.bytes_by_path == {"net": size, "shm": 3 * size}, stats
+        assert sorted(sum((list(r[3]) for r in results), [])).count("net") == 1
+        assert list(stats.versions) == [4] and stats.versions[4]["readers"] == 0

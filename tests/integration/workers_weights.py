@@ -83,13 +83,16 @@ async def pull_and_check(comm, name: str, pulls: int):
 
 async def pull_mixed(comm, name: str, version: int):
     """Get version ``version`` of :func:`mixed_tree` (from another node: the test sets
-    ``RLINF_NODE_ID``), into fresh tensors and into preallocated ones; return both and
-    the bytes moved by path."""
+    ``RLINF_NODE_ID``), into fresh tensors and into preallocated ones; tell the driver,
+    and once it says so (every puller is done: a relay's copy leaves with its process)
+    return both trees and the bytes moved by path."""
     ws = await comm.weights(name)
     tree, v = await ws.get(newer_than=version - 1, timeout=30)
     into = empty_like_tree(mixed_tree(0))
     assert await ws.pull(into, timeout=30) == v
     stats = await ws.stats()
+    await comm.send("pulled", "driver:0", tag=5, timeout=30)
+    await comm.recv("driver:0", tag=6, timeout=30)
     return v, tree, into, stats.this_bytes_by_path
 
 

@@ -87,7 +87,7 @@ def test_a_read_version_is_kept_until_released():
     assert d.cancel("r:1", 2) and not d.cancel("r:1", 2)
     d.acquire("r:2", 3, None)                                 # holds 2
     assert d.add_shard(3, 0, 1, _ref())[1] == []
-    assert [v.number for v in d.reader_gone("r:2")] == [2]
+    assert [v.number for v in d.reader_gone("r:2")[1]] == [2]
     assert d.bytes_by_path == {"shm": 64}
 
 
@@ -134,3 +134,37 @@ async def test_a_bucket_made_for_a_cancelled_publish_is_kept(tmp_path):
             break
         await asyncio.sleep(0.01)
     assert os.listdir(tmp_path) == []
+
+
+def _far(holder: str = "weights.w:0") -> ShardRef:
+    return ShardRef(holder, "node-a", "seg", 64, "key", [])
+
+
+def test_the_first_puller_of_a_node_relays_and_the_others_read_its_copy():
+    d = Directory("w")
+    d.add_shard(1, 0, 1, _far())
+    assert not d.acquire("a:0", 1, None, "node-a").relay          # the holder's node: direct
+    first = d.acquire("b:0", 1, None, "node-b")
+    assert first.relay and first.via is None
+    assert d.acquire("b:1", 2, None, "node-b") is None             # waits for the relay
+    assert d.versions[1].readers["b:1"] == 1                       # ... holding the version
+    [grant] = d.relayed("b:0", 1, {0: ("relay-seg", 64)})
+    assert (grant.src, grant.req, grant.via.segments) == ("b:1", 2, {0: ("relay-seg", 64)})
+    assert d.acquire("b:2", 3, None, "node-b").via is grant.via    # ready: read it at once
+    assert d.relayed("b:0", 1, {0: ("x", 1)}) == []                 # once only
+
+
+def test_a_failed_or_departed_relay_lets_its_node_fetch_for_itself():
+    d = Directory("w")
+    d.add_shard(1, 0, 1, _far())
+    d.acquire("b:0", 1, None, "node-b")
+    d.acquire("b:1", 2, None, "node-b")
+    [grant] = d.relayed("b:0", 1, None)
+    assert grant.src == "b:1" and not grant.relay and grant.via is None
+    assert d.acquire("b:2", 3, None, "node-b").relay               # a new relay is chosen
+    d.acquire("b:3", 4, None, "node-b")
+    grants, _ = d.reader_gone("b:2")
+    assert [(g.src, g.via) for g in grants] == [("b:3", None)]
+    d.acquire("b:4", 5, None, "node-b")                            # relay again: b:4
+    d.acquire("b:5", 6, None, "node-b")
+    assert d.cancel("b:5", 6) and d.versions[1].readers["b:5"] == 0
