@@ -1,9 +1,10 @@
-"""Weight sync into preallocated tensors with ``recv_into``.
+"""Weight sync through the versioned weight store.
 
-A trainer updates a model and pushes its ``state_dict()`` to rollout workers after
-every step. Each rollout worker receives straight into its own model's parameters
-(``recv_into(model.state_dict(), ...)``): no new tensors, the parameters keep their
-storage, and a shape or dtype mismatch raises before anything is written.
+A trainer publishes its model's ``state_dict()`` after every step; rollout workers pull
+the newest version into their own model's parameters between episodes, each at its own
+pace (``pull(into=..., newer_than=...)``: in place, never a mix of two versions, a
+shape or dtype mismatch raises before anything is written). The store keeps a version
+while a pull reads it, so the trainer never waits for its readers.
 
 Run:  python examples/weight_sync.py
 """
@@ -24,38 +25,46 @@ def checksum(model: torch.nn.Module) -> float:
     return float(sum(p.detach().double().sum() for p in model.parameters()))
 
 
-async def trainer(comm, rollouts: list[str], steps: int) -> list[float]:
-    model, sums = make_model(), []
-    for _ in range(steps):
+async def trainer(comm, steps: int) -> dict[int, float]:
+    ws = await comm.weights("policy")
+    model, sums = make_model(), {}
+    for version in range(1, steps + 1):
         with torch.no_grad():                                 # stand-in for a training step
             for p in model.parameters():
                 p.add_(0.01 * torch.randn_like(p))
-        state = model.state_dict()
-        await asyncio.gather(*(comm.send(state, dst) for dst in rollouts))
-        sums.append(checksum(model))
+        await asyncio.sleep(0.02)
+        await ws.publish(model.state_dict(), version)         # captured: training may go on
+        sums[version] = checksum(model)
+    await comm.recv("rollout:0", timeout=60)                  # the data lives here: stay until
+    await comm.recv("rollout:1", timeout=60)                  # the rollouts are done
     return sums
 
 
-async def rollout(comm, steps: int) -> list[float]:
-    model, sums = make_model(), []
+async def rollout(comm, steps: int) -> dict[int, float]:
+    ws = await comm.weights("policy")
+    model, seen, version = make_model(), {}, 0
+    rank = int(comm.address.rpartition(":")[2])
     storage = [p.data_ptr() for p in model.parameters()]
     state = model.state_dict()                                # views of the parameters
-    for _ in range(steps):
-        await comm.recv_into(state, "trainer:0", timeout=60)
-        sums.append(checksum(model))
+    while version < steps:
+        version = await ws.pull(into=state, newer_than=version, timeout=60)
+        seen[version] = checksum(model)
+        await asyncio.sleep(0.03 * (rank + 1))               # an episode; rank 1 is slower
     assert [p.data_ptr() for p in model.parameters()] == storage   # updated in place
-    return sums
+    await comm.send("done", "trainer:0")
+    return seen
 
 
 async def main() -> None:
-    steps = 5
+    steps = 20
     async with rlinf.Cluster() as cluster:
-        rollouts = await cluster.spawn(rollout, "rollout", n=2, args=(steps,))
-        train = await cluster.spawn(trainer, "trainer", args=(rollouts.addresses, steps))
-        expected = (await train.join(timeout=120))[0]
-        for address, sums in zip(rollouts.addresses, await rollouts.join(timeout=120)):
-            assert sums == expected, (address, sums, expected)
-            print(f"{address}: {steps} weight versions received in place, checksums match")
+        rollouts = await cluster.spawn(rollout, "rollout", n=2, args=(steps,))   # they wait for version 1
+        train = await cluster.spawn(trainer, "trainer", args=(steps,))
+        published = (await train.join(timeout=120))[0]
+        for address, seen in zip(rollouts.addresses, await rollouts.join(timeout=120)):
+            assert all(published[v] == s for v, s in seen.items()), (address, seen)
+            print(f"{address}: pulled {len(seen)} of {steps} versions in place, "
+                  f"last {max(seen)}; checksums match their versions")
 
 
 if __name__ == "__main__":

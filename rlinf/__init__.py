@@ -56,6 +56,7 @@ from .control.manager import Manager
 from .core.stats import CommStats, PeerStats, TransportStats
 from .core.work import Work
 from .launch.worker import Worker
+from .weights import WeightStats, WeightStore
 from .version import __version__
 
 
@@ -85,6 +86,8 @@ __all__ = [
     "RlinfError",
     "TransportStats",
     "TransportUnavailableError",
+    "WeightStats",
+    "WeightStore",
     "Work",
     "Worker",
     "WorkerFailedError",

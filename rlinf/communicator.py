@@ -1,5 +1,5 @@
 """The public :class:`Communicator`: the messaging core plus the entry points of the
-subsystems built on it (groups, resharding, channels).
+subsystems built on it (groups, resharding, channels, the weight store).
 
 The core (:class:`rlinf.core.communicator.CoreCommunicator`) knows nothing of the
 layers above it; this class sits above them and forwards ``group``, ``reshard``,
@@ -7,7 +7,7 @@ layers above it; this class sits above them and forwards ``group``, ``reshard``,
 interface (:mod:`rlinf.core.interface`). It is what ``rlinf.connect``,
 ``Cluster.connect``, spawned workers and ``rlinf.init`` give users.
 
-Layer: above ``collectives`` and ``channel``; below ``launch`` and ``sync``.
+Layer: above ``collectives``, ``channel`` and ``weights``; below ``launch`` and ``sync``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from .channel.client import create_channel, open_channel
 from .collectives.group import Group
 from .collectives.reshard import reshard
 from .core.communicator import CoreCommunicator
+from .weights.store import open_store
 
 __all__ = ["Communicator", "connect"]
 
@@ -95,6 +96,11 @@ class Communicator(CoreCommunicator):
     async def channel(self, name: str, **options: Any):
         """A handle to the existing channel ``name`` (waits for it to appear)."""
         return await open_channel(self, name, **options)
+
+    async def weights(self, name: str):
+        """This communicator's handle to the versioned weight store ``name`` (cluster-wide;
+        its first publish creates it); see :class:`rlinf.weights.WeightStore`."""
+        return await open_store(self, name)
 
 
 def connect(address: str | None = None, manager: str | None = None, token: str | None = None,

@@ -1,0 +1,281 @@
+"""The directory of a weight store: which versions exist, which are complete, who reads them.
+
+Pure state, no I/O (the holder of shard 0 runs it and does the messaging): shards come
+in (:meth:`Directory.add_shard`), pullers acquire the newest complete version
+(:meth:`Directory.acquire`, or they wait) and release it when their copy is done
+(:meth:`Directory.release`). A version's memory may be reused only once it is no longer
+the newest complete version and no reader holds it: every method returns the versions
+that became free, and the caller frees each shard's bucket.
+
+**Per-node fan-out.** The first puller of a version on a node that holds no copy of a
+shard becomes that node's *relay*: it fetches the remote shards into shared-memory
+buckets of its own (:meth:`Directory.relayed` says when they are in), and the version's
+other pullers on that node wait for it and then read the relay's buckets, as they would
+a holder's. If the relay fails (or leaves), they fetch for themselves.
+
+Invariants: ``latest`` only grows (until a holder dies and takes its versions with it);
+a granted version is never freed before its reader released it (or left); a puller
+waiting for its node's relay counts as a reader.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Directory", "Grant", "ShardRef", "Version"]
+
+
+@dataclass
+class ShardRef:
+    """Where one shard of one version lives: its holder (address, node), its bucket
+    (shared-memory segment name and size) and its layout (key, and the layout itself as
+    plain data)."""
+
+    holder: str
+    node: str
+    segment: str
+    size: int
+    layout_key: str
+    layout: list
+
+    def to_wire(self, with_layout: bool) -> list:
+        return [self.holder, self.node, self.segment, self.size, self.layout_key,
+                self.layout if with_layout else None]
+
+
+@dataclass
+class Relay:
+    """The puller that brings a version's remote shards to its node: ``ready`` once they
+    are in its buckets (``segments``: shard -> (segment, size)); ``waiting``: the
+    node's other pullers ``(src, req)``."""
+
+    address: str
+    ready: bool = False
+    segments: dict[int, tuple[str, int]] = field(default_factory=dict)
+    waiting: list[tuple[str, int]] = field(default_factory=list)
+
+
+@dataclass
+class Version:
+    number: int
+    num_shards: int
+    shards: dict[int, ShardRef] = field(default_factory=dict)
+    readers: collections.Counter = field(default_factory=collections.Counter)
+    published: float = 0.0
+    relays: dict[str, Relay] = field(default_factory=dict)      # node -> its relay
+
+    @property
+    def complete(self) -> bool:
+        return len(self.shards) == self.num_shards
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.size for s in self.shards.values())
+
+
+@dataclass
+class Grant:
+    """An answer to an acquire: ``(src, req)`` gets ``version``; ``relay``: it is its
+    node's relay (it fetches, then says :meth:`Directory.relayed`); ``via``: read the
+    remote shards from this ready relay's buckets instead."""
+
+    src: str
+    req: int
+    version: Version
+    relay: bool = False
+    via: Relay | None = None
+
+
+class Directory:
+    """See the module docstring. ``now``: the clock for the stats (wall time)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.versions: dict[int, Version] = {}
+        self.latest: int | None = None
+        self.num_shards: int | None = None
+        self.lost: str | None = None      # why no version is complete after a holder died
+        self._waiting: list[tuple[str, int, int | None, str]] = []    # (src, req, newer_than, node)
+        self.subscribers: set[str] = set()
+        self.publishes = 0
+        self.grants = 0
+        self.bytes_by_path: collections.Counter = collections.Counter()
+        self.last_publish: float | None = None
+        self.last_pull: float | None = None
+
+    def __repr__(self) -> str:
+        return f"<Directory {self.name} latest={self.latest} versions={sorted(self.versions)}>"
+
+    # -- publishing --------------------------------------------------------------------
+    def add_shard(self, number: int, shard: int, num_shards: int, ref: ShardRef) -> tuple[list[Grant], list[Version]]:
+        """Shard ``shard`` of version ``number`` is in. Returns the grants this makes
+        (the version became complete: waiting pullers get it) and the versions freed.
+
+        Raises:
+            ValueError: the version is not newer than the newest complete one, the shard
+                is already in, or ``num_shards`` differs from the store's.
+        """
+        if self.num_shards is not None and num_shards != self.num_shards:
+            raise ValueError(f"weight store {self.name!r} has {self.num_shards} shard(s), "
+                             f"this publish says num_shards={num_shards}")
+        if self.latest is not None and number <= self.latest:
+            raise ValueError(f"version {number} of weight store {self.name!r} is not newer than its "
+                             f"latest complete version {self.latest}")
+        entry = self.versions.get(number)
+        if entry is None:
+            entry = self.versions[number] = Version(number, num_shards)
+        if shard in entry.shards:
+            raise ValueError(f"shard {shard} of version {number} of {self.name!r} was already published")
+        self.num_shards = num_shards
+        entry.shards[shard] = ref
+        if not entry.complete:
+            return [], []
+        entry.published = time.time()
+        self.latest, self.lost = number, None
+        self.publishes += 1
+        self.last_publish = entry.published
+        due = [w for w in self._waiting if w[2] is None or number > w[2]]
+        self._waiting = [w for w in self._waiting if not (w[2] is None or number > w[2])]
+        grants = [g for src, req, _, node in due if (g := self._route(src, req, entry, node)) is not None]
+        return grants, self.collect()
+
+    # -- pulling -----------------------------------------------------------------------
+    def acquire(self, src: str, req: int, newer_than: int | None, node: str = "") -> Grant | None:
+        """The newest complete version for ``src`` on ``node`` (held for it until it
+        releases), or None: then ``src`` waits (for a newer version, or for its node's
+        relay), and a later :meth:`add_shard` or :meth:`relayed` grants it.
+
+        Raises:
+            LookupError: no version is complete because a holder died (``lost``).
+        """
+        self.subscribers.add(src)
+        if self.latest is not None and (newer_than is None or self.latest > newer_than):
+            return self._route(src, req, self.versions[self.latest], node)
+        if self.lost is not None:
+            raise LookupError(self.lost)
+        self._waiting.append((src, req, newer_than, node))
+        return None
+
+    def _route(self, src: str, req: int, entry: Version, node: str) -> Grant | None:
+        """``src`` reads ``entry`` from now on: directly, as its node's relay, from the
+        node's ready relay, or (None) once the relay is ready."""
+        entry.readers[src] += 1
+        self.grants += 1
+        self.last_pull = time.time()
+        if not node or all(s.node == node for s in entry.shards.values()):
+            return Grant(src, req, entry)
+        relay = entry.relays.get(node)
+        if relay is None:
+            entry.relays[node] = Relay(src)
+            return Grant(src, req, entry, relay=True)
+        if relay.ready:
+            return Grant(src, req, entry, via=relay)
+        relay.waiting.append((src, req))
+        return None
+
+    def relayed(self, src: str, number: int, segments: dict[int, tuple[str, int]] | None) -> list[Grant]:
+        """The relay ``src`` has version ``number``'s remote shards in its buckets
+        (``segments``), or failed (None: its node's pullers then fetch for themselves).
+        Returns the grants for the node's waiting pullers."""
+        entry = self.versions.get(number)
+        if entry is None:
+            return []
+        for node, relay in list(entry.relays.items()):
+            if relay.address == src and not relay.ready:
+                return self._settle_relay(entry, node, relay, segments)
+        return []
+
+    def _settle_relay(self, entry: Version, node: str, relay: Relay,
+                      segments: dict[int, tuple[str, int]] | None) -> list[Grant]:
+        waiting, relay.waiting = relay.waiting, []
+        if segments is None:
+            del entry.relays[node]
+            return [Grant(src, req, entry) for src, req in waiting]
+        relay.ready, relay.segments = True, dict(segments)
+        return [Grant(src, req, entry, via=relay) for src, req in waiting]
+
+    def cancel(self, src: str, req: int) -> bool:
+        """``src`` stopped waiting for ``req``; False if it was not waiting (granted)."""
+        before = len(self._waiting)
+        self._waiting = [w for w in self._waiting if (w[0], w[1]) != (src, req)]
+        if len(self._waiting) != before:
+            return True
+        for entry in self.versions.values():
+            for relay in entry.relays.values():
+                if (src, req) in relay.waiting:
+                    relay.waiting.remove((src, req))
+                    self.release(src, entry.number)
+                    return True
+        return False
+
+    def release(self, src: str, number: int, path: str = "", nbytes: int = 0) -> list[Version]:
+        """``src`` finished reading ``number`` (moving ``nbytes`` by ``path``). Returns
+        the versions freed. A release that matches no read is ignored."""
+        entry = self.versions.get(number)
+        if entry is None or entry.readers[src] <= 0:
+            return []
+        entry.readers[src] -= 1
+        if entry.readers[src] == 0:
+            del entry.readers[src]
+        if path:
+            self.bytes_by_path[path] += int(nbytes)
+        return self.collect()
+
+    def reader_gone(self, src: str) -> tuple[list[Grant], list[Version]]:
+        """``src`` left or died: it reads nothing any more, nor waits, nor relays (the
+        pullers waiting for it fetch for themselves: the grants returned). Returns
+        those grants and the versions freed."""
+        self._waiting = [w for w in self._waiting if w[0] != src]
+        self.subscribers.discard(src)
+        grants: list[Grant] = []
+        for entry in self.versions.values():
+            entry.readers.pop(src, None)
+            for node, relay in list(entry.relays.items()):
+                relay.waiting = [w for w in relay.waiting if w[0] != src]
+                if relay.address == src:
+                    if relay.ready:
+                        del entry.relays[node]      # its buckets are gone: later pullers fetch anew
+                    else:
+                        grants += self._settle_relay(entry, node, relay, None)
+        return grants, self.collect()
+
+    def holder_gone(self, holder: str) -> tuple[list[Version], list[tuple[str, int]]]:
+        """The holder ``holder`` died: its versions are gone (the rest of their shards
+        are freed). Returns the versions dropped and the ``(src, req)`` that must fail:
+        those waiting for a relay of a dropped version and, when no complete version is
+        left, every waiting pull (``lost`` says why)."""
+        dropped = [v for v in self.versions.values() if any(s.holder == holder for s in v.shards.values())]
+        failed: list[tuple[str, int]] = []
+        for entry in dropped:
+            del self.versions[entry.number]
+            failed += [w for relay in entry.relays.values() for w in relay.waiting]
+        complete = [n for n, v in self.versions.items() if v.complete]
+        self.latest = max(complete, default=None)
+        if self.latest is None and dropped:
+            self.lost = f"the publisher of a shard of weight store {self.name!r} ({holder}) is gone"
+            failed += [(src, req) for src, req, _, _ in self._waiting]
+            self._waiting = []
+        return dropped, failed
+
+    def collect(self) -> list[Version]:
+        """Versions older than the newest complete one that nobody reads: freed now."""
+        if self.latest is None:
+            return []
+        free = [v for n, v in self.versions.items() if n < self.latest and not v.readers]
+        for entry in free:
+            del self.versions[entry.number]
+        return free
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain data for :class:`rlinf.weights.stats.WeightStats`."""
+        return {
+            "name": self.name, "latest": self.latest, "num_shards": self.num_shards,
+            "versions": {n: {"complete": v.complete, "bytes": v.nbytes, "readers": sum(v.readers.values()),
+                             "shards": len(v.shards)} for n, v in sorted(self.versions.items())},
+            "subscribers": sorted(self.subscribers), "waiting": len(self._waiting),
+            "publishes": self.publishes, "pulls": self.grants, "bytes_by_path": dict(self.bytes_by_path),
+            "last_publish": self.last_publish, "last_pull": self.last_pull,
+        }

@@ -1,0 +1,284 @@
+"""The holder of a weight store's shard: the publisher's side, in the publisher's process.
+
+A process that publishes shard ``k`` of store ``name`` joins the cluster as the worker
+``weights.<name>:<k>`` (its own small communicator, registered ``exclusive``: the name is
+found cluster-wide the way a channel's server is, and two publishers of one shard
+cannot both hold it). It owns the shared-memory buckets of its versions
+(:class:`~rlinf.weights._buckets.Buckets`: files named after the process, swept if it
+dies) and serves:
+
+* ``free`` (from the directory): a version's bucket may be reused;
+* ``fetch`` (from pullers on other nodes): the bytes of a version, in chunks of whole
+  tensors, over the normal messaging path (the bulk stream between nodes);
+* when ``k == 0``, the directory (:mod:`._directory`): ``shard``, ``acquire``,
+  ``release``, ``cancel``, ``relayed``, ``latest``, ``stats``.
+
+When the publisher's communicator closes, the holder closes with it: its buckets are
+unlinked (pullers still copying keep their mappings) and pullers waiting get
+``PeerLostError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from ..core.communicator import CoreCommunicator
+from ..core.interface import Core
+from ..errors import ClosedError, DecodeError, PeerLostError, RlinfError
+from ._buckets import Bucket, Buckets
+from ._calls import Calls, error_message, tag_of
+from ._directory import Directory, Grant, ShardRef, Version
+from ._layout import Layout
+
+__all__ = ["Holder", "holder_address", "chunks", "CHUNK"]
+
+log = logging.getLogger("rlinf.weights")
+
+#: Bytes per ``fetch`` message (whole tensors; a larger tensor goes alone), as the
+#: puller asks: small enough that copying one chunk overlaps the next one's transfer.
+CHUNK = 16 << 20
+MIN_CHUNK, MAX_CHUNK = 1 << 20, 1 << 30
+
+
+def holder_address(name: str, shard: int) -> str:
+    """The worker address of the holder of ``name``'s shard ``shard`` (0: the directory)."""
+    return f"weights.{name}:{shard}"
+
+
+def chunks(layout: Layout, size: int = CHUNK) -> list[tuple[int, int, int, int]]:
+    """The bucket of ``layout`` cut at tensor boundaries into pieces of about ``size``
+    bytes: ``(start, end, first_leaf, last_leaf + 1)`` each."""
+    out, first, start = [], 0, 0
+    for i in range(len(layout.paths)):
+        end = layout.offsets[i] + layout.sizes[i]
+        if end - start >= size or i == len(layout.paths) - 1:
+            out.append((start, end, first, i + 1))
+            first, start = i + 1, layout.offsets[i + 1] if i + 1 < len(layout.paths) else end
+    return out
+
+
+class Holder:
+    """Holds the buckets of one shard (see the module docstring).
+
+    Args:
+        core: the publisher's communicator (for the cluster and the closing).
+        name, shard, num_shards: the store and the shard published here.
+    """
+
+    def __init__(self, core: Core, name: str, shard: int, num_shards: int) -> None:
+        self.name, self.shard, self.num_shards = name, shard, num_shards
+        self.address = holder_address(name, shard)
+        self.directory_address = holder_address(name, 0)
+        self.tag = tag_of(name)
+        meta = {"kind": "weights", "store": name, "shard": shard}
+        self.comm = CoreCommunicator(self.address, manager=core.manager_address, token=core.token, meta=meta,
+                                     exclusive=True)
+        self.buckets = Buckets()
+        self.versions: dict[int, Bucket] = {}              # version -> its bucket
+        self.layouts: dict[int, Layout] = {}
+        self.directory = Directory(name) if shard == 0 else None
+        self.node = ""
+        self._calls: Calls | None = None
+        self._task: asyncio.Task | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<Holder {self.address} versions={sorted(self.versions)} {self.buckets!r}>"
+
+    async def start(self) -> Holder:
+        """Join the cluster as :attr:`address`.
+
+        Raises:
+            AddressInUseError: another live process holds this shard.
+        """
+        await self.comm.start()
+        internal = self.comm.internal
+        self.node = internal.info.node_id if internal.info is not None else ""
+        self._calls = Calls(internal, self.tag)
+        internal.on_peer_gone(self._on_gone)
+        self._task = asyncio.get_running_loop().create_task(self._serve(), name=f"rlinf-{self.address}")
+        return self
+
+    # -- publishing --------------------------------------------------------------------
+    async def take_bucket(self, nbytes: int) -> Bucket:
+        """A bucket of at least ``nbytes`` for a new version (see :class:`Buckets`).
+
+        Raises:
+            RlinfError: no room in ``/dev/shm``.
+        """
+        return await self.buckets.take(nbytes)
+
+    def drop_bucket(self, bucket: Bucket) -> None:
+        self.buckets.give(bucket)
+
+    async def add(self, number: int, bucket: Bucket, layout: Layout) -> None:
+        """Make ``bucket`` (filled) version ``number`` of this shard: with the directory
+        here, at once; else by asking it.
+
+        Raises:
+            ValueError: the directory refused it (not newer, shard count differs).
+            PeerLostError: the directory is gone.
+        """
+        ref = ShardRef(self.address, self.node, bucket.name, layout.total, layout.key, layout.to_wire())
+        self.versions[number], self.layouts[number] = bucket, layout
+        try:
+            if self.directory is not None:
+                grants, freed = self.directory.add_shard(number, self.shard, self.num_shards, ref)
+                self._answer(grants)
+                self._free(freed)
+            else:
+                _, answer = self._calls.start(self.directory_address, "shard", number, self.shard, self.num_shards,
+                                              ref.holder, ref.node, ref.segment, ref.size, ref.layout_key, ref.layout)
+                await answer
+        except BaseException:
+            if self.versions.get(number) is bucket:
+                del self.versions[number], self.layouts[number]
+                self.buckets.give(bucket)
+            raise
+
+    # -- serving -----------------------------------------------------------------------
+    async def _serve(self) -> None:
+        internal = self.comm.internal
+        while True:
+            try:
+                message, src = await internal.recv_any(self.tag)
+            except DecodeError as exc:
+                log.warning("rlinf %s: dropped an undecodable message: %s", self.address, exc)
+                continue
+            except (ClosedError, asyncio.CancelledError):
+                return
+            try:
+                self._handle(src, message)
+            except (ValueError, TypeError, LookupError, IndexError, RlinfError) as exc:
+                if isinstance(message, (list, tuple)) and len(message) > 1 and isinstance(message[1], int):
+                    self._send(src, error_message(message[1], exc))
+                else:
+                    log.warning("rlinf %s: bad request from %s: %r", self.address, src, exc)
+
+    def _handle(self, src: str, message: tuple) -> None:
+        op = message[0]
+        if op in ("value", "error"):
+            self._calls.settle(message)
+        elif op == "free":
+            self._free_local(message[1])
+        elif op == "fetch":
+            self._fetch(src, *message[1:])
+        elif self.directory is None:
+            raise ValueError(f"{self.address} is not the directory of {self.name!r} (got {op!r})")
+        elif op == "shard":
+            req, number, shard, num_shards, *ref = message[1:]
+            grants, freed = self.directory.add_shard(number, shard, num_shards, ShardRef(*ref))
+            self._send(src, ("value", req, None))
+            self._answer(grants)
+            self._free(freed)
+        elif op == "acquire":
+            req, newer_than, known, node = message[1:]
+            try:
+                grant = self.directory.acquire(src, req, newer_than, str(node))
+            except LookupError as exc:
+                raise PeerLostError(str(exc)) from None
+            if grant is not None:
+                self._answer([grant], set(known))
+        elif op == "relayed":
+            number, segments = message[1:]
+            segments = None if segments is None else {int(k): (str(s), int(n)) for k, s, n in segments}
+            self._answer(self.directory.relayed(src, number, segments))
+        elif op == "release":
+            self._free(self.directory.release(src, *message[1:]))
+        elif op == "cancel":
+            self.directory.cancel(src, message[1])
+            self._free(self.directory.collect())
+        elif op == "latest":
+            self._send(src, ("value", message[1], self.directory.latest))
+        elif op == "stats":
+            self._send(src, ("value", message[1], self.directory.snapshot()))
+        else:
+            raise ValueError(f"unknown weight store request {op!r}")
+
+    def _send(self, dst: str, message: tuple) -> asyncio.Future | None:
+        try:
+            future = self.comm.internal.start_send(message, dst, self.tag)
+        except RlinfError as exc:            # gone or closing: its own hooks tidy up
+            log.debug("rlinf %s: cannot answer %s: %s", self.address, dst, exc)
+            return None
+        future.add_done_callback(_ignore)
+        return future
+
+    def _answer(self, grants: list[Grant], known: set[str] | None = None) -> None:
+        for g in grants:
+            shards = []
+            node = next((n for n, r in g.version.relays.items() if r is g.via), "")
+            for k in sorted(g.version.shards):
+                wire = g.version.shards[k].to_wire(known is None or g.version.shards[k].layout_key not in known)
+                if g.via is not None and k in g.via.segments:       # the node's copy, at its relay
+                    wire[0], wire[1], (wire[2], wire[3]) = g.via.address, node, g.via.segments[k]
+                shards.append(wire)
+            self._send(g.src, ("grant", g.req, g.version.number, shards, "relay" if g.relay else ""))
+
+    def _free(self, versions: list[Version]) -> None:
+        for version in versions:
+            for ref in version.shards.values():
+                if ref.holder == self.address:
+                    self._free_local(version.number)
+                else:
+                    self._send(ref.holder, ("free", version.number))
+            for relay in version.relays.values():
+                if relay.ready:
+                    self._send(relay.address, ("free", version.number))
+
+    def _free_local(self, number: int) -> None:
+        bucket = self.versions.pop(number, None)
+        self.layouts.pop(number, None)
+        if bucket is not None:
+            self.buckets.give(bucket)
+
+    def _fetch(self, src: str, req: int, number: int, size: int) -> None:
+        """Send version ``number``'s bytes to ``src``, a chunk of whole tensors of about
+        ``size`` bytes per message (the reader holds the version: the bucket stays as it
+        is meanwhile; it cut the same chunks from the layout)."""
+        if isinstance(size, bool) or not isinstance(size, int) or not MIN_CHUNK <= size <= MAX_CHUNK:
+            raise ValueError(f"chunk size {size!r} out of [{MIN_CHUNK}, {MAX_CHUNK}]")
+        bucket, layout = self.versions.get(number), self.layouts.get(number)
+        if bucket is None:
+            raise PeerLostError(f"version {number} of {self.name!r} is no longer held by {self.address}")
+        for start, end, _, _ in chunks(layout, size):
+            self._send(src, ("chunk", req, start, bucket.array[start:end]))
+
+    def _answer_lost(self, failed: list[tuple[str, int]], holder: str) -> None:
+        error = PeerLostError(f"{holder}, the publisher of a shard of weight store {self.name!r}, is gone",
+                              peer=holder)
+        for src, req in failed:
+            self._send(src, error_message(req, error))
+
+    def _on_gone(self, address: str, incarnation: str) -> None:
+        if self._calls is not None:
+            self._calls.fail(address, PeerLostError(f"{address} is gone", peer=address))
+        if self.directory is not None:
+            if address.startswith("weights.") and address != self.address:
+                dropped, failed = self.directory.holder_gone(address)
+                self._free([v for v in dropped])
+                self._answer_lost(failed, address)
+            grants, freed = self.directory.reader_gone(address)
+            self._answer(grants)
+            self._free(freed)
+        elif address == self.directory_address:
+            for number in list(self.versions):        # the directory knew the readers: start afresh
+                self._free_local(number)
+
+    async def aclose(self) -> None:
+        """Leave the cluster and unlink the buckets. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+        try:
+            await self.comm.aclose()
+        finally:
+            self.versions.clear()
+            self.buckets.close()
+
+
+def _ignore(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()

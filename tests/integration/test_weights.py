@@ -1,0 +1,253 @@
+"""The versioned weight store (issue 25, DESIGN.md §2): round trips, mismatches, waiting,
+sharded visibility, atomicity under a racing publisher, a killed publisher, other nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+import rlinf
+
+from . import workers_weights as ww
+from .same import assert_same
+from .wait import until
+
+pytestmark = pytest.mark.multiproc
+
+
+def _contiguous(tree):
+    """What a pull must produce for ``tree``: the same values, contiguous."""
+    if isinstance(tree, dict):
+        return {k: _contiguous(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_contiguous(v) for v in tree)
+    return tree.copy() if isinstance(tree, np.ndarray) else tree.contiguous()
+
+
+async def test_a_mixed_tree_round_trips_from_another_process(cluster, driver):
+    async with asyncio.timeout(60):
+        publisher = await cluster.spawn(ww.publish_and_wait, "pub", args=("mixed", 2))
+        await driver.recv("pub:0", tag=5)
+        ws = await driver.weights("mixed")
+        assert await ws.latest() == 2
+        tree, v = await ws.get()
+        assert v == 2
+        assert_same(_contiguous(ww.mixed_tree(2)), tree)
+        into = ww.empty_like_tree(ww.mixed_tree(0))
+        into["layers"][0]["w"] = torch.empty(6, 10).t()          # a non-contiguous target too
+        storage = into["embed"]["weight"].data_ptr()
+        assert await ws.pull(into) == 2
+        assert_same(_contiguous(ww.mixed_tree(2)), _contiguous(into))
+        assert into["embed"]["weight"].data_ptr() == storage     # in place
+        stats = await ws.stats()
+        assert stats.latest == 2 and stats.this_pulls == 2 and "driver:0" in stats.subscribers
+        assert "weight store 'mixed'" in str(stats)
+        assert publisher.addresses == ["pub:0"]
+
+
+async def test_publish_captures_and_versions_must_grow(driver):
+    async with asyncio.timeout(30):
+        ws = await driver.weights("capture")
+        src = {"w": torch.zeros(1000)}
+        await ws.publish(src, 3)
+        src["w"].fill_(9)                                 # after publish returned: not in version 3
+        tree, v = await ws.get()
+        assert v == 3 and bool((tree["w"] == 0).all())
+        for bad in (3, 2):
+            with pytest.raises(ValueError, match="not newer"):
+                await ws.publish(src, bad)
+        with pytest.raises(TypeError):
+            await ws.publish({"w": "not a tensor"}, 4)
+        with pytest.raises(ValueError, match="shard"):
+            await ws.publish(src, 4, shard=2, num_shards=2)
+        await ws.publish(src, 4)
+        assert (await ws.get())[1] == 4
+
+
+async def test_a_second_publisher_of_the_same_shard_is_refused(cluster, driver):
+    async with asyncio.timeout(30):
+        await (await driver.weights("one")).publish({"w": torch.zeros(4)}, 1)
+        other = await cluster.connect("other:0").start()
+        try:
+            with pytest.raises(rlinf.AddressInUseError):
+                await (await other.weights("one")).publish({"w": torch.zeros(4)}, 2)
+        finally:
+            await other.aclose()
+
+
+@pytest.mark.parametrize("case", ["missing", "extra", "shape", "dtype"])
+async def test_a_mismatch_names_the_key_and_copies_nothing(driver, case):
+    async with asyncio.timeout(30):
+        ws = await driver.weights(f"mm-{case}")
+        await ws.publish({"a": torch.ones(4), "b": {"c": torch.ones(2, 3)}, "z": torch.ones(5)}, 1)
+        into = {"a": torch.zeros(4), "b": {"c": torch.zeros(2, 3)}, "z": torch.zeros(5)}
+        expect = {"missing": "b/c: published, but not", "extra": "q: not in the published",
+                  "shape": r"b/c: the target is float32\[3, 2\]", "dtype": r"b/c: the target is float64"}[case]
+        if case == "missing":
+            del into["b"]["c"]
+        elif case == "extra":
+            into["q"] = torch.zeros(1)
+        elif case == "shape":
+            into["b"]["c"] = torch.zeros(3, 2)
+        else:
+            into["b"]["c"] = torch.zeros(2, 3, dtype=torch.float64)
+        with pytest.raises(ValueError, match=expect):
+            await ws.pull(into, timeout=10)
+        assert all(bool((t == 0).all()) for t in (into["a"], into["z"], *into["b"].values(), *into.get("q", [])))
+        stats = await ws.stats()
+        assert stats.versions[1]["readers"] == 0            # the failed pull released its version
+
+
+async def test_newer_than_waits_and_times_out(cluster, driver):
+    async with asyncio.timeout(30):
+        ws = await driver.weights("wait")
+        reader = await cluster.connect("reader:0").start()
+        try:
+            rs = await reader.weights("wait")
+            early = asyncio.create_task(rs.pull({"w": torch.zeros(3)}, timeout=20))   # before the store exists
+            await ws.publish({"w": torch.ones(3)}, 1)
+            assert await early == 1
+            later = asyncio.create_task(rs.pull({"w": torch.zeros(3)}, newer_than=1, timeout=20))
+            await until(lambda: _waiting(ws, 1), what="the pull to wait")
+            assert not later.done()
+            await ws.publish({"w": torch.full((3,), 2.0)}, 2)
+            assert await later == 2
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            with pytest.raises(rlinf.CommTimeoutError, match="newer than 2"):
+                await rs.pull({"w": torch.zeros(3)}, newer_than=2, timeout=0.3)
+            assert 0.25 < loop.time() - start < 3
+            await until(lambda: _waiting(ws, 0), what="the timed-out pull to stop waiting")
+            await ws.publish({"w": torch.full((3,), 3.0)}, 3)
+            stats = await ws.stats()
+            assert list(stats.versions) == [3], stats       # nobody holds 1 or 2 (the late grant went back)
+        finally:
+            await reader.aclose()
+
+
+async def test_a_cancelled_pull_holds_nothing(driver):
+    async with asyncio.timeout(30):
+        ws = await driver.weights("cancel")
+        await ws.publish({"w": torch.ones(3)}, 1)
+        task = asyncio.create_task(ws.pull({"w": torch.zeros(3)}, newer_than=1))
+        await until(lambda: _waiting(ws, 1), what="the pull to wait")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await until(lambda: _waiting(ws, 0), what="the directory to drop the cancelled pull")
+        await ws.publish({"w": torch.full((3,), 2.0)}, 2)
+        await ws.publish({"w": torch.full((3,), 3.0)}, 3)
+        stats = await ws.stats()
+        assert list(stats.versions) == [3] and stats.pulls == 0, stats
+
+
+async def _waiting(ws, n: int) -> bool:
+    return (await ws.stats()).waiting == n
+
+
+async def test_a_sharded_version_is_visible_only_when_complete(cluster, driver):
+    async with asyncio.timeout(60):
+        ws = await driver.weights("sharded")
+        part = {"s0": ww.flat_tree(1, n=2, numel=100)}
+        await ws.publish(part, 1, shard=0, num_shards=2)
+        assert await ws.latest() is None
+        with pytest.raises(rlinf.CommTimeoutError):
+            await ws.get(timeout=0.3)
+        waiting = asyncio.create_task(ws.get(timeout=20))
+        await until(lambda: _waiting(ws, 1), what="the get to wait")
+        other = await cluster.connect("shard1:0").start()
+        try:
+            await (await other.weights("sharded")).publish({"s1": ww.flat_tree(1, n=2, numel=100)}, 1, shard=1,
+                                                            num_shards=2)
+            tree, v = await waiting
+            assert v == 1 and await ws.latest() == 1
+            assert_same({"s0": ww.flat_tree(1, n=2, numel=100), "s1": ww.flat_tree(1, n=2, numel=100)}, tree)
+            into = {"s1": ww.flat_tree(-1, n=2, numel=100), "s0": ww.flat_tree(-1, n=2, numel=100)}
+            assert await ws.pull(into) == 1              # its keys in another order: matched by key
+            assert_same(tree, {"s0": into["s0"], "s1": into["s1"]})
+            with pytest.raises(ValueError, match="not 1 of 3"):
+                await (await other.weights("sharded")).publish({"s1": torch.zeros(1)}, 2, shard=1, num_shards=3)
+            third = await cluster.connect("shard2:0").start()
+            try:                                            # the directory checks the count as well
+                with pytest.raises(ValueError, match="has 2 shard.*num_shards=3"):
+                    await (await third.weights("sharded")).publish({"s2": torch.zeros(1)}, 2, shard=2, num_shards=3)
+            finally:
+                await third.aclose()
+        finally:
+            await other.aclose()
+        # its shard went with it: no complete version is left, and a pull says so
+        with pytest.raises(rlinf.PeerLostError, match="shard1|weights.sharded:1"):
+            await ws.get(timeout=10)
+
+
+async def test_pulls_racing_back_to_back_publishes_never_mix_versions(cluster, driver):
+    """W3's check, smaller: every pulled tree holds one version only."""
+    async with asyncio.timeout(120):
+        # one OpenMP thread each: torch's spin-waiting threads would starve three busy
+        # processes on a 2-CPU machine (ten times slower, and no more racing)
+        one = {"OMP_NUM_THREADS": "1"}
+        publisher = await cluster.spawn(ww.publish_back_to_back, "pub", args=("race", 100), env=one)
+        await driver.recv("pub:0", tag=5)
+        readers = await cluster.spawn(ww.pull_and_check, "reader", n=2, args=("race", 250), env=one)
+        for address in readers.addresses:
+            await driver.recv(address, tag=5)
+        await driver.send("go", "pub:0", tag=6)
+        assert await driver.recv("pub:0", tag=5) == 100
+        results = await readers.join(timeout=100)
+        await driver.send("done", "pub:0", tag=6)
+        await publisher.join(timeout=30)
+        assert [torn for torn, _ in results] == [0, 0], results
+        assert all(seen > 1 for _, seen in results), results     # they did race the publisher
+
+
+async def test_a_killed_publisher_fails_waiting_pulls(cluster, driver):
+    async with asyncio.timeout(60):
+        await cluster.spawn(ww.publish_and_wait, "pub", args=("doomed", 1))
+        await driver.recv("pub:0", tag=5)
+        ws = await driver.weights("doomed")
+        assert (await ws.get())[1] == 1
+        waiting = asyncio.create_task(ws.pull(ww.empty_like_tree(ww.mixed_tree(0)), newer_than=1, timeout=30))
+        await until(lambda: _waiting(ws, 1), what="the pull to wait")
+        pid = next(w.pid for w in await driver.peers() if w.address == "weights.doomed:0")
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(rlinf.PeerLostError):
+            await waiting
+        await until(lambda: not [n for n in os.listdir("/dev/shm") if n.startswith(f"rlinf-{pid}-")],
+                    what="the dead publisher's segments to be swept")
+        # a restarted trainer (here: this process) makes the store live again
+        await ws.publish({"w": torch.ones(3)}, 7)
+        other = await cluster.connect("late:0").start()
+        try:
+            assert (await (await other.weights("doomed")).get(timeout=10))[1] == 7
+            assert (await ws.get(timeout=10))[1] == 7
+        finally:
+            await other.aclose()
+
+
+async def test_pullers_on_another_node_get_the_bytes_over_the_network_once(cluster, driver):
+    """Two pullers on another node, two pulls each: the first to ask fetches the version
+    over the network into buckets of its own (the node's relay); every other pull there
+    copies from those. Freed with the version: nothing is left behind."""
+    async with asyncio.timeout(60):
+        ws = await driver.weights("far")
+        await ws.publish(ww.mixed_tree(4), 4)
+        size = (await ws.stats()).versions[4]["bytes"]
+        pullers = await cluster.spawn(ww.pull_mixed, "far", n=2, args=("far", 4), env={"RLINF_NODE_ID": "node-far"})
+        for address in pullers.addresses:
+            await driver.recv(address, tag=5)
+        stats = await ws.stats()
+        for address in pullers.addresses:
+            await driver.send("go", address, tag=6)
+        results = await pullers.join(timeout=30)
+        for v, tree, into, _ in results:
+            assert v == 4
+            assert_same(_contiguous(ww.mixed_tree(4)), tree)
+            assert_same(_contiguous(ww.mixed_tree(4)), into)
+        assert stats.bytes_by_path == {"net": size, "shm": 3 * size}, stats
+        assert sorted(sum((list(r[3]) for r in results), [])).count("net") == 1
+        assert list(stats.versions) == [4] and stats.versions[4]["readers"] == 0

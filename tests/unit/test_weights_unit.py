@@ -1,0 +1,170 @@
+"""The weight store's pure parts: the bucket layout and copies, and the directory's
+bookkeeping (visibility, readers holding versions, holders leaving)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from rlinf.util.copier import Copier
+from rlinf.weights._buckets import Buckets
+from rlinf.weights._directory import Directory, ShardRef
+from rlinf.weights._holder import chunks
+from rlinf.weights._layout import Layout, flatten, fresh, match, pack, unpack
+
+
+def _ref(holder: str = "weights.w:0") -> ShardRef:
+    return ShardRef(holder, "node", "seg", 64, "key", [])
+
+
+def test_layout_round_trip_through_a_bucket():
+    tree = {"a": torch.randn(5, 3).t(), "b": [np.arange(7, dtype=np.int16), torch.tensor(2.5, dtype=torch.bfloat16)],
+            "c": (torch.ones(0),), 1: torch.tensor([True, False])}
+    layout, leaves = Layout.of(tree)
+    assert all(o % 64 == 0 for o in layout.offsets)
+    again = Layout.from_wire(layout.to_wire())
+    assert again.key == layout.key and again.paths == layout.paths
+    bucket = np.zeros(layout.total, np.uint8)
+    copier = Copier(1)
+    pack(layout, leaves, bucket, copier)
+    out, per_layout = fresh([again])
+    unpack(again, bucket, per_layout[0], list(range(len(per_layout[0]))), copier)
+    assert torch.equal(out["a"], tree["a"]) and out["a"].is_contiguous()
+    assert isinstance(out["b"][0], np.ndarray) and np.array_equal(out["b"][0], tree["b"][0])
+    assert out["b"][1].dtype == torch.bfloat16 and float(out["b"][1]) == 2.5
+    assert isinstance(out["c"], tuple) and out["c"][0].shape == (0,)
+    assert torch.equal(out[1], tree[1])
+
+
+def test_match_checks_everything_before_anything_is_copied():
+    layout, _ = Layout.of({"x": torch.zeros(2, 2), "y": {"z": torch.zeros(3)}})
+    _, targets = flatten({"y": {"z": torch.zeros(3)}, "x": torch.zeros(2, 2)})
+    [(got, order)] = match([layout], targets)
+    assert [layout.paths[i] for i in order] == [("y", "z"), ("x",)]
+    for bad, message in [({"x": torch.zeros(2, 2)}, "y/z: published, but not"),
+                         ({"x": torch.zeros(2, 2), "y": {"z": torch.zeros(3, dtype=torch.int32)}}, "y/z: the target is int32"),
+                         ({"x": torch.zeros(4), "y": {"z": torch.zeros(3)}}, r"x: the target is float32\[4\]")]:
+        with pytest.raises(ValueError, match=message):
+            match([layout], flatten(bad)[1])
+    with pytest.raises(TypeError, match="not str"):
+        Layout.of({"x": "str"})
+
+
+def test_chunks_cut_at_tensor_boundaries():
+    layout, _ = Layout.of({f"t{i}": np.zeros(1000, np.uint8) for i in range(10)})
+    parts = chunks(layout, size=3000)
+    assert parts[0][0] == 0 and parts[-1][1] == layout.total
+    assert [p[2] for p in parts][1:] == [p[3] for p in parts][:-1]          # leaves: contiguous, disjoint
+    assert all(b - a >= 3000 or p is parts[-1] for p in parts for a, b in [p[:2]])
+
+
+def test_a_version_is_visible_when_its_last_shard_is_in_and_waiters_get_it():
+    d = Directory("w")
+    assert d.acquire("r:0", 1, None) is None                  # nothing yet: waits
+    grants, freed = d.add_shard(1, 0, 2, _ref("weights.w:0"))
+    assert (grants, freed, d.latest) == ([], [], None)
+    grants, freed = d.add_shard(1, 1, 2, _ref("weights.w:1"))
+    assert [g.src for g in grants] == ["r:0"] and d.latest == 1
+    with pytest.raises(ValueError, match="not newer"):
+        d.add_shard(1, 0, 2, _ref())
+    with pytest.raises(ValueError, match="has 2 shard"):
+        d.add_shard(2, 0, 3, _ref())
+
+
+def test_a_read_version_is_kept_until_released():
+    d = Directory("w")
+    d.add_shard(1, 0, 1, _ref())
+    assert d.acquire("r:0", 1, None).version.number == 1
+    _, freed = d.add_shard(2, 0, 1, _ref())
+    assert freed == [] and sorted(d.versions) == [1, 2]       # r:0 still reads 1
+    assert [v.number for v in d.release("r:0", 1, "shm", 64)] == [1]
+    assert d.release("r:0", 1) == []                          # a second release is ignored
+    assert d.acquire("r:1", 2, 2) is None                     # waits for a newer one
+    assert d.cancel("r:1", 2) and not d.cancel("r:1", 2)
+    d.acquire("r:2", 3, None)                                 # holds 2
+    assert d.add_shard(3, 0, 1, _ref())[1] == []
+    assert [v.number for v in d.reader_gone("r:2")[1]] == [2]
+    assert d.bytes_by_path == {"shm": 64}
+
+
+def test_a_holder_gone_takes_its_versions_and_fails_the_waiting():
+    d = Directory("w")
+    d.add_shard(1, 0, 2, _ref("weights.w:0"))
+    d.add_shard(1, 1, 2, _ref("weights.w:1"))
+    assert d.acquire("r:0", 1, 1) is None
+    dropped, failed = d.holder_gone("weights.w:1")
+    assert [v.number for v in dropped] == [1] and failed == [("r:0", 1)] and d.latest is None
+    with pytest.raises(LookupError, match="weights.w:1"):
+        d.acquire("r:0", 2, None)
+
+
+async def test_buckets_are_reused_kept_few_and_unlinked(tmp_path):
+    buckets = Buckets(str(tmp_path))
+    a = await buckets.take(100_000)
+    b = await buckets.take(100_000)
+    assert a.name != b.name and a.size >= 100_000 and a.array.size == a.size
+    buckets.give(a)
+    assert (await buckets.take(90_000)) is a                  # a free one that fits
+    c = await buckets.take(100_000)
+    for bucket in (a, b, c):
+        buckets.give(bucket)
+    assert len(buckets) == 2                                  # two kept free, the third unlinked
+    assert (await buckets.take(10 << 20)).size >= 10 << 20   # another size: the free ones go
+    assert len(os.listdir(tmp_path)) == 1
+    buckets.close()
+    assert os.listdir(tmp_path) == []
+
+
+async def test_a_bucket_made_for_a_cancelled_publish_is_kept(tmp_path):
+    buckets = Buckets(str(tmp_path))
+    task = asyncio.create_task(buckets.take(64 << 20))
+    await asyncio.sleep(0)                                    # started in its thread
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    made = await buckets.take(64 << 20)                       # the one made meanwhile, or a new one
+    assert made.size >= 64 << 20 and len(buckets) in (1, 2)
+    buckets.close()
+    for _ in range(500):          # the cancelled one's file is unlinked once its thread is done
+        if not os.listdir(tmp_path):
+            break
+        await asyncio.sleep(0.01)
+    assert os.listdir(tmp_path) == []
+
+
+def _far(holder: str = "weights.w:0") -> ShardRef:
+    return ShardRef(holder, "node-a", "seg", 64, "key", [])
+
+
+def test_the_first_puller_of_a_node_relays_and_the_others_read_its_copy():
+    d = Directory("w")
+    d.add_shard(1, 0, 1, _far())
+    assert not d.acquire("a:0", 1, None, "node-a").relay          # the holder's node: direct
+    first = d.acquire("b:0", 1, None, "node-b")
+    assert first.relay and first.via is None
+    assert d.acquire("b:1", 2, None, "node-b") is None             # waits for the relay
+    assert d.versions[1].readers["b:1"] == 1                       # ... holding the version
+    [grant] = d.relayed("b:0", 1, {0: ("relay-seg", 64)})
+    assert (grant.src, grant.req, grant.via.segments) == ("b:1", 2, {0: ("relay-seg", 64)})
+    assert d.acquire("b:2", 3, None, "node-b").via is grant.via    # ready: read it at once
+    assert d.relayed("b:0", 1, {0: ("x", 1)}) == []                 # once only
+
+
+def test_a_failed_or_departed_relay_lets_its_node_fetch_for_itself():
+    d = Directory("w")
+    d.add_shard(1, 0, 1, _far())
+    d.acquire("b:0", 1, None, "node-b")
+    d.acquire("b:1", 2, None, "node-b")
+    [grant] = d.relayed("b:0", 1, None)
+    assert grant.src == "b:1" and not grant.relay and grant.via is None
+    assert d.acquire("b:2", 3, None, "node-b").relay               # a new relay is chosen
+    d.acquire("b:3", 4, None, "node-b")
+    grants, _ = d.reader_gone("b:2")
+    assert [(g.src, g.via) for g in grants] == [("b:3", None)]
+    d.acquire("b:4", 5, None, "node-b")                            # relay again: b:4
+    d.acquire("b:5", 6, None, "node-b")
+    assert d.cancel("b:5", 6) and d.versions[1].readers["b:5"] == 0
