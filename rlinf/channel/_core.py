@@ -26,6 +26,8 @@ from typing import Any, Callable
 from ..util.bounded import Doubling, Recent
 from . import _lost
 from ._guard import PolicyGuard
+from ._pacing import Pacing, Staleness
+from ._snapshot import count_rate, snapshot
 from ._state import Handle, Item, Request, insert_by_id
 from .policies import ItemInfo, LoadBalancePolicy, make_policy
 
@@ -33,7 +35,6 @@ __all__ = ["ChannelCore"]
 
 _BUSY_WINDOW = 10.0
 _BUSY_BUCKET = 0.25
-_RATE_WINDOW = 5
 
 
 class ChannelCore:
@@ -45,11 +46,13 @@ class ChannelCore:
         policy: a policy spec for :func:`~rlinf.channel.policies.make_policy`.
         work_stealing: let a consumer with nothing to do take the last item assigned to
             the consumer expected to finish last, when it would finish it sooner.
+        max_staleness, batch_size: the staleness bound and pacing (:mod:`._pacing`).
         send: ``send(handle, op)`` delivers one op (a tuple) to a handle.
         clock: monotonic clock in seconds (injectable for tests).
     """
 
     def __init__(self, name: str, *, maxsize: int = 0, policy: Any = "fifo", work_stealing: bool = False,
+                 max_staleness: int | None = None, batch_size: int | None = None,
                  send: Callable[[Handle, tuple], None], clock: Callable[[], float] = time.monotonic) -> None:
         self.name = name
         self.maxsize = maxsize
@@ -81,6 +84,7 @@ class ChannelCore:
         self._deferred: set | None = None   # keys to serve once the current batch is applied
         self._keys_looked = Doubling()       # when to forget idle keys again (_forget_idle_keys)
         self.forgotten = Recent()            # (src, hid) -> the Handle forgotten while taken for lost
+        self.pacing = Pacing(max_staleness, batch_size, lambda h, rid, value: send(h, ("reply", rid, value)))
 
     def __repr__(self) -> str:
         return (f"<ChannelCore {self.name} queued={self.queued} live={self.live_total} "
@@ -147,7 +151,8 @@ class ChannelCore:
                 h.requests.pop(key, None)
                 h.assigned.pop(key, None)
                 h.credit.pop(key, None)
-            for table in (self.shared, self.consumers, self.wanting, self.key_len, self.key_weight, self.live):
+            for table in (self.shared, self.consumers, self.wanting, self.key_len, self.key_weight, self.live,
+                          self.pacing.stale_by_key):
                 table.pop(key, None)
         self._keys_looked.looked(len(self.live))
 
@@ -164,7 +169,9 @@ class ChannelCore:
             h.leased = max(lease, 0)
             self.leased_total += h.leased
         self.send(h, ("info", rid, {"maxsize": self.maxsize, "policy": self.policy.name,
-                                    "closed": self.closed, "lease": h.leased, "name": h.name}))
+                                    "closed": self.closed, "lease": h.leased, "name": h.name,
+                                    "max_staleness": self.pacing.max_staleness,
+                                    "batch_size": self.pacing.batch_size}))
         return h
 
     def _puts(self, h: Handle, ops: list, start: int, stop: int) -> None:
@@ -178,7 +185,9 @@ class ChannelCore:
         live = self.live
         try:
             for index in range(start, stop):
-                _kind, key, weight, nbytes, payload = ops[index]
+                op = ops[index]      # ("put", key, weight, nbytes, payload[, version, admission])
+                _kind, key, weight, nbytes, payload = op[:5]
+                version = self.pacing.put(h, op[5], op[6]) if len(op) > 5 else None
                 if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
                     raise ValueError(f"bad weight {weight!r}")
                 if h.leased > 0:
@@ -187,7 +196,7 @@ class ChannelCore:
                 if self.closed:
                     rejected += 1
                     continue
-                item = Item(self.next_id, float(weight), key, payload, int(nbytes), h.src)
+                item = Item(self.next_id, float(weight), key, payload, int(nbytes), h.src, version)
                 live[key] += 1            # (an unhashable key fails here, before anything changed)
                 self.next_id += 1
                 self.live_total += 1
@@ -332,7 +341,10 @@ class ChannelCore:
     # ("put" runs are applied by _puts)
     _OPS = {"want": _op_want, "ret": _op_ret, "get": _op_get, "credit": _op_credit,
             "cancel": _op_cancel, "took": _op_took, "unget": _op_unget, "done": _op_done,
-            "close": _op_close, "stats": _op_stats, "sync": _op_sync, "bye": _op_bye}
+            "close": _op_close, "stats": _op_stats, "sync": _op_sync, "bye": _op_bye,
+            "advance": lambda self, h, rid, v: self.send(h, ("reply", rid, self.pacing.advance(int(v)))),
+            "admit": lambda self, h, rid, v: self.pacing.admit(h, int(rid), int(v)),
+            "release": lambda self, h, rid: self.pacing.release(h, int(rid))}
 
     # -- membership ------------------------------------------------------------------------
     def _join(self, h: Handle, key: Any, memory: int | None) -> None:
@@ -395,6 +407,7 @@ class ChannelCore:
         self.leave_keys(h)
         h.requests.clear()
         h.credit.clear()
+        self.pacing.forget(h)
         back.sort(key=lambda it: it.id)
         self._requeue(back)
         for key in list(self.live):
@@ -479,6 +492,7 @@ class ChannelCore:
         fresh, fresh_weight = 0, 0.0        # from the shared queue: newly pending on h
         inflight = h.inflight
         full = False
+        floor = self.pacing.floor
         while not full and not (max_items and len(taken) >= max_items):
             mine, shared = h.assigned.get(key), self.shared.get(key)
             if mine and shared:     # a run from the older head, up to the other's head
@@ -494,6 +508,10 @@ class ChannelCore:
                 item = source[0]
                 if bound is not None and item.id > bound:
                     break
+                if floor is not None and item.version is not None and item.version < floor:
+                    source.popleft()        # too old to be trained on: dropped, counted
+                    self._drop_stale(h, item, not from_shared)
+                    continue
                 if taken and ((max_items and len(taken) >= max_items)
                               or (target is not None and total + item.weight > target)):
                     full = True
@@ -521,7 +539,18 @@ class ChannelCore:
             self.get_count += n
             self.bytes_out += nbytes
             self._count_rate(1, n)
+            if self.pacing.versioned:
+                self.pacing.handed(h, taken)
         return taken
+
+    def _drop_stale(self, h: Handle, item: Item, assigned: bool) -> None:
+        """``item`` (just taken off a queue of ``h``'s, ``assigned`` to it or shared) is
+        older than the staleness bound: it leaves the channel without being handed out."""
+        self._dequeue_count(item)
+        if assigned:
+            h.add_pending(-1, -item.weight)
+        self.pacing.dropped(item.key)
+        self._retire(item)
 
     # -- serving consumers -----------------------------------------------------------------
     def _serve(self, h: Handle, key: Any) -> None:
@@ -656,38 +685,8 @@ class ChannelCore:
 
     # -- introspection -----------------------------------------------------------------------
     def _count_rate(self, column: int, n: int) -> None:
-        second = int(self.clock())
-        rates = self._rates
-        if not rates or rates[-1][0] != second:
-            rates.append([second, 0, 0])
-            while rates[0][0] <= second - _RATE_WINDOW:
-                rates.popleft()
-        rates[-1][column + 1] += n
+        count_rate(self._rates, int(self.clock()), column, n)
 
     def stats(self) -> dict[str, Any]:
         """A plain-value snapshot (see :class:`~rlinf.channel.stats.ChannelStats`)."""
-        now = self.clock()
-        uptime = now - self.started
-        recent = [r for r in self._rates if r[0] > int(now) - _RATE_WINDOW]
-        span = min(float(_RATE_WINDOW), max(uptime, 1.0))
-        consumers, seen = [], set()
-        for members in self.consumers.values():
-            for h in members:
-                if h in seen:
-                    continue
-                seen.add(h)
-                consumers.append([h.name, h.node_id, h.pending_count, h.pending_weight,
-                                  sum(1 for it in h.working.values() if it.ack), h.consumed_count,
-                                  h.consumed_weight, h.meter.value, h.busy_fraction, h.free_memory,
-                                  h.waiting])
-        return {
-            "name": self.name, "policy": self.policy.name, "maxsize": self.maxsize, "closed": self.closed,
-            "length": self.queued, "weight": self.queued_weight,
-            "keys": [[k, n, self.key_weight[k]] for k, n in self.key_len.items()],
-            "consumers": consumers,
-            "producers": sum(1 for h in self.handles.values() if h.puts),
-            "put_count": self.put_count, "get_count": self.get_count,
-            "requeued": self.requeued, "rejected": self.rejected, "policy_errors": self.guard.errors,
-            "put_rate": sum(r[1] for r in recent) / span, "get_rate": sum(r[2] for r in recent) / span,
-            "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "uptime": uptime,
-        }
+        return snapshot(self)
