@@ -631,6 +631,7 @@ class ChannelCore:
         if self.closed:
             return
         self.closed = True
+        self.pacing.close()
         for h in list(self.handles.values()):
             self.send(h, ("closed",))
             h.want = 0

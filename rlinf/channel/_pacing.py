@@ -115,6 +115,7 @@ class Pacing:
         self.admitted = 0                 # granted so far, less those that ended without a put
         self.open: dict[tuple[Any, int], int] = {}        # (handle, rid) -> version: granted, not ended
         self.waiting: collections.deque[tuple[Any, int, int]] = collections.deque()   # (handle, rid, version)
+        self.closed = False
         self.versioned = False            # a versioned item was put: staleness is recorded
         self.stale_dropped = 0
         self.stale_by_key: dict[Hashable, int] = collections.defaultdict(int)
@@ -149,9 +150,20 @@ class Pacing:
     # -- admissions ------------------------------------------------------------------------
     def admit(self, h: Any, rid: int, version: int) -> None:
         """``h`` asks for admission ``rid`` for a rollout made with ``version``: granted
-        now (answered with the current version) or queued."""
+        now (answered with the current version) or queued; refused (answered None)
+        once the channel is closed."""
+        if self.closed:
+            self.reply(h, rid, None)
+            return
         self.waiting.append((h, rid, int(version)))
         self.grant()
+
+    def close(self) -> None:
+        """The channel closed: admissions still waiting are answered None (refused)."""
+        self.closed = True
+        while self.waiting:
+            h, rid, _version = self.waiting.popleft()
+            self.reply(h, rid, None)
 
     def grant(self) -> None:
         """Grant waiting admissions, oldest first, while they fit. A granted rollout

@@ -277,6 +277,8 @@ class Channel(HandleBase):
         except BaseException:
             self._admit_release(call[0])      # withdrawn, or given back if granted meanwhile
             raise
+        if current is None:
+            raise ClosedError(f"channel {self.name!r} is closed")
         return call[0], current
 
     def _admit_release(self, rid: int) -> None:

@@ -100,6 +100,14 @@ async def test_admission_is_released_by_put_exit_cancel_and_timeout(driver):
             async with ch.admit(1, timeout=5):
                 await ch.put(i, version=1)
         assert (await ch.stats()).admitted == 4
+        waiter = await _admitted(ch, 1)                         # full again: waits ...
+        assert (await ch.stats()).admissions_waiting == 1
+        await ch.close()
+        with pytest.raises(rlinf.ClosedError):                  # ... and is refused by close
+            await waiter
+        with pytest.raises(rlinf.ClosedError):
+            async with ch.admit(1):
+                pass
 
 
 async def test_a_dead_producer_gives_its_admission_back(cluster, driver):

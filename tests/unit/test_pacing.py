@@ -99,6 +99,16 @@ def test_pacing_bounds_staleness_with_long_tailed_rollouts(seed, k, b):
         p.admit(h, next(rids), version)
 
 
+def test_close_refuses_waiting_and_later_admissions():
+    got = []
+    p = Pacing(0, 1, lambda h, rid, value: got.append((rid, value)))
+    p.admit("a", 1, 0)
+    p.admit("a", 2, 0)
+    p.close()
+    p.admit("a", 3, 0)
+    assert got == [(1, 0), (2, None), (3, None)] and not p.waiting
+
+
 def test_the_grant_answers_the_current_version():
     got = []
     p = Pacing(0, 1, lambda h, rid, value: got.append((rid, value)))
