@@ -40,6 +40,9 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import rlinf
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import text_table  # noqa: E402
+
 __all__ = ["MODES", "run_once", "run", "main"]
 
 PRODUCERS = 4
@@ -111,7 +114,7 @@ async def _run(versions: int, repeats: int, seed: int) -> list[dict]:
         rows.append(row)
     sync = rows[0]["throughput"]
     for row in rows:          # also the fields of ``rlinf bench``'s table
-        row.update(vs_sync=row["throughput"] / sync, metric=f"B1 trained items/s, {row['mode']}",
+        row.update(vs_sync=row["throughput"] / sync, batch=row["batch_size"] or "-", metric=f"B1 trained items/s, {row['mode']}",
                    rlinf=row["throughput"], baseline="sync (max_staleness=0)", baseline_value=sync,
                    unit="items/s", higher_is_better=True, target=">= 1.5x" if row["mode"] == "paced" else "",
                    note=f"{row['too_old']} trained > k, {row['discarded_total']} discarded")
@@ -124,14 +127,11 @@ def run(quick: bool = False, *, versions: int | None = None, repeats: int | None
 
 
 def format_table(rows: list[dict]) -> str:
-    header = (f"{'run':<9} {'k':>2} {'B':>4} {'items/s':>8} {'vs sync':>8} {'>k trained':>10} "
-              f"{'discarded':>9} {'generated':>9} {'trained len':>11} {'generated len':>13}")
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        lines.append(f"{r['mode']:<9} {r['max_staleness']:>2} {str(r['batch_size'] or '-'):>4} "
-                     f"{r['throughput']:>8.1f} {r['vs_sync']:>7.2f}x {r['too_old']:>10} {r['discarded']:>9.0f} "
-                     f"{r['generated']:>9.0f} {r['mean_trained_len']:>10.1f} {r['mean_generated_len']:>13.1f}")
-    return "\n".join(lines)
+    return text_table([("run", "{mode}"), ("k", "{max_staleness}"), ("B", "{batch}"),
+                       ("items/s", "{throughput:.1f}"), ("vs sync", "{vs_sync:.2f}x"), (">k trained", "{too_old}"),
+                       ("discarded", "{discarded:.0f}"), ("generated", "{generated:.0f}"),
+                       ("trained len", "{mean_trained_len:.1f}"), ("generated len", "{mean_generated_len:.1f}")],
+                      rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,9 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from rlinf.channel._core import ChannelCore
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import text_table  # noqa: E402
+
 __all__ = ["SPEEDS", "CONFIGS", "simulate_core", "lpt_oracle", "least_loaded", "run", "main"]
 
 SPEEDS: tuple[float, ...] = (1.0, 1.0, 2.0, 4.0)
@@ -149,14 +152,10 @@ def run(quick: bool = False, *, items: tuple[int, ...] = (48, 256), steps: int |
 
 
 def format_table(rows: list[dict]) -> str:
-    header = (f"{'items':>5} {'config':<28} {'step 1':>7} {'median':>7} {'worst':>7} "
-              f"{'step time':>9} {'vs LPT':>7} {'worst vs LPT':>12}")
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        lines.append(f"{r['items']:>5} {r['config']:<28} {r['first_step']:>7.1%} {r['median_imbalance']:>7.1%} "
-                     f"{r['worst_step']:>7.1%} {r['median_step_time']:>8.2f}s {r['vs_oracle_median']:>6.2f}x "
-                     f"{r['vs_oracle_worst']:>11.2f}x")
-    return "\n".join(lines)
+    return text_table([("items", "{items}"), ("config", "{config}"), ("step 1", "{first_step:.1%}"),
+                       ("median", "{median_imbalance:.1%}"), ("worst", "{worst_step:.1%}"),
+                       ("step time", "{median_step_time:.2f}s"), ("vs LPT", "{vs_oracle_median:.2f}x"),
+                       ("worst vs LPT", "{vs_oracle_worst:.2f}x")], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
