@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from ..util.bounded import Doubling, Recent
 from . import _lost
+from ._balance import place_shared, steal
 from ._guard import PolicyGuard
 from ._pacing import Pacing, Staleness
 from ._snapshot import count_rate, snapshot
@@ -45,20 +46,23 @@ class ChannelCore:
         maxsize: bound on items waiting in the channel (0: unbounded).
         policy: a policy spec for :func:`~rlinf.channel.policies.make_policy`.
         work_stealing: let a consumer with nothing to do take the last item assigned to
-            the consumer expected to finish last, when it would finish it sooner.
+            the consumer expected to finish last, when it would finish it sooner (None:
+            the policy's default, ``LoadBalancePolicy.steals``).
         max_staleness, batch_size: the staleness bound and pacing (:mod:`._pacing`).
         send: ``send(handle, op)`` delivers one op (a tuple) to a handle.
         clock: monotonic clock in seconds (injectable for tests).
     """
 
-    def __init__(self, name: str, *, maxsize: int = 0, policy: Any = "fifo", work_stealing: bool = False,
+    def __init__(self, name: str, *, maxsize: int = 0, policy: Any = "fifo", work_stealing: bool | None = None,
                  max_staleness: int | None = None, batch_size: int | None = None,
                  send: Callable[[Handle, tuple], None], clock: Callable[[], float] = time.monotonic) -> None:
         self.name = name
         self.maxsize = maxsize
         self.policy: LoadBalancePolicy = make_policy(policy)
         self.guard = PolicyGuard(name, self.policy)     # counts (stats) and logs its failures
-        self.work_stealing = work_stealing
+        self.work_stealing = self.policy.steals if work_stealing is None else work_stealing
+        # a batch policy: a run of puts is placed at once, after it is applied (_balance)
+        self.batching = type(self.policy).assign_batch is not LoadBalancePolicy.assign_batch
         self.send = send
         self.clock = clock
         self.started = clock()
@@ -121,6 +125,8 @@ class ChannelCore:
                     while j < n and ops[j][0] == "put":
                         j += 1
                     self._puts(h, ops, i, j)
+                    for key in deferred if self.batching else ():   # placed before the next op
+                        place_shared(self, key)
                     i = j
                     continue
                 method = self._OPS.get(kind)
@@ -131,6 +137,8 @@ class ChannelCore:
         finally:
             self._deferred = None
             for key in deferred:
+                if self.batching:
+                    place_shared(self, key)
                 self._serve_wanting(key)
         self._grant()
         if self._keys_looked.due(len(self.live)):
@@ -309,7 +317,11 @@ class ChannelCore:
             h.consumed_weight += weight
         if first is None or not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
             return
+        unmeasured = h.meter.value is None
         h.meter.update(weight, float(seconds))
+        if self.batching and unmeasured and h.meter.value:   # its first speed: what waited may be placed
+            for key in list(h.keys):
+                place_shared(self, key)
         now = self.clock()
         bucket = int(now / _BUSY_BUCKET)          # busy seconds per 1/4 s: a bounded window
         busy = h.busy
@@ -422,7 +434,7 @@ class ChannelCore:
         self.key_len[key] += 1
         self.key_weight[key] += item.weight
         members = self.consumers.get(key)
-        if self.policy.assigns and members:
+        if self.policy.assigns and members and not (self.batching and self._deferred is not None):
             # None: the policy failed (counted, logged once); the item goes to the shared queue
             choice = self.guard.select(item.info(), [c.snapshot() for c in members])
             if choice is not None:
@@ -455,29 +467,6 @@ class ChannelCore:
         if self.queued == 0:
             self.queued_weight = 0.0
 
-    def _steal(self, h: Handle, key: Any) -> bool:
-        victims = [v for v in self.consumers.get(key, ()) if v is not h and v.assigned.get(key)]
-        if not victims:
-            return False
-        speeds = self._speeds([h, *victims])
-        ends = [v.pending_weight / speeds[i + 1] for i, v in enumerate(victims)]
-        best = max(range(len(victims)), key=lambda i: ends[i])
-        victim = victims[best]
-        item = victim.assigned[key][-1]
-        if (h.pending_weight + item.weight) / speeds[0] >= ends[best]:
-            return False   # it would not finish sooner here
-        victim.assigned[key].pop()
-        victim.add_pending(-1, -item.weight)
-        h.assigned.setdefault(key, collections.deque()).append(item)
-        h.add_pending(1, item.weight)
-        self.requeued += 1
-        return True
-
-    def _speeds(self, handles: list[Handle]) -> list[float]:
-        known = [h.meter.value for h in handles if h.meter.value]
-        fallback = sum(known) / len(known) if known else 1.0
-        return [h.meter.value or fallback for h in handles]
-
     def _collect(self, h: Handle, key: Any, max_items: int, target: float | None) -> list[Item]:
         """Take the items ``h`` gets next for ``key`` and put them in flight to it.
 
@@ -499,7 +488,7 @@ class ChannelCore:
                 source, bound = (mine, shared[0].id) if mine[0].id < shared[0].id else (shared, mine[0].id)
             elif mine or shared:
                 source, bound = mine or shared, None
-            elif self.work_stealing and self._steal(h, key):
+            elif self.work_stealing and steal(self, h, key):
                 continue
             else:
                 break

@@ -584,7 +584,7 @@ async def open_channel(comm: HasCore, name: str, *, timeout: float | None = 30.0
 
 
 async def create_channel(comm: HasCore, name: str, *, maxsize: int = 0, policy: Any = "fifo", in_process: bool = False,
-                         work_stealing: bool = False, timeout: float | None = 60.0, prefetch: int = 0,
+                         work_stealing: bool | None = None, timeout: float | None = 60.0, prefetch: int = 0,
                          free_memory: Callable[[], int | None] | None = None, decode_ahead: bool = False,
                          max_staleness: int | None = None, batch_size: int | None = None) -> Channel:
     """Start channel ``name`` (in a new process on this node, or in this loop with
@@ -596,13 +596,18 @@ async def create_channel(comm: HasCore, name: str, *, maxsize: int = 0, policy: 
     counted. ``batch_size=B`` (needs ``max_staleness``): pacing, for a trainer that
     consumes ``B`` items per version; see :meth:`Channel.admit`.
 
+    ``work_stealing``: an idle consumer takes the last waiting item of the consumer
+    expected to finish last, when it would finish it sooner; None: the policy's default
+    (on for ``performance_aware`` and ``shortest_queue``, see ``docs/channel.md``).
+
     Raises:
         ValueError: a bad name, maxsize, policy name, max_staleness or batch_size.
         AddressInUseError (a ValueError): the channel already exists, or another
             creator started it first (of two racing for one name, one wins).
         TypeError: a bad policy object, or one that cannot be pickled (without
             ``in_process``, the policy travels to the channel process); a
-            max_staleness or batch_size that is not an int.
+            max_staleness or batch_size that is not an int; a work_stealing that is
+            not None or a bool.
         WorkerFailedError: its process failed to start. CommTimeoutError.
     """
     check_name(name)
@@ -622,7 +627,9 @@ async def create_channel(comm: HasCore, name: str, *, maxsize: int = 0, policy: 
     address = server_address(name)
     if await core.lookup(address, wait=False, timeout=timeout) is not None:
         raise AddressInUseError(f"a channel named {name!r} already exists")
-    config = {"maxsize": maxsize, "policy": policy, "work_stealing": bool(work_stealing),
+    if work_stealing is not None and not isinstance(work_stealing, bool):
+        raise TypeError(f"work_stealing must be None or a bool, got {work_stealing!r}")
+    config = {"maxsize": maxsize, "policy": policy, "work_stealing": work_stealing,
               "max_staleness": max_staleness, "batch_size": batch_size}
     if in_process:
         server = ChannelServer(name, manager=core.manager_address, token=core.token, **config)

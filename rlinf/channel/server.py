@@ -89,7 +89,7 @@ class ChannelServer:
     """
 
     def __init__(self, name: str, *, manager: str, token: str, maxsize: int = 0, policy: Any = "fifo",
-                 work_stealing: bool = False, max_staleness: int | None = None,
+                 work_stealing: bool | None = None, max_staleness: int | None = None,
                  batch_size: int | None = None) -> None:
         self.name = check_name(name)
         self.address = server_address(name)
