@@ -54,9 +54,12 @@ def _imbalance(busy: list[float]) -> float:
 
 
 def simulate_core(options: dict, steps: list[list[float]], speeds: tuple[float, ...] = SPEEDS,
-                  rtt: float = 0.0) -> list[tuple[list[float], float]]:
+                  rtt: float = 0.0, jitter: float = 0.0, seed: int = 0) -> list[tuple[list[float], float]]:
     """Run the channel core over ``steps``; per step (busy per consumer, step time).
-    ``rtt``: simulated seconds between a consumer's get and the items reaching it."""
+    ``rtt``: simulated seconds between a consumer's get and the items reaching it;
+    ``jitter``: each item's time is off by up to this share, at random (a loaded machine:
+    speeds measured from one item are off too)."""
+    rng = random.Random(seed)
     now = [0.0]
     inbox: list = []
 
@@ -84,7 +87,7 @@ def simulate_core(options: dict, steps: list[list[float]], speeds: tuple[float, 
             for src, op in inbox:       # items reach their consumer: it works on them
                 i = names.index(src)
                 core.handle_ops(src, 1, [("took", [it[0] for it in op[3]], False)])
-                seconds = sum(it[1] for it in op[3]) / speeds[i]
+                seconds = sum(it[1] for it in op[3]) / speeds[i] * (1 + rng.uniform(-jitter, jitter))
                 heapq.heappush(events, (now[0] + rtt + seconds, next(seq), i, [it[0] for it in op[3]], seconds))
             inbox.clear()
             if not left:
@@ -134,7 +137,7 @@ def _with_items(n: int, row: dict) -> dict:
 
 
 def run(quick: bool = False, *, items: tuple[int, ...] = (48, 256), steps: int | None = None,
-        seed: int = DEFAULT_SEED, sigma: float = 1.0) -> list[dict]:
+        seed: int = DEFAULT_SEED, sigma: float = 1.0, jitter: float = 0.0) -> list[dict]:
     """Every config and reference on the same weights, per items-per-step setting."""
     n_steps = steps or (8 if quick else 20)
     rows = []
@@ -147,7 +150,7 @@ def run(quick: bool = False, *, items: tuple[int, ...] = (48, 256), steps: int |
         for label, per_step in refs.items():
             rows.append(_with_items(n, _row(label, per_step, oracle)))
         for label, options in CONFIGS.items():
-            rows.append(_with_items(n, _row(label, simulate_core(options, weights), oracle)))
+            rows.append(_with_items(n, _row(label, simulate_core(options, weights, jitter=jitter), oracle)))
     return rows
 
 
@@ -164,9 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--items", type=int, nargs="+", default=[48, 256])
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser.add_argument("--jitter", type=float, default=0.0, help="each item's time off by up to this share")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    rows = run(args.quick, items=tuple(args.items), steps=args.steps, seed=args.seed)
+    rows = run(args.quick, items=tuple(args.items), steps=args.steps, seed=args.seed, jitter=args.jitter)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

@@ -10,16 +10,19 @@ apart from its queues and accounting:
   run of puts wait in the shared queue (served FIFO to whoever asks) until every
   consumer of their key has a measured speed; then what waits there is placed at once,
   heaviest first, so a step is balanced from its first items on: no speed is guessed.
+  While a consumer's speed estimate still moves (by more than 10%: it rests on a few
+  items), what is placed and not sent yet is placed again (:func:`speed_changed`).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any
 
 from ._state import Handle, insert_by_id
 
-__all__ = ["steal", "speeds", "place_shared"]
+__all__ = ["steal", "speeds", "place_shared", "speed_changed", "REPLACE_CHANGE"]
 
 
 def speeds(handles: list[Handle]) -> list[float]:
@@ -51,23 +54,57 @@ def steal(core: Any, h: Handle, key: Any) -> bool:
     return True
 
 
-def place_shared(core: Any, key: Any) -> None:
+#: A consumer's speed estimate moved by more than this share since the items waiting for
+#: it were placed: they are placed again (early estimates rest on a few items).
+REPLACE_CHANGE = 0.1
+
+
+def place_shared(core: Any, key: Any, again: bool = False) -> None:
     """Place the items of ``key`` waiting in the shared queue with the batch policy, once
     every consumer of ``key`` has a measured speed (until then they stay: consumers
-    compete for them, and each one's first items measure it). Consumers that got items
-    and wait for them are served."""
+    compete for them, and each one's first items measure it); ``again``: the items
+    placed before and not sent yet too. Consumers that got items and wait are served."""
     members = core.consumers.get(key)
-    shared = core.shared.get(key)
-    if not shared or not members or not all(h.meter.value for h in members):
+    if not members or not all(h.meter.value for h in members):
         return
-    items = list(shared)
-    choices = core.guard.select_batch([it.info() for it in items], [h.snapshot() for h in members])
-    if choices is None:
-        return                  # (counted and logged once by the guard) they stay shared
-    shared.clear()
+    items = list(core.shared.get(key, ()))
+    if again:
+        for h in members:
+            mine = h.assigned.pop(key, ())
+            h.add_pending(-len(mine), -sum(it.weight for it in mine))
+            items.extend(mine)
+        items.sort(key=lambda it: it.id)
+    if not items:
+        return
+    now = core.clock()
+    choices = core.guard.select_batch([it.info() for it in items], [_ahead(h, now) for h in members])
+    if choices is None:         # (counted and logged once by the guard) they wait shared
+        core.shared[key] = collections.deque(items)
+        return
+    core.shared.pop(key, None)
     for item, i in zip(items, choices):
         h = members[i]
         insert_by_id(h.assigned, key, item)
         h.add_pending(1, item.weight)
     for h in members:
+        h.placed_speed = h.meter.value
         core._serve(h, key)
+
+
+def speed_changed(core: Any, h: Handle) -> None:
+    """``h`` reported finished work: on its first speed, place what waits for it; on a
+    speed that moved by more than :data:`REPLACE_CHANGE`, place again what is not sent."""
+    speed, placed = h.meter.value, h.placed_speed
+    if not speed or (placed and abs(speed - placed) <= REPLACE_CHANGE * placed):
+        return
+    for key in list(h.keys):
+        place_shared(core, key, again=placed is not None)
+
+
+def _ahead(h: Handle, now: float) -> Any:
+    """``h``'s snapshot with the work it has started counted as what is left of it:
+    pending weight less what its speed has done since its last items were sent."""
+    info = h.snapshot()
+    started = sum(it.weight for it in h.inflight.values()) + sum(it.weight for it in h.working.values())
+    done = min(started, h.meter.value * max(now - h.sent_at, 0.0)) if started else 0.0
+    return dataclasses.replace(info, pending_weight=max(info.pending_weight - done, 0.0)) if done else info

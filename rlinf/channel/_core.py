@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from ..util.bounded import Doubling, Recent
 from . import _lost
-from ._balance import place_shared, steal
+from ._balance import place_shared, speed_changed, steal
 from ._guard import PolicyGuard
 from ._pacing import Pacing, Staleness
 from ._snapshot import count_rate, snapshot
@@ -317,11 +317,9 @@ class ChannelCore:
             h.consumed_weight += weight
         if first is None or not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
             return
-        unmeasured = h.meter.value is None
         h.meter.update(weight, float(seconds))
-        if self.batching and unmeasured and h.meter.value:   # its first speed: what waited may be placed
-            for key in list(h.keys):
-                place_shared(self, key)
+        if self.batching:       # a first or a new speed: what waits may be placed (again)
+            speed_changed(self, h)
         now = self.clock()
         bucket = int(now / _BUSY_BUCKET)          # busy seconds per 1/4 s: a bounded window
         busy = h.busy
@@ -514,6 +512,7 @@ class ChannelCore:
                     fresh += 1
                     fresh_weight += item.weight
         if taken:       # what _dequeue_count does per item, once for the batch
+            h.sent_at = self.clock()
             n = len(taken)
             self.queued -= n
             self.queued_weight -= total

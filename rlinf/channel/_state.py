@@ -83,6 +83,8 @@ class Handle:
         self.busy_fraction = 0.0
         self.free_memory: int | None = None
         self.staleness: Any = None      # a _pacing.Staleness once it got a versioned item
+        self.placed_speed: float | None = None   # its speed when a batch policy last placed items (_balance)
+        self.sent_at = now              # when it was last sent items
 
     def __repr__(self) -> str:
         return f"<Handle {self.name} pending={self.pending_count} leased={self.leased}>"

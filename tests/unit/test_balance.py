@@ -110,3 +110,24 @@ def test_performance_aware_balances_every_step_from_the_first(items):
 def test_speed_blind_policies_do_not_balance_the_same_workload():
     """The same simulation tells balance apart: shortest queue ignores speed."""
     assert statistics.median(_steps("round_robin", 48, 4)) > 0.5
+
+
+def test_placed_items_are_placed_again_when_an_early_speed_estimate_moves():
+    """Estimates from one item are rough: when one moves by more than 10%, what was
+    placed and not sent is placed again with the new estimate."""
+    t = Harness(policy="performance_aware", work_stealing=False)
+    t.hello("p:0", "a:0", "b:0")
+    t.get("a:0")
+    t.get("b:0")
+    t.put("p:0", 1, 1)
+    t.items("a:0")
+    t.items("b:0")
+    t.ops("a:0", ("took", [1], False), ("done", [1], 1.0))       # a: 1/s
+    t.ops("b:0", ("took", [2], False), ("done", [2], 1.0))       # b: 1/s (says its first item)
+    t.put("p:0", *[1] * 8)                                      # placed 4 and 4
+    queued = lambda n: len(t.core.handles[(n, 1)].assigned.get(None, ()))   # noqa: E731
+    assert (queued("a:0"), queued("b:0")) == (4, 4)
+    t.get("b:0")
+    [[got]] = t.items("b:0")
+    t.ops("b:0", ("took", [got], False), ("done", [got], 0.1))    # b is much faster: 1 -> 3.7/s
+    assert (queued("a:0"), queued("b:0")) == (1, 6)               # the 7 not sent, placed again
