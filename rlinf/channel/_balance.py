@@ -22,7 +22,7 @@ from typing import Any
 
 from ._state import Handle, insert_by_id
 
-__all__ = ["steal", "speeds", "place_shared", "speed_changed", "REPLACE_CHANGE"]
+__all__ = ["steal", "speeds", "place_shared", "speed_changed", "REPLACE_CHANGE", "RATE_DECAY"]
 
 
 def speeds(handles: list[Handle]) -> list[float]:
@@ -57,6 +57,11 @@ def steal(core: Any, h: Handle, key: Any) -> bool:
 #: A consumer's speed estimate moved by more than this share since the items waiting for
 #: it were placed: they are placed again (early estimates rest on a few items).
 REPLACE_CHANGE = 0.1
+#: The batch placement's speed estimate: total weight over total seconds of a consumer's
+#: reports, each older report counting this much less. A ratio of sums weighs each item
+#: by its size (a rate, not an average of per-item rates) and settles after a few items,
+#: where noise in short items would keep an average of samples moving.
+RATE_DECAY = 0.95
 
 
 def place_shared(core: Any, key: Any, again: bool = False) -> None:
@@ -65,7 +70,7 @@ def place_shared(core: Any, key: Any, again: bool = False) -> None:
     compete for them, and each one's first items measure it); ``again``: the items
     placed before and not sent yet too. Consumers that got items and wait are served."""
     members = core.consumers.get(key)
-    if not members or not all(h.meter.value for h in members):
+    if not members or not all(h.rate[1] > 0 for h in members):
         return
     items = list(core.shared.get(key, ()))
     if again:
@@ -87,24 +92,32 @@ def place_shared(core: Any, key: Any, again: bool = False) -> None:
         insert_by_id(h.assigned, key, item)
         h.add_pending(1, item.weight)
     for h in members:
-        h.placed_speed = h.meter.value
+        h.placed_speed = h.rate[0] / h.rate[1]
         core._serve(h, key)
 
 
-def speed_changed(core: Any, h: Handle) -> None:
-    """``h`` reported finished work: on its first speed, place what waits for it; on a
-    speed that moved by more than :data:`REPLACE_CHANGE`, place again what is not sent."""
-    speed, placed = h.meter.value, h.placed_speed
-    if not speed or (placed and abs(speed - placed) <= REPLACE_CHANGE * placed):
+def speed_changed(core: Any, h: Handle, weight: float, seconds: float) -> None:
+    """``h`` reported ``weight`` done in ``seconds``: on its first speed, place what waits
+    for it; on a speed that moved by more than :data:`REPLACE_CHANGE`, place again what
+    is not sent."""
+    if weight <= 0 or seconds <= 0:
+        return
+    rate = h.rate
+    rate[0] = rate[0] * RATE_DECAY + weight
+    rate[1] = rate[1] * RATE_DECAY + seconds
+    speed, placed = rate[0] / rate[1], h.placed_speed
+    if placed and abs(speed - placed) <= REPLACE_CHANGE * placed:
         return
     for key in list(h.keys):
         place_shared(core, key, again=placed is not None)
 
 
 def _ahead(h: Handle, now: float) -> Any:
-    """``h``'s snapshot with the work it has started counted as what is left of it:
-    pending weight less what its speed has done since its last items were sent."""
+    """``h``'s snapshot with its speed as the batch placement estimates it (:data:`RATE_DECAY`)
+    and the work it has started counted as what is left of it: pending weight less what
+    its speed has done since its last items were sent."""
     info = h.snapshot()
+    speed = h.rate[0] / h.rate[1]
     started = sum(it.weight for it in h.inflight.values()) + sum(it.weight for it in h.working.values())
-    done = min(started, h.meter.value * max(now - h.sent_at, 0.0)) if started else 0.0
-    return dataclasses.replace(info, pending_weight=max(info.pending_weight - done, 0.0)) if done else info
+    done = min(started, speed * max(now - h.sent_at, 0.0)) if started else 0.0
+    return dataclasses.replace(info, pending_weight=max(info.pending_weight - done, 0.0), speed=speed)

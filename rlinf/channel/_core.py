@@ -319,7 +319,7 @@ class ChannelCore:
             return
         h.meter.update(weight, float(seconds))
         if self.batching:       # a first or a new speed: what waits may be placed (again)
-            speed_changed(self, h)
+            speed_changed(self, h, weight, float(seconds))
         now = self.clock()
         bucket = int(now / _BUSY_BUCKET)          # busy seconds per 1/4 s: a bounded window
         busy = h.busy

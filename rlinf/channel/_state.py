@@ -85,6 +85,7 @@ class Handle:
         self.staleness: Any = None      # a _pacing.Staleness once it got a versioned item
         self.placed_speed: float | None = None   # its speed when a batch policy last placed items (_balance)
         self.sent_at = now              # when it was last sent items
+        self.rate = [0.0, 0.0]          # decayed sums of weight done and its seconds (_balance)
 
     def __repr__(self) -> str:
         return f"<Handle {self.name} pending={self.pending_count} leased={self.leased}>"

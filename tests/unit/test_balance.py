@@ -114,7 +114,8 @@ def test_speed_blind_policies_do_not_balance_the_same_workload():
 
 def test_placed_items_are_placed_again_when_an_early_speed_estimate_moves():
     """Estimates from one item are rough: when one moves by more than 10%, what was
-    placed and not sent is placed again with the new estimate."""
+    placed and not sent is placed again with the new estimate (weight over seconds, older
+    reports decayed by 0.95 each)."""
     t = Harness(policy="performance_aware", work_stealing=False)
     t.hello("p:0", "a:0", "b:0")
     t.get("a:0")
@@ -129,5 +130,5 @@ def test_placed_items_are_placed_again_when_an_early_speed_estimate_moves():
     assert (queued("a:0"), queued("b:0")) == (4, 4)
     t.get("b:0")
     [[got]] = t.items("b:0")
-    t.ops("b:0", ("took", [got], False), ("done", [got], 0.1))    # b is much faster: 1 -> 3.7/s
-    assert (queued("a:0"), queued("b:0")) == (1, 6)               # the 7 not sent, placed again
+    t.ops("b:0", ("took", [got], False), ("done", [got], 0.1))    # b: (0.95 + 1) / (0.95 + 0.1) = 1.86/s
+    assert (queued("a:0"), queued("b:0")) == (2, 5)               # the 7 not sent, placed again
