@@ -34,6 +34,7 @@ except ImportError:  # run from a checkout without installing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import text_table  # noqa: E402
+from balance_sim import least_loaded, lpt_oracle  # noqa: E402
 
 __all__ = ["SPEEDS", "CONFIGS", "simulate_core", "lpt_oracle", "least_loaded", "run", "main"]
 
@@ -98,26 +99,6 @@ def simulate_core(options: dict, steps: list[list[float]], speeds: tuple[float, 
             core.handle_ops(names[i], 1, [("done", ids, seconds), ("get", next(rids), None, 1, None, None)])
         results.append((busy, now[0] - start))
     return results
-
-
-def lpt_oracle(weights: list[float], speeds: tuple[float, ...] = SPEEDS) -> list[float]:
-    """Busy time per consumer: longest item first, each to the consumer finishing it first."""
-    load = [0.0] * len(speeds)
-    for w in sorted(weights, reverse=True):
-        i = min(range(len(speeds)), key=lambda k: (load[k] + w / speeds[k], -speeds[k]))
-        load[i] += w / speeds[i]
-    return load
-
-
-def least_loaded(weights: list[float], speeds: tuple[float, ...] = SPEEDS) -> list[float]:
-    """Busy time per consumer: each item, in order, to the consumer with the fewest pending
-    items (all placed at put time, as RLinf's dispatcher does; ties: lowest index)."""
-    counts, load = [0] * len(speeds), [0.0] * len(speeds)
-    for w in weights:
-        i = min(range(len(speeds)), key=lambda k: (counts[k], k))
-        counts[i] += 1
-        load[i] += w / speeds[i]
-    return load
 
 
 def _row(label: str, per_step: list[tuple[list[float], float]], oracle: list[float]) -> dict:

@@ -43,6 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import Row, baseline_context, nested_object, print_rows, touch  # noqa: E402
+from balance_sim import lpt_oracle  # noqa: E402
 
 import rlinf  # noqa: E402
 from rlinf.control.client import run as run_loop  # noqa: E402
@@ -270,15 +271,6 @@ class LeastLoaded(rlinf.LoadBalancePolicy):
         return min(range(len(consumers)), key=lambda i: (consumers[i].pending_count, i))
 
 
-def lpt_makespan(weights: list[float]) -> float:
-    """The LPT oracle's step time (in weight / speed units)."""
-    ends = [0.0] * len(SPEEDS)
-    for w in sorted(weights, reverse=True):
-        i = min(range(len(SPEEDS)), key=lambda k: (ends[k] + w / SPEEDS[k], -SPEEDS[k]))
-        ends[i] += w / SPEEDS[i]
-    return max(ends)
-
-
 async def _q3_rlinf(steps: int, items: int, seed: int, step_seconds: float,
                     policies: tuple = POLICIES, prefetch: int = 0) -> dict[str, dict]:
     weights = _q3_weights(steps, items, seed)
@@ -295,7 +287,7 @@ async def _q3_rlinf(steps: int, items: int, seed: int, step_seconds: float,
             cluster.spawn(_q3_consumer, "learner", len(SPEEDS), args=(names, scale, prefetch)))
         for policy, ch in zip(policies[0], channels):
             out[policy] = await _q3_run(comm, ch, group, weights, scale)
-            out[policy]["oracle"] = [lpt_makespan(w) * scale for w in weights]
+            out[policy]["oracle"] = [max(lpt_oracle(w, SPEEDS)) * scale for w in weights]
         await group.join(timeout=120)
     return out
 
