@@ -8,7 +8,8 @@ apart from its queues and accounting:
 * :func:`place_shared`: with a *batch* policy (one that implements
   ``LoadBalancePolicy.assign_batch``, such as ``performance_aware``), the items of a
   run of puts wait in the shared queue (served FIFO to whoever asks) until every
-  consumer of their key has a measured speed; then what waits there is placed at once,
+  consumer of their key has a measured (or declared: ``comm.channel(name, speed=...)``)
+  speed; then what waits there is placed at once,
   heaviest first, so a step is balanced from its first items on: no speed is guessed.
   While a consumer's speed estimate still moves (by more than 10%: it rests on a few
   items), what is placed and not sent yet is placed again (:func:`speed_changed`).
@@ -26,10 +27,10 @@ __all__ = ["steal", "speeds", "place_shared", "speed_changed", "REPLACE_CHANGE",
 
 
 def speeds(handles: list[Handle]) -> list[float]:
-    """Measured speeds; the mean of the measured ones (else 1.0) for the others."""
-    known = [h.meter.value for h in handles if h.meter.value]
+    """Measured speeds (else declared ones); the mean of those (else 1.0) for the others."""
+    known = [h.meter.value or h.hint for h in handles if h.meter.value or h.hint]
     fallback = sum(known) / len(known) if known else 1.0
-    return [h.meter.value or fallback for h in handles]
+    return [h.meter.value or h.hint or fallback for h in handles]
 
 
 def steal(core: Any, h: Handle, key: Any) -> bool:
@@ -70,7 +71,7 @@ def place_shared(core: Any, key: Any, again: bool = False) -> None:
     compete for them, and each one's first items measure it); ``again``: the items
     placed before and not sent yet too. Consumers that got items and wait are served."""
     members = core.consumers.get(key)
-    if not members or not all(h.rate[1] > 0 for h in members):
+    if not members or not all(h.rate[1] > 0 or h.hint for h in members):
         return
     items = list(core.shared.get(key, ()))
     if again:
@@ -92,7 +93,7 @@ def place_shared(core: Any, key: Any, again: bool = False) -> None:
         insert_by_id(h.assigned, key, item)
         h.add_pending(1, item.weight)
     for h in members:
-        h.placed_speed = h.rate[0] / h.rate[1]
+        h.placed_speed = _speed(h)
         core._serve(h, key)
 
 
@@ -112,12 +113,17 @@ def speed_changed(core: Any, h: Handle, weight: float, seconds: float) -> None:
         place_shared(core, key, again=placed is not None)
 
 
+def _speed(h: Handle) -> float:
+    """The batch placement's speed of ``h``: measured (:data:`RATE_DECAY`), else declared."""
+    return h.rate[0] / h.rate[1] if h.rate[1] > 0 else h.hint
+
+
 def _ahead(h: Handle, now: float) -> Any:
     """``h``'s snapshot with its speed as the batch placement estimates it (:data:`RATE_DECAY`)
     and the work it has started counted as what is left of it: pending weight less what
     its speed has done since its last items were sent."""
     info = h.snapshot()
-    speed = h.rate[0] / h.rate[1]
+    speed = _speed(h)
     started = sum(it.weight for it in h.inflight.values()) + sum(it.weight for it in h.working.values())
     done = min(started, speed * max(now - h.sent_at, 0.0)) if started else 0.0
     return dataclasses.replace(info, pending_weight=max(info.pending_weight - done, 0.0), speed=speed)

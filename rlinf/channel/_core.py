@@ -164,13 +164,15 @@ class ChannelCore:
                 table.pop(key, None)
         self._keys_looked.looked(len(self.live))
 
-    def _hello(self, src: str, hid: int, rid: int, incarnation: str, node_id: str, name: str) -> Handle:
+    def _hello(self, src: str, hid: int, rid: int, incarnation: str, node_id: str, name: str,
+               speed: float | None = None) -> Handle:
         old = self.handles.get((src, hid))
         if old is not None:
             self.remove(old)
         if any(h.name == name for h in self.handles.values()):
             name = f"{name}#{hid}"
         h = self.handles[(src, hid)] = Handle(src, hid, incarnation, node_id, name, self.clock())
+        h.hint = float(speed) if isinstance(speed, (int, float)) and 0 < speed < math.inf else None
         lease = 0
         if self.maxsize and not self.closed:
             lease = min(self._free(), self._lease_batch())

@@ -86,6 +86,7 @@ class Handle:
         self.placed_speed: float | None = None   # its speed when a batch policy last placed items (_balance)
         self.sent_at = now              # when it was last sent items
         self.rate = [0.0, 0.0]          # decayed sums of weight done and its seconds (_balance)
+        self.hint: float | None = None  # the speed it declared, until measured
 
     def __repr__(self) -> str:
         return f"<Handle {self.name} pending={self.pending_count} leased={self.leased}>"
@@ -106,7 +107,7 @@ class Handle:
 
     def snapshot(self) -> ConsumerInfo:
         return ConsumerInfo(self.name, self.node_id, self.pending_count, self.pending_weight,
-                            self.consumed_count, self.consumed_weight, self.meter.value,
+                            self.consumed_count, self.consumed_weight, self.meter.value or self.hint,
                             self.busy_fraction, self.free_memory, self.waiting)
 
 

@@ -53,6 +53,9 @@ class Channel(HandleBase):
             GPU tensors of an item (queued by the channel in host memory) are then copied
             to this process's current CUDA device ahead of time, off ``get``'s path.
             Needs ``prefetch`` > 0; an item that cannot be decoded fails its ``get``.
+        speed: this consumer's expected speed (weight per second), a hint: the balancing
+            policies use it until they have measured the consumer (``performance_aware``
+            then places items at once, without waiting for a first measurement).
     """
 
     def __repr__(self) -> str:
@@ -76,7 +79,7 @@ class Channel(HandleBase):
         _track(core, self)
         self._reader = self._loop.create_task(self._read(), name=f"rlinf-channel-{self.name}-{self._hid}")
         node = core.info.node_id if core.info is not None else ""
-        reply = self._call_start("hello", core.incarnation, node, self._consumer_name())
+        reply = self._call_start("hello", core.incarnation, node, self._consumer_name(), self._speed)
         self.info = await self._await_call(reply, timeout, "open")
         self._maxsize = self.info["maxsize"]
         self._credits += self.info["lease"]
@@ -570,7 +573,8 @@ def _close_handles(core: Core) -> None:
 
 # -- creating and finding channels -------------------------------------------------------------
 async def open_channel(comm: HasCore, name: str, *, timeout: float | None = 30.0, prefetch: int = 0,
-                       free_memory: Callable[[], int | None] | None = None, decode_ahead: bool = False) -> Channel:
+                       free_memory: Callable[[], int | None] | None = None, decode_ahead: bool = False,
+                       speed: float | None = None) -> Channel:
     """A handle to the channel ``name``, waiting up to ``timeout`` for it to appear
     (None: ``RLINF_TIMEOUT`` if set, else forever).
 
@@ -580,13 +584,14 @@ async def open_channel(comm: HasCore, name: str, *, timeout: float | None = 30.0
     """
     timeout = comm.internal.timeout_of(timeout)
     return await Channel(comm, name, prefetch=prefetch, free_memory=free_memory,
-                         decode_ahead=decode_ahead)._open(timeout)
+                         decode_ahead=decode_ahead, speed=speed)._open(timeout)
 
 
 async def create_channel(comm: HasCore, name: str, *, maxsize: int = 0, policy: Any = "fifo", in_process: bool = False,
                          work_stealing: bool | None = None, timeout: float | None = 60.0, prefetch: int = 0,
                          free_memory: Callable[[], int | None] | None = None, decode_ahead: bool = False,
-                         max_staleness: int | None = None, batch_size: int | None = None) -> Channel:
+                         max_staleness: int | None = None, batch_size: int | None = None,
+                         speed: float | None = None) -> Channel:
     """Start channel ``name`` (in a new process on this node, or in this loop with
     ``in_process=True``) and return a handle to it. It lives until it is closed and
     drained, or until ``comm`` closes (which stops it).
@@ -645,7 +650,7 @@ async def create_channel(comm: HasCore, name: str, *, maxsize: int = 0, policy: 
         core.add_closer(process.stop)
         await process.wait_ready(timeout)
     return await open_channel(comm, name, timeout=timeout, prefetch=prefetch, free_memory=free_memory,
-                              decode_ahead=decode_ahead)
+                              decode_ahead=decode_ahead, speed=speed)
 
 
 async def _close_when_done(server: ChannelServer) -> None:

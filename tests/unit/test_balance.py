@@ -132,3 +132,17 @@ def test_placed_items_are_placed_again_when_an_early_speed_estimate_moves():
     [[got]] = t.items("b:0")
     t.ops("b:0", ("took", [got], False), ("done", [got], 0.1))    # b: (0.95 + 1) / (0.95 + 0.1) = 1.86/s
     assert (queued("a:0"), queued("b:0")) == (2, 5)               # the 7 not sent, placed again
+
+
+def test_a_declared_speed_places_items_before_any_measurement():
+    t = Harness(policy="performance_aware")
+    for name, speed in (("p:0", None), ("a:0", 1.0), ("b:0", 3.0)):
+        t.core.handle_ops(name, 1, [("hello", 1, "inc-" + name, "node", name, speed)])
+        t.drain(name)
+    t.get("a:0")
+    t.get("b:0")
+    t.put("p:0", *[1] * 8)                          # placed at once: 2 and 6 (b is 3x faster)
+    assert t.items("a:0") == [[4]] and t.items("b:0") == [[1]]     # LPT: a gets items 4 and 8
+    queued = [len(t.core.handles[(n, 1)].assigned.get(None, ())) for n in ("a:0", "b:0")]
+    assert queued == [1, 5] and not t.core.shared.get(None)
+    assert ChannelStats.from_dict(t.core.stats()).consumer("b:0").speed is None   # stats: measured only
