@@ -514,7 +514,8 @@ class ChannelCore:
                     fresh += 1
                     fresh_weight += item.weight
         if taken:       # what _dequeue_count does per item, once for the batch
-            h.sent_at = self.clock()
+            if self.batching:        # when its work started (_balance counts what is left)
+                h.sent_at = self.clock()
             n = len(taken)
             self.queued -= n
             self.queued_weight -= total
