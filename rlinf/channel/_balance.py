@@ -23,7 +23,7 @@ from typing import Any
 
 from ._state import Handle, insert_by_id
 
-__all__ = ["steal", "speeds", "place_shared", "speed_changed", "REPLACE_CHANGE", "RATE_DECAY"]
+__all__ = ["steal", "speeds", "place_shared", "speed_changed", "REPLACE_CHANGE", "REPLACE_MAX", "RATE_DECAY"]
 
 
 def speeds(handles: list[Handle]) -> list[float]:
@@ -58,6 +58,9 @@ def steal(core: Any, h: Handle, key: Any) -> bool:
 #: A consumer's speed estimate moved by more than this share since the items waiting for
 #: it were placed: they are placed again (early estimates rest on a few items).
 REPLACE_CHANGE = 0.1
+#: ... unless more than this many items are placed and not sent (placing again costs the
+#: channel process time per item; stealing still repairs the end of a long backlog).
+REPLACE_MAX = 4096
 #: The batch placement's speed estimate: total weight over total seconds of a consumer's
 #: reports, each older report counting this much less. A ratio of sums weighs each item
 #: by its size (a rate, not an average of per-item rates) and settles after a few items,
@@ -74,7 +77,7 @@ def place_shared(core: Any, key: Any, again: bool = False) -> None:
     if not members or not all(h.rate[1] > 0 or h.hint for h in members):
         return
     items = list(core.shared.get(key, ()))
-    if again:
+    if again and sum(len(h.assigned.get(key, ())) for h in members) <= REPLACE_MAX:
         for h in members:
             mine = h.assigned.pop(key, ())
             h.add_pending(-len(mine), -sum(it.weight for it in mine))
