@@ -27,7 +27,7 @@ from ..util.bounded import Doubling, Recent
 from . import _lost
 from ._balance import place_shared, speed_changed, steal
 from ._guard import PolicyGuard
-from ._pacing import Pacing, Staleness
+from ._pacing import Pacing
 from ._snapshot import count_rate, snapshot
 from ._state import Handle, Item, Request, insert_by_id
 from .policies import ItemInfo, LoadBalancePolicy, make_policy
