@@ -23,7 +23,8 @@ from typing import Any
 
 from ._state import Handle, insert_by_id
 
-__all__ = ["steal", "speeds", "place_shared", "speed_changed", "REPLACE_CHANGE", "REPLACE_MAX", "RATE_DECAY"]
+__all__ = ["steal", "speeds", "place_shared", "speed_changed", "REPLACE_CHANGE", "REPLACE_TAIL", "REPLACE_MAX",
+           "RATE_DECAY"]
 
 
 def speeds(handles: list[Handle]) -> list[float]:
@@ -58,6 +59,11 @@ def steal(core: Any, h: Handle, key: Any) -> bool:
 #: A consumer's speed estimate moved by more than this share since the items waiting for
 #: it were placed: they are placed again (early estimates rest on a few items).
 REPLACE_CHANGE = 0.1
+#: At the end of a backlog (at most this many items placed and not sent), what waits is
+#: placed again on every report: with what each consumer has left of its work, so the
+#: last items go where they end soonest (items that take longer or shorter than their
+#: weight says, on a loaded machine, are made up for while there is still time).
+REPLACE_TAIL = 64
 #: ... unless more than this many items are placed and not sent (placing again costs the
 #: channel process time per item; stealing still repairs the end of a long backlog).
 REPLACE_MAX = 4096
@@ -102,18 +108,18 @@ def place_shared(core: Any, key: Any, again: bool = False) -> None:
 
 def speed_changed(core: Any, h: Handle, weight: float, seconds: float) -> None:
     """``h`` reported ``weight`` done in ``seconds``: on its first speed, place what waits
-    for it; on a speed that moved by more than :data:`REPLACE_CHANGE`, place again what
-    is not sent."""
+    for it; on a speed that moved by more than :data:`REPLACE_CHANGE`, or while at most
+    :data:`REPLACE_TAIL` items wait placed, place again what is not sent."""
     if weight <= 0 or seconds <= 0:
         return
     rate = h.rate
     rate[0] = rate[0] * RATE_DECAY + weight
     rate[1] = rate[1] * RATE_DECAY + seconds
     speed, placed = rate[0] / rate[1], h.placed_speed
-    if placed and abs(speed - placed) <= REPLACE_CHANGE * placed:
-        return
+    moved = not placed or abs(speed - placed) > REPLACE_CHANGE * placed
     for key in list(h.keys):
-        place_shared(core, key, again=placed is not None)
+        if moved or sum(len(m.assigned.get(key, ())) for m in core.consumers.get(key, ())) <= REPLACE_TAIL:
+            place_shared(core, key, again=placed is not None)
 
 
 def _speed(h: Handle) -> float:
