@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["Row", "nested_object", "median_time", "print_rows", "machine", "baseline_context"]
+__all__ = ["Row", "nested_object", "median_time", "print_rows", "machine", "baseline_context", "text_table"]
 
 
 @dataclass
@@ -123,6 +123,20 @@ def fmt(value: float | None, unit: str) -> str:
     if unit == "msg/s":
         return f"{value / 1e3:.0f}k msg/s"
     return f"{value:.3g} {unit}"
+
+
+def text_table(columns: list[tuple[str, str]], rows: list[dict]) -> str:
+    """``rows`` as a fixed-width table: ``columns`` are (header, format) pairs, the format
+    a ``str.format`` template of one row's fields, e.g. ``("vs sync", "{vs_sync:.2f}x")``;
+    each column is as wide as its widest cell; text left-aligned, numbers right-aligned."""
+    cells = [[template.format(**row) for _, template in columns] for row in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _) in enumerate(columns)]
+    text = [not any(ch.isdigit() for c in cells for ch in c[i][:1]) for i in range(len(columns))]
+
+    def line(parts: list[str]) -> str:
+        return " ".join(p.ljust(w) if left else p.rjust(w) for p, w, left in zip(parts, widths, text))
+    header = line([h for h, _ in columns])
+    return "\n".join([header, "-" * len(header), *(line(c) for c in cells)])
 
 
 def print_rows(title: str, rows: list[Row]) -> None:

@@ -14,6 +14,10 @@ never reordered within a step.
 
 FIFO does not pre-assign; competing consumers behave like greedy list scheduling: each
 item goes to the consumer that becomes free first, which is how it is modelled here.
+Policies place one item at a time here (``select_consumer``); the channel's batch
+placement and work stealing (``performance_aware``'s defaults) run in
+``balance_core_sim.py``, which drives the real channel core. References: RLinf's
+least-loaded dispatch (fewest pending items) and the LPT oracle.
 
 Run:  python benchmarks/balance_sim.py [--quick] [--seed N] [--steps N] [--items N]
 """
@@ -33,7 +37,8 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from rlinf.channel.policies import ConsumerInfo, ItemInfo, SpeedMeter, make_policy, select_checked
 
-__all__ = ["SPEEDS", "POLICIES", "TARGET_IMBALANCE", "make_steps", "simulate", "run", "main"]
+__all__ = ["SPEEDS", "POLICIES", "TARGET_IMBALANCE", "make_steps", "simulate", "lpt_oracle", "least_loaded", "run",
+           "main"]
 
 SPEEDS: tuple[float, ...] = (1.0, 1.0, 2.0, 4.0)
 POLICIES: tuple[str, ...] = (
@@ -56,6 +61,32 @@ def make_steps(steps: int, items: int, seed: int, sigma: float = 1.0) -> list[li
 def _imbalance(busy: list[float]) -> float:
     mean = statistics.fmean(busy)
     return (max(busy) - min(busy)) / mean if mean > 0 else 0.0
+
+
+def lpt_oracle(weights: list[float], speeds: tuple[float, ...] = SPEEDS) -> list[float]:
+    """Busy time per consumer of the LPT oracle: longest item first, each to the consumer
+    that finishes it first, knowing every weight and speed (reorders the step: a
+    reference no channel reaches)."""
+    load = [0.0] * len(speeds)
+    for w in sorted(weights, reverse=True):
+        i = min(range(len(speeds)), key=lambda k: (load[k] + w / speeds[k], -speeds[k]))
+        load[i] += w / speeds[i]
+    return load
+
+
+def least_loaded(weights: list[float], speeds: tuple[float, ...] = SPEEDS) -> list[float]:
+    """Busy time per consumer of RLinf's least-loaded dispatch: each item, in order, to
+    the consumer with the fewest pending items (all placed at put time; ties: the first)."""
+    counts, load = [0] * len(speeds), [0.0] * len(speeds)
+    for w in weights:
+        i = min(range(len(speeds)), key=lambda k: (counts[k], k))
+        counts[i] += 1
+        load[i] += w / speeds[i]
+    return load
+
+
+#: References beside the policies: name -> busy per consumer for one step's weights.
+REFERENCES = {"least_loaded (RLinf)": least_loaded, "lpt_oracle": lpt_oracle}
 
 
 def _simulate_fifo(weights: list[list[float]], speeds: tuple[float, ...]) -> list[list[float]]:
@@ -131,6 +162,8 @@ def simulate(name: str, weights: list[list[float]], speeds: tuple[float, ...] = 
     """
     if name == "fifo":
         busy_per_step = _simulate_fifo(weights, speeds)
+    elif name in REFERENCES:
+        busy_per_step = [REFERENCES[name](step, speeds) for step in weights]
     else:
         busy_per_step = _simulate_assigning(name, weights, speeds)
     imbalances = [_imbalance(b) for b in busy_per_step]
@@ -173,7 +206,7 @@ def run(
     n_steps = steps if steps is not None else (8 if quick else 20)
     weights = make_steps(n_steps, items, seed, sigma)
     rows = []
-    for name in POLICIES:
+    for name in (*POLICIES, *REFERENCES):
         row = simulate(name, weights, SPEEDS)
         row.update(
             seed=seed,
@@ -225,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     print("imbalance = (max busy - min busy) / mean busy per step; medians over steps")
     print("step 1 has no speed measurements yet, so performance_aware starts speed-blind (max imb)\n")
     print(format_table(rows))
-    best = min(rows, key=lambda r: r["median_imbalance"])
+    best = min((r for r in rows if r["policy"] not in REFERENCES), key=lambda r: r["median_imbalance"])
     verdict = "meets" if best["meets_target"] else "MISSES"
     print(
         f"\nbest: {best['policy']} at {best['median_imbalance']:.1%} median imbalance "

@@ -15,6 +15,10 @@ Q3: 4 consumer processes with speeds 1, 1, 2, 4 (weight units per second, scaled
     seeded); a consumer "works" an item for weight / speed (time.sleep) and gets one item
     at a time (prefetch=0). Per step: imbalance = (max busy - min busy) / mean busy and
     the step time; medians over the steps, per policy.
+Q3b (``--only q3b``): the same per step, first step included, with 48 items per step
+    (0.5 s) and 256 (0.5 s, where a fast consumer's items take ~1 ms, and 2 s), for fifo, RLinf's least-loaded dispatch (:class:`LeastLoaded`, fewest pending
+    items) and performance_aware; step time against the LPT oracle (longest item first
+    to the consumer that finishes it first, knowing every weight and speed).
 
 ``--quick`` (what ``rlinf bench --quick`` and the test suite run) sends fewer items,
 times fewer Q2 items and Q3 steps (3 steps of 128 items, ~0.2 s), makes Q2's object of
@@ -39,6 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import Row, baseline_context, nested_object, print_rows, touch  # noqa: E402
+from balance_sim import lpt_oracle  # noqa: E402
 
 import rlinf  # noqa: E402
 from rlinf.control.client import run as run_loop  # noqa: E402
@@ -230,10 +235,10 @@ def _memcpy_time(nbytes: int, reps: int) -> float:
 
 
 # ------------------------------------------------------------------------------------ Q3
-async def _q3_consumer(comm, names: list[str], scale: float):
+async def _q3_consumer(comm, names: list[str], scale: float, prefetch: int = 0):
     speed = SPEEDS[int(comm.address.rsplit(":", 1)[1])]
     for name in names:
-        ch = await comm.channel(name, timeout=120)
+        ch = await comm.channel(name, timeout=120, prefetch=prefetch)
         work = ch.async_get()                          # join before the first step starts
         await ch.stats(timeout=60)
         await comm.send("attached", "driver:0", tag=2)
@@ -256,20 +261,33 @@ def _q3_weights(steps: int, items: int, seed: int) -> list[list[float]]:
     return [[rng.lognormvariate(0.0, 1.0) for _ in range(items)] for _ in range(steps)]
 
 
-async def _q3_rlinf(steps: int, items: int, seed: int, step_seconds: float) -> dict[str, dict]:
+class LeastLoaded(rlinf.LoadBalancePolicy):
+    """RLinf's least-loaded dispatch, a reference: each item to the consumer with the
+    fewest pending items (ties: the first)."""
+
+    name = "least_loaded"
+
+    def select_consumer(self, item, consumers):
+        return min(range(len(consumers)), key=lambda i: (consumers[i].pending_count, i))
+
+
+async def _q3_rlinf(steps: int, items: int, seed: int, step_seconds: float,
+                    policies: tuple = POLICIES, prefetch: int = 0) -> dict[str, dict]:
     weights = _q3_weights(steps, items, seed)
     mean_step_units = statistics.fmean(sum(w) for w in weights) / sum(SPEEDS)
     scale = step_seconds / mean_step_units
     out = {}
-    names = [f"q3-{p}" for p in POLICIES]
+    policies = tuple(p if isinstance(p, str) else p.name for p in policies), policies
+    names = [f"q3-{p}" for p in policies[0]]
     async with rlinf.Cluster() as cluster, cluster.connect("driver:0") as comm:
         # the channel processes and the learners all start at once, before anything is timed
         # (a learner waits for each channel by name)
         channels, group = await asyncio.gather(
-            asyncio.gather(*(comm.create_channel(name, policy=policy) for policy, name in zip(POLICIES, names))),
-            cluster.spawn(_q3_consumer, "learner", len(SPEEDS), args=(names, scale)))
-        for policy, ch in zip(POLICIES, channels):
+            asyncio.gather(*(comm.create_channel(name, policy=policy) for policy, name in zip(policies[1], names))),
+            cluster.spawn(_q3_consumer, "learner", len(SPEEDS), args=(names, scale, prefetch)))
+        for policy, ch in zip(policies[0], channels):
             out[policy] = await _q3_run(comm, ch, group, weights, scale)
+            out[policy]["oracle"] = [max(lpt_oracle(w, SPEEDS)) * scale for w in weights]
         await group.join(timeout=120)
     return out
 
@@ -294,7 +312,7 @@ async def _q3_run(comm, ch, group, weights, scale) -> dict:
     stats = await ch.stats()
     await ch.close()
     return {"imbalance": statistics.median(imbalances), "max_imbalance": max(imbalances),
-            "step_time": statistics.median(step_times), "ideal": statistics.median(ideal),
+            "step_time": statistics.median(step_times), "ideal": statistics.median(ideal), "step_times": step_times,
             "imbalances": imbalances, "stats": str(stats)}
 
 
@@ -306,8 +324,10 @@ def run(quick: bool = False, only: str = "q1,q2,q3") -> list[Row]:
         rows += _run_q1(n, None if quick else min(n, 2000))
     if "q2" in only:
         rows += _run_q2(quick)
-    if "q3" in only:
+    if "q3" in only.replace("q3b", ""):
         rows += _run_q3(quick)
+    if "q3b" in only:
+        rows += _run_q3b(quick)
     return rows
 
 
@@ -358,10 +378,27 @@ def _run_q3(quick: bool) -> list[Row]:
     return rows
 
 
+def _run_q3b(quick: bool) -> list[Row]:
+    rows = []
+    for items, seconds in ((48, 0.5), (256, 0.5), (256, 2.0)):
+        q3 = run_loop(_q3_rlinf(3 if quick else 10, items, 20240601, seconds, ("fifo", LeastLoaded, "performance_aware")))
+        items = f"{items} in {seconds:g} s"
+        for policy, r in q3.items():
+            vs = [t / o for t, o in zip(r["step_times"], r["oracle"])]
+            print(f"Q3b {items}/step {policy}: steps {[f'{x:.0%}' for x in r['imbalances']]}, step time "
+                  f"{statistics.median(vs):.2f}x LPT (worst {max(vs):.2f}x)", file=sys.stderr)
+            rows.append(Row(f"Q3b {items}/step worst step imbalance, {policy}", r["max_imbalance"] * 100, "-", None,
+                            "%", False, "<= 15%", f"first {r['imbalances'][0]:.0%}, median {r['imbalance']:.1%}"))
+            rows.append(Row(f"Q3b {items}/step step time, {policy}", statistics.median(r["step_times"]),
+                            "LPT oracle", statistics.median(r["oracle"]), "s", False,
+                            "<= 1.10x" if policy == "performance_aware" else "", f"worst step {max(vs):.2f}x LPT"))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", default="q1,q2,q3", help="comma-separated subset of q1,q2,q3")
+    parser.add_argument("--only", default="q1,q2,q3", help="comma-separated subset of q1,q2,q3,q3b")
     args = parser.parse_args()
     print_rows("Channel (Q1-Q3)", run(args.quick, args.only))
 

@@ -25,7 +25,10 @@ from typing import Any, Callable
 
 from ..util.bounded import Doubling, Recent
 from . import _lost
+from ._balance import place_shared, speed_changed, steal
 from ._guard import PolicyGuard
+from ._pacing import Pacing
+from ._snapshot import count_rate, snapshot
 from ._state import Handle, Item, Request, insert_by_id
 from .policies import ItemInfo, LoadBalancePolicy, make_policy
 
@@ -33,7 +36,6 @@ __all__ = ["ChannelCore"]
 
 _BUSY_WINDOW = 10.0
 _BUSY_BUCKET = 0.25
-_RATE_WINDOW = 5
 
 
 class ChannelCore:
@@ -44,18 +46,23 @@ class ChannelCore:
         maxsize: bound on items waiting in the channel (0: unbounded).
         policy: a policy spec for :func:`~rlinf.channel.policies.make_policy`.
         work_stealing: let a consumer with nothing to do take the last item assigned to
-            the consumer expected to finish last, when it would finish it sooner.
+            the consumer expected to finish last, when it would finish it sooner (None:
+            the policy's default, ``LoadBalancePolicy.steals``).
+        max_staleness, batch_size: the staleness bound and pacing (:mod:`._pacing`).
         send: ``send(handle, op)`` delivers one op (a tuple) to a handle.
         clock: monotonic clock in seconds (injectable for tests).
     """
 
-    def __init__(self, name: str, *, maxsize: int = 0, policy: Any = "fifo", work_stealing: bool = False,
+    def __init__(self, name: str, *, maxsize: int = 0, policy: Any = "fifo", work_stealing: bool | None = None,
+                 max_staleness: int | None = None, batch_size: int | None = None,
                  send: Callable[[Handle, tuple], None], clock: Callable[[], float] = time.monotonic) -> None:
         self.name = name
         self.maxsize = maxsize
         self.policy: LoadBalancePolicy = make_policy(policy)
         self.guard = PolicyGuard(name, self.policy)     # counts (stats) and logs its failures
-        self.work_stealing = work_stealing
+        self.work_stealing = self.policy.steals if work_stealing is None else work_stealing
+        # a batch policy: a run of puts is placed at once, after it is applied (_balance)
+        self.batching = type(self.policy).assign_batch is not LoadBalancePolicy.assign_batch
         self.send = send
         self.clock = clock
         self.started = clock()
@@ -81,6 +88,7 @@ class ChannelCore:
         self._deferred: set | None = None   # keys to serve once the current batch is applied
         self._keys_looked = Doubling()       # when to forget idle keys again (_forget_idle_keys)
         self.forgotten = Recent()            # (src, hid) -> the Handle forgotten while taken for lost
+        self.pacing = Pacing(max_staleness, batch_size, lambda h, rid, value: send(h, ("reply", rid, value)))
 
     def __repr__(self) -> str:
         return (f"<ChannelCore {self.name} queued={self.queued} live={self.live_total} "
@@ -117,6 +125,8 @@ class ChannelCore:
                     while j < n and ops[j][0] == "put":
                         j += 1
                     self._puts(h, ops, i, j)
+                    for key in deferred if self.batching else ():   # placed before the next op
+                        place_shared(self, key)
                     i = j
                     continue
                 method = self._OPS.get(kind)
@@ -127,6 +137,8 @@ class ChannelCore:
         finally:
             self._deferred = None
             for key in deferred:
+                if self.batching:
+                    place_shared(self, key)
                 self._serve_wanting(key)
         self._grant()
         if self._keys_looked.due(len(self.live)):
@@ -147,24 +159,29 @@ class ChannelCore:
                 h.requests.pop(key, None)
                 h.assigned.pop(key, None)
                 h.credit.pop(key, None)
-            for table in (self.shared, self.consumers, self.wanting, self.key_len, self.key_weight, self.live):
+            for table in (self.shared, self.consumers, self.wanting, self.key_len, self.key_weight, self.live,
+                          self.pacing.stale_by_key):
                 table.pop(key, None)
         self._keys_looked.looked(len(self.live))
 
-    def _hello(self, src: str, hid: int, rid: int, incarnation: str, node_id: str, name: str) -> Handle:
+    def _hello(self, src: str, hid: int, rid: int, incarnation: str, node_id: str, name: str,
+               speed: float | None = None) -> Handle:
         old = self.handles.get((src, hid))
         if old is not None:
             self.remove(old)
         if any(h.name == name for h in self.handles.values()):
             name = f"{name}#{hid}"
         h = self.handles[(src, hid)] = Handle(src, hid, incarnation, node_id, name, self.clock())
+        h.hint = float(speed) if isinstance(speed, (int, float)) and 0 < speed < math.inf else None
         lease = 0
         if self.maxsize and not self.closed:
             lease = min(self._free(), self._lease_batch())
             h.leased = max(lease, 0)
             self.leased_total += h.leased
         self.send(h, ("info", rid, {"maxsize": self.maxsize, "policy": self.policy.name,
-                                    "closed": self.closed, "lease": h.leased, "name": h.name}))
+                                    "closed": self.closed, "lease": h.leased, "name": h.name,
+                                    "max_staleness": self.pacing.max_staleness,
+                                    "batch_size": self.pacing.batch_size}))
         return h
 
     def _puts(self, h: Handle, ops: list, start: int, stop: int) -> None:
@@ -178,7 +195,9 @@ class ChannelCore:
         live = self.live
         try:
             for index in range(start, stop):
-                _kind, key, weight, nbytes, payload = ops[index]
+                op = ops[index]      # ("put", key, weight, nbytes, payload[, version, admission])
+                _kind, key, weight, nbytes, payload = op[:5]
+                version = self.pacing.put(h, op[5], op[6]) if len(op) > 5 else None
                 if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
                     raise ValueError(f"bad weight {weight!r}")
                 if h.leased > 0:
@@ -187,7 +206,7 @@ class ChannelCore:
                 if self.closed:
                     rejected += 1
                     continue
-                item = Item(self.next_id, float(weight), key, payload, int(nbytes), h.src)
+                item = Item(self.next_id, float(weight), key, payload, int(nbytes), h.src, version)
                 live[key] += 1            # (an unhashable key fails here, before anything changed)
                 self.next_id += 1
                 self.live_total += 1
@@ -301,6 +320,8 @@ class ChannelCore:
         if first is None or not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
             return
         h.meter.update(weight, float(seconds))
+        if self.batching:       # a first or a new speed: what waits may be placed (again)
+            speed_changed(self, h, weight, float(seconds))
         now = self.clock()
         bucket = int(now / _BUSY_BUCKET)          # busy seconds per 1/4 s: a bounded window
         busy = h.busy
@@ -332,7 +353,10 @@ class ChannelCore:
     # ("put" runs are applied by _puts)
     _OPS = {"want": _op_want, "ret": _op_ret, "get": _op_get, "credit": _op_credit,
             "cancel": _op_cancel, "took": _op_took, "unget": _op_unget, "done": _op_done,
-            "close": _op_close, "stats": _op_stats, "sync": _op_sync, "bye": _op_bye}
+            "close": _op_close, "stats": _op_stats, "sync": _op_sync, "bye": _op_bye,
+            "advance": lambda self, h, rid, v: self.send(h, ("reply", rid, self.pacing.advance(int(v)))),
+            "admit": lambda self, h, rid, v: self.pacing.admit(h, int(rid), int(v)),
+            "release": lambda self, h, rid: self.pacing.release(h, int(rid))}
 
     # -- membership ------------------------------------------------------------------------
     def _join(self, h: Handle, key: Any, memory: int | None) -> None:
@@ -395,6 +419,7 @@ class ChannelCore:
         self.leave_keys(h)
         h.requests.clear()
         h.credit.clear()
+        self.pacing.forget(h)
         back.sort(key=lambda it: it.id)
         self._requeue(back)
         for key in list(self.live):
@@ -409,7 +434,7 @@ class ChannelCore:
         self.key_len[key] += 1
         self.key_weight[key] += item.weight
         members = self.consumers.get(key)
-        if self.policy.assigns and members:
+        if self.policy.assigns and members and not (self.batching and self._deferred is not None):
             # None: the policy failed (counted, logged once); the item goes to the shared queue
             choice = self.guard.select(item.info(), [c.snapshot() for c in members])
             if choice is not None:
@@ -442,29 +467,6 @@ class ChannelCore:
         if self.queued == 0:
             self.queued_weight = 0.0
 
-    def _steal(self, h: Handle, key: Any) -> bool:
-        victims = [v for v in self.consumers.get(key, ()) if v is not h and v.assigned.get(key)]
-        if not victims:
-            return False
-        speeds = self._speeds([h, *victims])
-        ends = [v.pending_weight / speeds[i + 1] for i, v in enumerate(victims)]
-        best = max(range(len(victims)), key=lambda i: ends[i])
-        victim = victims[best]
-        item = victim.assigned[key][-1]
-        if (h.pending_weight + item.weight) / speeds[0] >= ends[best]:
-            return False   # it would not finish sooner here
-        victim.assigned[key].pop()
-        victim.add_pending(-1, -item.weight)
-        h.assigned.setdefault(key, collections.deque()).append(item)
-        h.add_pending(1, item.weight)
-        self.requeued += 1
-        return True
-
-    def _speeds(self, handles: list[Handle]) -> list[float]:
-        known = [h.meter.value for h in handles if h.meter.value]
-        fallback = sum(known) / len(known) if known else 1.0
-        return [h.meter.value or fallback for h in handles]
-
     def _collect(self, h: Handle, key: Any, max_items: int, target: float | None) -> list[Item]:
         """Take the items ``h`` gets next for ``key`` and put them in flight to it.
 
@@ -479,13 +481,14 @@ class ChannelCore:
         fresh, fresh_weight = 0, 0.0        # from the shared queue: newly pending on h
         inflight = h.inflight
         full = False
+        floor = self.pacing.floor
         while not full and not (max_items and len(taken) >= max_items):
             mine, shared = h.assigned.get(key), self.shared.get(key)
             if mine and shared:     # a run from the older head, up to the other's head
                 source, bound = (mine, shared[0].id) if mine[0].id < shared[0].id else (shared, mine[0].id)
             elif mine or shared:
                 source, bound = mine or shared, None
-            elif self.work_stealing and self._steal(h, key):
+            elif self.work_stealing and steal(self, h, key):
                 continue
             else:
                 break
@@ -494,6 +497,10 @@ class ChannelCore:
                 item = source[0]
                 if bound is not None and item.id > bound:
                     break
+                if floor is not None and item.version is not None and item.version < floor:
+                    source.popleft()        # too old to be trained on: dropped, counted
+                    self._drop_stale(h, item, not from_shared)
+                    continue
                 if taken and ((max_items and len(taken) >= max_items)
                               or (target is not None and total + item.weight > target)):
                     full = True
@@ -507,6 +514,8 @@ class ChannelCore:
                     fresh += 1
                     fresh_weight += item.weight
         if taken:       # what _dequeue_count does per item, once for the batch
+            if self.batching:        # when its work started (_balance counts what is left)
+                h.sent_at = self.clock()
             n = len(taken)
             self.queued -= n
             self.queued_weight -= total
@@ -521,7 +530,18 @@ class ChannelCore:
             self.get_count += n
             self.bytes_out += nbytes
             self._count_rate(1, n)
+            if self.pacing.versioned:
+                self.pacing.handed(h, taken)
         return taken
+
+    def _drop_stale(self, h: Handle, item: Item, assigned: bool) -> None:
+        """``item`` (just taken off a queue of ``h``'s, ``assigned`` to it or shared) is
+        older than the staleness bound: it leaves the channel without being handed out."""
+        self._dequeue_count(item)
+        if assigned:
+            h.add_pending(-1, -item.weight)
+        self.pacing.dropped(item.key)
+        self._retire(item)
 
     # -- serving consumers -----------------------------------------------------------------
     def _serve(self, h: Handle, key: Any) -> None:
@@ -602,6 +622,7 @@ class ChannelCore:
         if self.closed:
             return
         self.closed = True
+        self.pacing.close()
         for h in list(self.handles.values()):
             self.send(h, ("closed",))
             h.want = 0
@@ -656,38 +677,8 @@ class ChannelCore:
 
     # -- introspection -----------------------------------------------------------------------
     def _count_rate(self, column: int, n: int) -> None:
-        second = int(self.clock())
-        rates = self._rates
-        if not rates or rates[-1][0] != second:
-            rates.append([second, 0, 0])
-            while rates[0][0] <= second - _RATE_WINDOW:
-                rates.popleft()
-        rates[-1][column + 1] += n
+        count_rate(self._rates, int(self.clock()), column, n)
 
     def stats(self) -> dict[str, Any]:
         """A plain-value snapshot (see :class:`~rlinf.channel.stats.ChannelStats`)."""
-        now = self.clock()
-        uptime = now - self.started
-        recent = [r for r in self._rates if r[0] > int(now) - _RATE_WINDOW]
-        span = min(float(_RATE_WINDOW), max(uptime, 1.0))
-        consumers, seen = [], set()
-        for members in self.consumers.values():
-            for h in members:
-                if h in seen:
-                    continue
-                seen.add(h)
-                consumers.append([h.name, h.node_id, h.pending_count, h.pending_weight,
-                                  sum(1 for it in h.working.values() if it.ack), h.consumed_count,
-                                  h.consumed_weight, h.meter.value, h.busy_fraction, h.free_memory,
-                                  h.waiting])
-        return {
-            "name": self.name, "policy": self.policy.name, "maxsize": self.maxsize, "closed": self.closed,
-            "length": self.queued, "weight": self.queued_weight,
-            "keys": [[k, n, self.key_weight[k]] for k, n in self.key_len.items()],
-            "consumers": consumers,
-            "producers": sum(1 for h in self.handles.values() if h.puts),
-            "put_count": self.put_count, "get_count": self.get_count,
-            "requeued": self.requeued, "rejected": self.rejected, "policy_errors": self.guard.errors,
-            "put_rate": sum(r[1] for r in recent) / span, "get_rate": sum(r[2] for r in recent) / span,
-            "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "uptime": uptime,
-        }
+        return snapshot(self)

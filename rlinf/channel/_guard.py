@@ -38,6 +38,22 @@ class PolicyGuard:
             self._failed(f"select_consumer failed; item {item.item_id} goes to the shared queue")
             return None
 
+    def select_batch(self, items: list[ItemInfo], consumers: list[ConsumerInfo]) -> list[int] | None:
+        """The policy's ``assign_batch`` answer, checked: one valid index per item; None
+        when it has none, raised or answered badly (the items then stay shared)."""
+        try:
+            answer = self.policy.assign_batch(items, consumers)
+            if answer is None:
+                return None
+            choices = [int(i) for i in answer]
+            if len(choices) != len(items) or not all(0 <= i < len(consumers) for i in choices):
+                raise ValueError(f"assign_batch returned {len(choices)} indices for {len(items)} items "
+                                 f"and {len(consumers)} consumers (or one out of range)")
+            return choices
+        except Exception:
+            self._failed(f"assign_batch failed; {len(items)} items stay in the shared queue")
+            return None
+
     def consumed(self, consumer: str, item: ItemInfo, seconds: float) -> None:
         """Tell the policy ``consumer`` finished ``item`` in ``seconds``."""
         try:

@@ -119,9 +119,16 @@ class HandleBase:
     """State and plumbing of a channel handle (see :class:`rlinf.channel.Channel`)."""
 
     def __init__(self, comm, name: str, *, prefetch: int = 0,
-                 free_memory: Callable[[], int | None] | None = None, decode_ahead: bool = False) -> None:
+                 free_memory: Callable[[], int | None] | None = None, decode_ahead: bool = False,
+                 speed: float | None = None) -> None:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        if speed is not None:
+            if isinstance(speed, bool) or not isinstance(speed, numbers.Real):
+                raise TypeError(f"speed must be a real number, got {type(speed).__name__}")
+            if not (math.isfinite(speed) and speed > 0):
+                raise ValueError(f"speed must be a finite number > 0, got {speed!r}")
+        self._speed = None if speed is None else float(speed)
         if not isinstance(decode_ahead, bool):
             raise TypeError(f"decode_ahead must be a bool, got {decode_ahead!r}")
         if decode_ahead and not prefetch:

@@ -16,12 +16,15 @@ __all__ = ["Item", "Handle", "Request", "insert_by_id"]
 
 class Item:
     """One item in the channel: id (put order), weight, key, the producer's opaque
-    payload, its size and producer; ``ack``: taken with ``get(ack=True)``."""
+    payload, its size and producer; ``ack``: taken with ``get(ack=True)``; ``version``:
+    the policy version that made it (None: not versioned)."""
 
-    __slots__ = ("id", "weight", "key", "payload", "nbytes", "producer", "ack")
+    __slots__ = ("id", "weight", "key", "payload", "nbytes", "producer", "ack", "version")
 
-    def __init__(self, item_id: int, weight: float, key: Any, payload: Any, nbytes: int, producer: str) -> None:
+    def __init__(self, item_id: int, weight: float, key: Any, payload: Any, nbytes: int, producer: str,
+                 version: int | None = None) -> None:
         self.id = item_id
+        self.version = version
         self.weight = weight
         self.key = key
         self.payload = payload
@@ -79,6 +82,11 @@ class Handle:
         self.busy: collections.deque[list] = collections.deque()     # [bucket, busy seconds]
         self.busy_fraction = 0.0
         self.free_memory: int | None = None
+        self.staleness: Any = None      # a _pacing.Staleness once it got a versioned item
+        self.placed_speed: float | None = None   # its speed when a batch policy last placed items (_balance)
+        self.sent_at = now              # when it was last sent items
+        self.rate = [0.0, 0.0]          # decayed sums of weight done and its seconds (_balance)
+        self.hint: float | None = None  # the speed it declared, until measured
 
     def __repr__(self) -> str:
         return f"<Handle {self.name} pending={self.pending_count} leased={self.leased}>"
@@ -99,7 +107,7 @@ class Handle:
 
     def snapshot(self) -> ConsumerInfo:
         return ConsumerInfo(self.name, self.node_id, self.pending_count, self.pending_weight,
-                            self.consumed_count, self.consumed_weight, self.meter.value,
+                            self.consumed_count, self.consumed_weight, self.meter.value or self.hint,
                             self.busy_fraction, self.free_memory, self.waiting)
 
 

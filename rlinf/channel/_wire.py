@@ -2,10 +2,11 @@
 
 Every message between a handle and the server is ``[blob, buffers]``: ``blob`` is the
 msgpack encoding of a list of ops (tuples such as ``("put", key, weight, nbytes,
-payload)``), and ``buffers`` holds the arrays of large payloads, which the communicator
-sends out of band (zero-copy, or through shared memory on one node). In the blob a large
-payload ``(2, header, [arrays])`` is written as ``(2, header, first, count)``, an index
-range into ``buffers``. Small payloads are plain bytes inside the blob.
+payload[, version, admission])``), and ``buffers`` holds the arrays of large payloads,
+which the communicator sends out of band (zero-copy, or through shared memory on one
+node). In the blob a large payload ``(2, header, [arrays])`` is written as ``(2,
+header, first, count)``, an index range into ``buffers``. Small payloads are plain
+bytes inside the blob.
 
 msgpack packs the ops in C: this keeps the per-item cost of the channel a few
 microseconds. Arrays unpack as tuples, so tuple keys stay hashable.
@@ -43,7 +44,7 @@ def encode_ops(ops: list, large: bool) -> list:
         for op in ops:
             kind = op[0]
             if kind == "put" and op[4][0] == 2:
-                op = (kind, op[1], op[2], op[3], _out(op[4], buffers))
+                op = (kind, op[1], op[2], op[3], _out(op[4], buffers), *op[5:])
             elif kind == "items" and any(i[2][0] == 2 for i in op[3]):
                 op = (kind, op[1], op[2], [(i[0], i[1], _out(i[2], buffers) if i[2][0] == 2 else i[2])
                                            for i in op[3]])
@@ -76,7 +77,7 @@ def decode_ops(message: Any) -> list:
         for op in ops:
             kind = op[0]
             if kind == "put" and op[4][0] == 2:
-                op = (kind, op[1], op[2], op[3], _in(op[4], buffers))
+                op = (kind, op[1], op[2], op[3], _in(op[4], buffers), *op[5:])
             elif kind == "items":
                 op = (kind, op[1], op[2], [(i[0], i[1], _in(i[2], buffers) if i[2][0] == 2 else i[2])
                                            for i in op[3]])

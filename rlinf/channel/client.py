@@ -21,7 +21,9 @@ from ..errors import AddressInUseError, ClosedError, CommTimeoutError, EndOfChan
 from ..core.interface import SMALL_MESSAGE, Core, HasCore
 from ..core.work import Work
 from ..util.futures import retrieve
+from ._admit import Admission, check_version, current_admission
 from ._handle import MAX_COUNT, HandleBase, chain, check_key, check_weight, default_free_memory
+from ._pacing import check_pacing
 from ._payload import pack
 from .policies import make_policy
 from .server import ChannelServer, ServerProcess, check_name, server_address
@@ -51,6 +53,9 @@ class Channel(HandleBase):
             GPU tensors of an item (queued by the channel in host memory) are then copied
             to this process's current CUDA device ahead of time, off ``get``'s path.
             Needs ``prefetch`` > 0; an item that cannot be decoded fails its ``get``.
+        speed: this consumer's expected speed (weight per second), a hint: the balancing
+            policies use it until they have measured the consumer (``performance_aware``
+            then places items at once, without waiting for a first measurement).
     """
 
     def __repr__(self) -> str:
@@ -74,7 +79,7 @@ class Channel(HandleBase):
         _track(core, self)
         self._reader = self._loop.create_task(self._read(), name=f"rlinf-channel-{self.name}-{self._hid}")
         node = core.info.node_id if core.info is not None else ""
-        reply = self._call_start("hello", core.incarnation, node, self._consumer_name())
+        reply = self._call_start("hello", core.incarnation, node, self._consumer_name(), self._speed)
         self.info = await self._await_call(reply, timeout, "open")
         self._maxsize = self.info["maxsize"]
         self._credits += self.info["lease"]
@@ -86,7 +91,8 @@ class Channel(HandleBase):
         return self._core.address if same == 0 else f"{self._core.address}#{same}"
 
     # -- producing -------------------------------------------------------------------------
-    async def put(self, item: Any, weight: float = 1.0, key: Any = None, *, timeout: float | None = None) -> None:
+    async def put(self, item: Any, weight: float = 1.0, key: Any = None, *, version: int | None = None,
+                  timeout: float | None = None) -> None:
         """Put ``item`` in the sub-queue ``key``.
 
         Returns once the item is on its way to the channel, in order with this handle's
@@ -97,8 +103,13 @@ class Channel(HandleBase):
         may not have arrived). ``timeout``: seconds to wait for space (None:
         ``RLINF_TIMEOUT`` if set, else forever).
 
+        ``version``: the policy version that made the item (an int >= 0; None: not
+        versioned, never stale). Inside ``async with ch.admit(v)`` it defaults to ``v``,
+        and the first put of the block ends the admission.
+
         Raises:
-            ValueError: ``weight`` is not finite and >= 0. TypeError: bad key or weight.
+            ValueError: ``weight`` is not finite and >= 0, or ``version`` < 0.
+            TypeError: bad key, weight or version.
             EncodeError: ``item`` cannot be encoded.
             ClosedError: the channel is closed (or this handle detached, or its
                 communicator is closing).
@@ -106,7 +117,7 @@ class Channel(HandleBase):
             PeerLostError: the channel process is gone.
         """
         timeout = self._core.timeout_of(timeout)
-        entry = self._start_put(item, weight, key)
+        entry = self._start_put(item, weight, key, version)
         if entry is None:
             if self._must_yield:     # a tight put loop: let the transport send the batch
                 self._must_yield = False
@@ -124,8 +135,8 @@ class Channel(HandleBase):
             self._withdraw(entry)
             raise
 
-    def put_nowait(self, item: Any, weight: float = 1.0, key: Any = None) -> None:
-        """Put ``item`` without waiting.
+    def put_nowait(self, item: Any, weight: float = 1.0, key: Any = None, *, version: int | None = None) -> None:
+        """Put ``item`` without waiting (``version`` as for :meth:`put`).
 
         Buffer lifetime: a large item (>= 1 MiB) is sent zero-copy; do not modify its
         arrays until it is sent (use ``put`` or ``async_put`` to know when).
@@ -137,6 +148,7 @@ class Channel(HandleBase):
         """
         weight = check_weight(weight)
         check_key(key)
+        version = None if version is None else check_version(version)
         self._check_producer()
         if self._maxsize and (self._blocked or self._credits <= 0):
             self._op(("want", 1, True))
@@ -144,13 +156,14 @@ class Channel(HandleBase):
         payload, nbytes = pack(self._codec, item)
         if self._maxsize:
             self._credits -= 1
-        future = self._send_put(("put", key, weight, nbytes, payload), nbytes >= SMALL_MESSAGE)
+        future = self._send_put(self._put_op(key, weight, nbytes, payload, version), nbytes >= SMALL_MESSAGE)
         if future is not None and not future.done():
             future.add_done_callback(retrieve)
 
-    def async_put(self, item: Any, weight: float = 1.0, key: Any = None) -> Work[None]:
+    def async_put(self, item: Any, weight: float = 1.0, key: Any = None, *,
+                  version: int | None = None) -> Work[None]:
         """Start a put now (its order is fixed by this call) and return its :class:`Work`."""
-        entry = self._start_put(item, weight, key)
+        entry = self._start_put(item, weight, key, version)
         future = self._loop.create_future()
         if entry is None:
             future.set_result(None)
@@ -175,12 +188,13 @@ class Channel(HandleBase):
         if rejected:
             raise ClosedError(f"channel {self.name!r} is closed: {rejected} put(s) from this handle were refused")
 
-    def _start_put(self, item: Any, weight: Any, key: Any) -> list | None:
+    def _start_put(self, item: Any, weight: Any, key: Any, version: Any = None) -> list | None:
         weight = check_weight(weight)
         check_key(key)
+        version = None if version is None else check_version(version)
         self._check_producer()
         payload, nbytes = pack(self._codec, item)
-        op = ("put", key, weight, nbytes, payload)
+        op = self._put_op(key, weight, nbytes, payload, version)
         large = nbytes >= SMALL_MESSAGE
         if self._maxsize:
             if self._blocked or self._credits <= 0:
@@ -191,6 +205,89 @@ class Channel(HandleBase):
             self._credits -= 1
         future = self._send_put(op, large)
         return None if future is None else [op, large, future]
+
+    def _put_op(self, key: Any, weight: float, nbytes: int, payload: Any, version: int | None) -> tuple:
+        """The "put" op; inside an admission's block, the first put carries it (and its
+        version, unless ``version`` is given)."""
+        admission = current_admission(self)
+        if admission is None:
+            return ("put", key, weight, nbytes, payload) if version is None else \
+                ("put", key, weight, nbytes, payload, version, 0)
+        admission.used = True
+        return ("put", key, weight, nbytes, payload, admission.version if version is None else version,
+                admission.rid)
+
+    # -- asynchronous RL: versions and pacing ------------------------------------------------
+    async def advance(self, version: int, timeout: float | None = None) -> None:
+        """Set the channel's current policy version (typically the trainer, after each
+        update; any handle may). With ``max_staleness=k``, items older than
+        ``version - k`` are no longer handed out (dropped, counted in ``stats()``), and
+        with pacing, producers waiting in :meth:`admit` may now start.
+
+        Args:
+            version: an int >= the current version (equal: nothing changes).
+            timeout: seconds to wait for the channel's answer (None: ``RLINF_TIMEOUT``
+                if set, else forever).
+
+        Raises:
+            ValueError: ``version`` is below the channel's current version (a version
+                never goes back; nothing changed) or negative. TypeError: not an int.
+            PeerLostError, CommTimeoutError, ClosedError.
+        """
+        version = check_version(version)
+        current = await self._await_call(self._call_start("advance", version), timeout, "advance")
+        if current > version:
+            raise ValueError(f"channel {self.name!r}: version {version} is behind the current version {current} "
+                             "(a version never goes back)")
+
+    def admit(self, version: int, *, timeout: float | None = None) -> Admission:
+        """``async with ch.admit(version): ... await ch.put(item)``: pacing for a
+        producer about to make one rollout with policy ``version``.
+
+        Entering the block waits until a rollout started now, with the trainer's
+        current version, will be at most ``max_staleness`` versions old when the
+        trainer consumes it (see ``docs/channel.md``, "Asynchronous RL"); the admission's
+        ``current`` is that version: a producer holding an older ``version`` refreshes
+        its weights first. The first put of this handle inside the block (same task)
+        ends the admission and defaults to ``version``; leaving the block without a put
+        frees its place. A producer that dies or detaches gives its admissions back. On
+        a channel without ``batch_size`` it admits at once.
+
+        Args:
+            version: the policy version the producer holds (an int >= 0).
+            timeout: seconds to wait for admission (None: ``RLINF_TIMEOUT`` if set, else
+                forever).
+
+        Returns:
+            An async context manager (an :class:`~rlinf.channel._admit.Admission`).
+
+        Raises:
+            TypeError / ValueError: a bad version (at once). On entering the block:
+            CommTimeoutError (not admitted within ``timeout``; the request is
+            withdrawn), ClosedError, PeerLostError. Cancelled while waiting: withdrawn.
+        """
+        return Admission(self, check_version(version), timeout)
+
+    async def _admit_wait(self, version: int, timeout: float | None) -> tuple[int, int]:
+        """Wait for admission: its id (0: the channel does not pace) and the channel's
+        current version then (``version`` when it does not pace)."""
+        self._check_producer()
+        if self.info.get("batch_size") is None:
+            return 0, version
+        call = self._call_start("admit", version)
+        try:
+            current = await self._await_call(call, timeout, "admission")
+        except BaseException:
+            self._admit_release(call[0])      # withdrawn, or given back if granted meanwhile
+            raise
+        if current is None:
+            raise ClosedError(f"channel {self.name!r} is closed")
+        return call[0], current
+
+    def _admit_release(self, rid: int) -> None:
+        """Admission ``rid`` ends (the server ignores it after the admission's put)."""
+        if self._error is None and not self._drained and self._loop is not None:
+            self._op(("release", rid))
 
     # -- consuming -------------------------------------------------------------------------
     async def get(self, key: Any = None, timeout: float | None = None, *, ack: bool = False) -> Any:
@@ -476,7 +573,8 @@ def _close_handles(core: Core) -> None:
 
 # -- creating and finding channels -------------------------------------------------------------
 async def open_channel(comm: HasCore, name: str, *, timeout: float | None = 30.0, prefetch: int = 0,
-                       free_memory: Callable[[], int | None] | None = None, decode_ahead: bool = False) -> Channel:
+                       free_memory: Callable[[], int | None] | None = None, decode_ahead: bool = False,
+                       speed: float | None = None) -> Channel:
     """A handle to the channel ``name``, waiting up to ``timeout`` for it to appear
     (None: ``RLINF_TIMEOUT`` if set, else forever).
 
@@ -486,28 +584,42 @@ async def open_channel(comm: HasCore, name: str, *, timeout: float | None = 30.0
     """
     timeout = comm.internal.timeout_of(timeout)
     return await Channel(comm, name, prefetch=prefetch, free_memory=free_memory,
-                         decode_ahead=decode_ahead)._open(timeout)
+                         decode_ahead=decode_ahead, speed=speed)._open(timeout)
 
 
 async def create_channel(comm: HasCore, name: str, *, maxsize: int = 0, policy: Any = "fifo", in_process: bool = False,
-                         work_stealing: bool = False, timeout: float | None = 60.0, prefetch: int = 0,
-                         free_memory: Callable[[], int | None] | None = None, decode_ahead: bool = False) -> Channel:
+                         work_stealing: bool | None = None, timeout: float | None = 60.0, prefetch: int = 0,
+                         free_memory: Callable[[], int | None] | None = None, decode_ahead: bool = False,
+                         max_staleness: int | None = None, batch_size: int | None = None,
+                         speed: float | None = None) -> Channel:
     """Start channel ``name`` (in a new process on this node, or in this loop with
     ``in_process=True``) and return a handle to it. It lives until it is closed and
     drained, or until ``comm`` closes (which stops it).
 
+    ``max_staleness=k``: items put with a version older than the current version
+    (:meth:`Channel.advance`) minus ``k`` when they would be handed out are dropped and
+    counted. ``batch_size=B`` (needs ``max_staleness``): pacing, for a trainer that
+    consumes ``B`` items per version; see :meth:`Channel.admit`.
+
+    ``work_stealing``: an idle consumer takes the last waiting item of the consumer
+    expected to finish last, when it would finish it sooner; None: the policy's default
+    (on for ``performance_aware`` and ``shortest_queue``, see ``docs/channel.md``).
+
     Raises:
-        ValueError: a bad name, maxsize or policy name.
+        ValueError: a bad name, maxsize, policy name, max_staleness or batch_size.
         AddressInUseError (a ValueError): the channel already exists, or another
             creator started it first (of two racing for one name, one wins).
         TypeError: a bad policy object, or one that cannot be pickled (without
-            ``in_process``, the policy travels to the channel process).
+            ``in_process``, the policy travels to the channel process); a
+            max_staleness or batch_size that is not an int; a work_stealing that is
+            not None or a bool.
         WorkerFailedError: its process failed to start. CommTimeoutError.
     """
     check_name(name)
     if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:
         raise ValueError(f"maxsize must be an int >= 0 (0: unbounded), got {maxsize!r}")
     make_policy(policy)                      # fail here, not in the server
+    max_staleness, batch_size = check_pacing(max_staleness, batch_size)
     if not in_process:
         try:
             pickle.dumps(policy)
@@ -520,7 +632,10 @@ async def create_channel(comm: HasCore, name: str, *, maxsize: int = 0, policy: 
     address = server_address(name)
     if await core.lookup(address, wait=False, timeout=timeout) is not None:
         raise AddressInUseError(f"a channel named {name!r} already exists")
-    config = {"maxsize": maxsize, "policy": policy, "work_stealing": bool(work_stealing)}
+    if work_stealing is not None and not isinstance(work_stealing, bool):
+        raise TypeError(f"work_stealing must be None or a bool, got {work_stealing!r}")
+    config = {"maxsize": maxsize, "policy": policy, "work_stealing": work_stealing,
+              "max_staleness": max_staleness, "batch_size": batch_size}
     if in_process:
         server = ChannelServer(name, manager=core.manager_address, token=core.token, **config)
         try:
@@ -535,7 +650,7 @@ async def create_channel(comm: HasCore, name: str, *, maxsize: int = 0, policy: 
         core.add_closer(process.stop)
         await process.wait_ready(timeout)
     return await open_channel(comm, name, timeout=timeout, prefetch=prefetch, free_memory=free_memory,
-                              decode_ahead=decode_ahead)
+                              decode_ahead=decode_ahead, speed=speed)
 
 
 async def _close_when_done(server: ChannelServer) -> None:

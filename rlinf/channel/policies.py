@@ -171,10 +171,14 @@ class LoadBalancePolicy(ABC):
         name: the policy's name (as shown in ``channel.stats()``).
         assigns: True when the server assigns each item to a consumer at ``put`` time;
             False (FIFO only) when consumers compete for one queue instead.
+        steals: work stealing is on by default (``create_channel(work_stealing=None)``)
+            with this policy: True for the policies that place by load or speed, where
+            which consumer gets an item carries no meaning of its own.
     """
 
     name: ClassVar[str] = "policy"
     assigns: ClassVar[bool] = True
+    steals: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -195,6 +199,24 @@ class LoadBalancePolicy(ABC):
         Raises:
             ValueError: ``consumers`` is empty (``"no consumers"``).
         """
+
+    def assign_batch(self, items: list[ItemInfo], consumers: list[ConsumerInfo]) -> list[int] | None:
+        """Hook: place the items put together (in one message of a producer, or waiting
+        in the shared queue) at once; a policy that knows them all can do better than
+        one at a time. Default: None (one at a time with :meth:`select_consumer`).
+
+        A policy that implements it is a *batch* policy: the channel then serves the
+        items FIFO to whoever asks (competition) until every consumer of the key has a
+        measured ``speed``, and places what is waiting once they have.
+
+        Args:
+            items: the items, in put order.
+            consumers: a snapshot of every live consumer, every ``speed`` measured.
+
+        Returns:
+            One index into ``consumers`` per item, or None.
+        """
+        return None
 
     def on_consumed(self, consumer: str, item: ItemInfo, seconds: float) -> None:  # noqa: B027
         """Hook: ``consumer`` finished ``item`` in ``seconds`` of wall time. Default: no-op.
@@ -319,6 +341,7 @@ class ShortestQueue(LoadBalancePolicy):
     """Least pending weight; ties go to fewer pending items, then to the lowest index."""
 
     name = "shortest_queue"
+    steals = True
 
     def select_consumer(self, item: ItemInfo, consumers: list[ConsumerInfo]) -> int:
         """Return the index of the consumer with the least pending weight.
@@ -352,6 +375,7 @@ class PerformanceAware(LoadBalancePolicy):
     """
 
     name = "performance_aware"
+    steals = True
 
     def __init__(self, *, alpha: float = 0.3, default_speed: float = 1.0) -> None:
         SpeedMeter(alpha)  # validates alpha with the meter's own message
@@ -394,6 +418,28 @@ class PerformanceAware(LoadBalancePolicy):
             range(len(consumers)),
             key=lambda i: ((consumers[i].pending_weight + weight) / speeds[i], -speeds[i], i),
         )
+
+    def assign_batch(self, items: list[ItemInfo], consumers: list[ConsumerInfo]) -> list[int]:
+        """Longest processing time first: the heaviest item first, each to the consumer
+        expected to finish it first (its pending work counted), so consumers of unequal
+        speed end a batch together, within about one light item.
+
+        Returns:
+            One index into ``consumers`` per item, in the order of ``items``.
+
+        Raises:
+            ValueError: ``consumers`` is empty.
+        """
+        _require(consumers)
+        speeds = self.speeds(consumers)
+        ends = [c.pending_weight / s for c, s in zip(consumers, speeds)]
+        out = [0] * len(items)
+        for j in sorted(range(len(items)), key=lambda j: -max(items[j].weight, 0.0)):
+            weight = max(items[j].weight, 0.0)
+            i = min(range(len(consumers)), key=lambda i: (ends[i] + weight / speeds[i], -speeds[i], i))
+            ends[i] += weight / speeds[i]
+            out[j] = i
+        return out
 
     def on_consumed(self, consumer: str, item: ItemInfo, seconds: float) -> None:
         """Feed the consumer's own speed meter (used when a snapshot carries no speed)."""

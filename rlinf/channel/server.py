@@ -84,15 +84,17 @@ class ChannelServer:
     Args:
         name: the channel's name.
         manager, token: the cluster to join.
-        maxsize, policy, work_stealing: see :meth:`rlinf.Communicator.create_channel`.
+        maxsize, policy, work_stealing, max_staleness, batch_size: see
+            :func:`rlinf.channel.client.create_channel`.
     """
 
     def __init__(self, name: str, *, manager: str, token: str, maxsize: int = 0, policy: Any = "fifo",
-                 work_stealing: bool = False) -> None:
+                 work_stealing: bool | None = None, max_staleness: int | None = None,
+                 batch_size: int | None = None) -> None:
         self.name = check_name(name)
         self.address = server_address(name)
         self.core = ChannelCore(name, maxsize=maxsize, policy=policy, work_stealing=work_stealing,
-                                send=self._send)
+                                max_staleness=max_staleness, batch_size=batch_size, send=self._send)
         meta = {"kind": "channel", "channel": name, "policy": self.core.policy.name, "maxsize": maxsize}
         # exclusive: of two creators racing for one name, the second fails to join
         # The server holds items and never computes on them: GPU items reach it staged

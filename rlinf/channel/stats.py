@@ -17,11 +17,14 @@ class KeyStats:
         key: the sub-queue's key (``None`` is the default sub-queue).
         length: items waiting, including items already assigned to a consumer.
         weight: their total weight.
+        stale_dropped: items of this key dropped as older than ``max_staleness``
+            (while the key is known: see ``ChannelStats.keys``).
     """
 
     key: Any
     length: int
     weight: float
+    stale_dropped: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +45,12 @@ class ConsumerStats:
             processing items, in [0, 1].
         free_device_memory: bytes free on its GPU as last reported, or None.
         waiting: True while it has a ``get`` outstanding (or prefetch credit).
+        staleness_mean, staleness_max: how many versions behind the channel's current
+            version the versioned items handed to it were (when handed out), on average
+            and at most; None before it got one.
+        staleness_histogram: items handed to it by versions behind: index ``i`` counts
+            those ``i`` versions behind (the last of 16 buckets: 15 or more); trailing
+            zeros are left out.
     """
 
     name: str
@@ -55,6 +64,9 @@ class ConsumerStats:
     busy_fraction: float
     free_device_memory: int | None
     waiting: bool
+    staleness_mean: float | None = None
+    staleness_max: int | None = None
+    staleness_histogram: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +93,15 @@ class ChannelStats:
         put_rate, get_rate: items per second over the last 5 s.
         bytes_in, bytes_out: payload bytes accepted / handed out.
         uptime: seconds since the channel started.
+        version: the current policy version (``advance``; 0 until the first).
+        max_staleness, batch_size: the staleness bound and pacing configuration (None:
+            off).
+        stale_dropped: items dropped as older than ``version - max_staleness``.
+        admitted: admissions granted and counted (an admission that ended without a
+            put is not counted); with pacing at most ``(version + max_staleness + 1) *
+            batch_size``.
+        admissions_open: admissions granted whose block has not put or exited yet.
+        admissions_waiting: producers waiting in ``admit``.
     """
 
     name: str
@@ -102,6 +123,13 @@ class ChannelStats:
     bytes_in: int
     bytes_out: int
     uptime: float
+    version: int = 0
+    max_staleness: int | None = None
+    batch_size: int | None = None
+    stale_dropped: int = 0
+    admitted: int = 0
+    admissions_open: int = 0
+    admissions_waiting: int = 0
 
     def consumer(self, name: str) -> ConsumerStats:
         """The consumer called ``name``.
@@ -142,8 +170,14 @@ class ChannelStats:
             f"{f', policy errors {self.policy_errors}' if self.policy_errors else ''}; "
             f"bytes in {_bytes(self.bytes_in)}, out {_bytes(self.bytes_out)}",
         ]
+        if self.max_staleness is not None or self.version or self.stale_dropped:
+            paced = f", batch_size={self.batch_size}" if self.batch_size is not None else ""
+            lines.append(f"  version {self.version} (max_staleness={self.max_staleness}{paced}); "
+                         f"stale dropped {self.stale_dropped}; admitted {self.admitted} "
+                         f"({self.admissions_open} open, {self.admissions_waiting} waiting)")
         for k in self.keys:
-            lines.append(f"  key {k.key!r:<16} {k.length:>7} items  weight {k.weight:.6g}")
+            stale = f"  stale dropped {k.stale_dropped}" if k.stale_dropped else ""
+            lines.append(f"  key {k.key!r:<16} {k.length:>7} items  weight {k.weight:.6g}{stale}")
         if self.consumers:
             lines.append(f"  {'consumer':<22}{'pending':>9}{'p.weight':>10}{'unacked':>8}{'done':>8}"
                          f"{'d.weight':>10}{'speed':>9}{'busy':>6}  mem free")
@@ -151,9 +185,11 @@ class ChannelStats:
             speed = f"{c.speed:.3g}" if c.speed is not None else "-"
             mem = _bytes(c.free_device_memory) if c.free_device_memory is not None else "-"
             wait = " (waiting)" if c.waiting else ""
+            stale = (f"  staleness mean {c.staleness_mean:.2f} max {c.staleness_max} "
+                     f"by versions behind {list(c.staleness_histogram)}" if c.staleness_max is not None else "")
             lines.append(f"  {c.name:<22}{c.pending_count:>9}{c.pending_weight:>10.4g}{c.unacked:>8}"
                          f"{c.consumed_count:>8}{c.consumed_weight:>10.4g}{speed:>9}"
-                         f"{c.busy_fraction:>6.0%}  {mem}{wait}")
+                         f"{c.busy_fraction:>6.0%}  {mem}{wait}{stale}")
         return "\n".join(lines)
 
 

@@ -267,7 +267,13 @@ def _channel_cells(ch: dict, rates: Rates) -> tuple[str, str, str]:
             bits.append("speed -" if c["speed"] is None else f"speed {c['speed']:.3g}")
         if c.get("busy_fraction") is not None:
             bits.append(f"busy {c['busy_fraction']:.0%}")
+        if c.get("staleness_max") is not None:      # versions behind, of what it got
+            bits.append(f"stale mean {c.get('staleness_mean') or 0:.2f} max {c['staleness_max']}")
         parts.append(" ".join(bits))
+    if cs.get("max_staleness") is not None or cs.get("version"):   # asynchronous RL
+        parts.insert(0, f"version {cs.get('version', 0)} (max staleness {cs.get('max_staleness')}): "
+                        f"stale dropped {cs.get('stale_dropped', 0)}, admitted {cs.get('admitted', 0)} "
+                        f"({cs.get('admissions_waiting', 0)} waiting)")
     if not parts:
         parts.append(f"traffic in {_count(rates.msgs_in)}/s out {_count(rates.msgs_out)}/s" if rates.known else "-")
     length, weight = cs.get("length"), cs.get("weight")

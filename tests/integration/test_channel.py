@@ -584,6 +584,24 @@ async def test_performance_aware_follows_measured_speed(driver, comms):
         assert (stats.consumer("c0:0").pending_count, stats.consumer("c1:0").pending_count) == (2, 8)
 
 
+async def test_performance_aware_places_by_declared_speed_before_measuring(driver, comms):
+    """A consumer's declared speed (``comm.channel(name, speed=...)``) stands in until it
+    is measured: the first batch is placed at once, 3 to 1."""
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("p-hint", policy="performance_aware", in_process=True)
+        slow_comm, fast_comm = await comms(2)
+        slow = await slow_comm.channel("p-hint", speed=1.0)
+        fast = await fast_comm.channel("p-hint", speed=3.0)
+        with pytest.raises(ValueError):
+            await slow_comm.channel("p-hint", speed=0)
+        await _join([slow, fast])
+        for i in range(8):
+            await ch.put(i, weight=1)
+        stats = await ch.stats()
+        assert (stats.consumer("c0:0").pending_count, stats.consumer("c1:0").pending_count) == (2, 6)
+        assert stats.consumer("c0:0").speed is None          # stats show what was measured
+
+
 async def test_most_free_memory_and_a_user_policy(driver, comms):
     async with asyncio.timeout(30):
         ch = await driver.create_channel("p-mem", policy="most_free_memory", in_process=True)

@@ -53,6 +53,11 @@ def test_channel_pipeline():
     assert "produced 60, consumed 60" in _example("channel_pipeline.py")
 
 
+def test_async_rl():
+    out = _example("async_rl.py")
+    assert "version 5: trained on 8 rollouts" in out and "stale dropped 0, staleness max 1" in out
+
+
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed (pip install 'aiorlinf[ray]')")
 def test_ray_pipeline(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)              # a local Ray of its own

@@ -78,3 +78,27 @@ async def put_and_leave(comm, name: str, n: int, size: int, close: bool):
     if close:
         await comm.aclose()
     return n
+
+
+async def admit_and_hang(comm, name: str, version: int):
+    """Enter ``ch.admit(version)``, tell the driver, then hang inside the block until killed."""
+    ch = await comm.channel(name, timeout=30)
+    async with ch.admit(version, timeout=30):
+        await comm.send("admitted", "driver:0", tag=5, timeout=30)
+        await asyncio.Event().wait()
+
+
+async def paced_producer(comm, name: str, rollouts: int, seed: int):
+    """An asynchronous-RL producer: per rollout, wait for admission with the version it
+    holds, take the channel's current version if it moved on meanwhile (a weight
+    refresh), "generate" (a short random time) and put inside the block."""
+    rng = np.random.default_rng(seed)
+    ch = await comm.channel(name, timeout=30)
+    version = 0
+    for i in range(rollouts):
+        async with ch.admit(version, timeout=30) as admission:
+            version = max(version, admission.current)
+            await asyncio.sleep(float(rng.uniform(0, 0.004)))    # the rollout's work
+            await ch.put((comm.address, i, version), version=version, timeout=30)
+    await ch.flush(timeout=30)
+    return rollouts

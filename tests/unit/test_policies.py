@@ -445,7 +445,11 @@ def test_balance_simulation_performance_aware_meets_q3() -> None:
     rows = {row["policy"]: row for row in load_balance_sim().run(quick=True)}
     best = rows["performance_aware"]
     assert best["median_imbalance"] <= 0.10
-    assert best["median_imbalance"] == min(r["median_imbalance"] for r in rows.values())
+    policies = [r for name, r in rows.items() if name not in ("lpt_oracle", "least_loaded (RLinf)")]
+    assert best["median_imbalance"] == min(r["median_imbalance"] for r in policies)
+    # the references: the LPT oracle (reorders, knows all) below it, RLinf's least-loaded far above
+    assert rows["lpt_oracle"]["median_imbalance"] <= best["median_imbalance"]
+    assert rows["least_loaded (RLinf)"]["median_imbalance"] > 0.5
     # Speed-blind policies leave the fast consumer idle: far from balanced.
     assert rows["shortest_queue"]["median_imbalance"] > 0.5
 

@@ -61,6 +61,25 @@ def test_render_shows_channel_length_weight_and_consumers(positional):
     assert top.to_json(_snapshot(report))["channels"][0]["channel"]["length"] == 2
 
 
+def test_render_shows_versions_staleness_and_admissions():
+    """A channel for asynchronous RL: its version, stale drops and admissions, and the
+    staleness of what each consumer got."""
+    core = ChannelCore("rollouts", send=lambda h, op: None, clock=lambda: 100.0, max_staleness=1, batch_size=4)
+    for src in ("p:0", "learner:0"):
+        core.handle_ops(src, 1, [("hello", 1, "inc-" + src, "node-a", src)])
+    core.handle_ops("p:0", 1, [("admit", 7, 0)] + [("put", None, 1.0, 0, b"x", v, 0) for v in (0, 1, 2)])
+    core.handle_ops("learner:0", 1, [("advance", 3, 2), ("get", 2, None, 5, None, None)])
+    report = msgpack.unpackb(msgpack.packb(ChannelStats.from_dict(core.stats()).to_dict(), use_bin_type=True),
+                             raw=False)
+    view = top.View()
+    view.update(_snapshot(report))
+    console = Console(width=300, record=True)
+    console.print(top.render(view))
+    text = console.export_text()
+    assert "version 2 (max staleness 1): stale dropped 1, admitted 1 (0 waiting)" in text
+    assert "stale mean 0.50 max 1" in text
+
+
 def test_render_shows_a_sender_blocked_on_a_receivers_window():
     """A worker whose sends wait for a receiver's credit (flow control) says so."""
     snap = _snapshot(_reported_stats())
