@@ -45,8 +45,10 @@ async def test_every_collective(cluster, driver, layout):
             # driver:0's large broadcast sent one copy to each other node (to its leader)
             # and one to its same-node member: nothing big to the rest
             out = driver.stats().peers
-            assert out["b:0"].bytes_out > 8 << 20 and out["a:0"].bytes_out > 8 << 20
-            assert out["b:1"].bytes_out < 1 << 20 and out["c:0"].bytes_out < 1 << 20
+            moved = {peer: s.bytes_out + s.shared_out for peer, s in out.items()}
+            assert moved["b:0"] > 8 << 20 and moved["a:0"] > 8 << 20
+            assert out["a:0"].shared_out > 8 << 20 and out["b:0"].shared_out == 0   # same node: shared memory
+            assert moved["b:1"] < 1 << 20 and moved["c:0"] < 1 << 20
 
 
 async def test_groups_overlap_mismatch_and_time_out(cluster, driver):
