@@ -183,6 +183,8 @@ class Outbox:
         """Use ``link`` from now on and send what waited for it: first, again, every
         frame set not acknowledged yet (a previous link may have lost it)."""
         self.link, self.info = link, info
+        if self.bulk is None:
+            self._unbulk()     # queued while the route was not known: no bulk stream to it
         kept = self.log.kept
         if kept:
             self.log.resend_from = kept[0].seq
@@ -201,7 +203,7 @@ class Outbox:
             return
         if self.log.resend_from is not None and not self._resend(link):
             return
-        if self._held or self._way.numbering:
+        if self._held:
             return
         while queue:
             head = queue[0]
@@ -220,12 +222,12 @@ class Outbox:
                     self._dropped(head)
                     self._drop(head, head.copying)
                     continue
-            if self._way.skip and not self._way.overtakes(head):
+            if self._way.active and not self._way.overtakes(head):
                 self._way.wait(queue.popleft())
                 continue
             if head.transport == BULK:
                 self._send_bulk(head)
-                return
+                continue      # what may overtake it goes on
             if head.large:
                 batch = [head]
             else:
@@ -233,7 +235,7 @@ class Outbox:
                 for msg in queue:
                     if msg.large or size >= BATCH_BYTES or len(batch) >= BATCH_COUNT or (
                             msg.copying is not None and not msg.copying.done()) or (
-                            self._way.skip and not self._way.overtakes(msg)):
+                            self._way.active and not self._way.overtakes(msg)):
                         break
                     if msg.future is None or not msg.future.cancelled():
                         batch.append(msg)
@@ -424,11 +426,12 @@ class Outbox:
             inflow.acked_sent = inflow.expected
 
     def _send_bulk(self, msg: OutMessage) -> None:
-        """Hand the head to the bulk stream. The queue waits until it has its number;
-        then, until the receiver has it (its acknowledgement), only what may overtake it
-        goes (see :mod:`rlinf.core._overtake`), and the receiver delivers that ahead of it."""
+        """Hand the head to the bulk stream. Until the receiver has it (its
+        acknowledgement), only what may overtake it goes (see :mod:`rlinf.core._overtake`):
+        while the stream is dialled, ahead of it; once it has its number, naming it, and
+        the receiver delivers that ahead of it."""
         self.queue.popleft()     # with the transport now: a failing peer no longer fails it here
-        self._way.numbering = True
+        self._way.numbered_later(msg.tag)
         self._spawn(self._bulk_send(msg))
 
     def _count(self, msg: OutMessage) -> None:
@@ -458,6 +461,7 @@ class Outbox:
                         log.warning("rlinf: no bulk TCP to %s (%s); large payloads go through ZeroMQ",
                                     self.address, exc)
                         self._drop_bulk()
+                        self._way.done(self.queue)     # what waited for it goes behind it again
                         to_zmq(msg)
                         self.queue.appendleft(msg)
                     elif msg.future is not None and not msg.future.done():
@@ -515,6 +519,10 @@ class Outbox:
         if self._bulk_link is not None:
             self._bulk_link.close()
             self._bulk_link = None
+        self._unbulk()
+
+    def _unbulk(self) -> None:
+        """What is queued for the bulk stream goes through ZeroMQ."""
         for queue in (self.queue, self._way.behind, self.credit.waiting):
             for msg in queue:
                 if msg.transport == BULK:
@@ -525,8 +533,8 @@ class Outbox:
         message that waits for nothing (the wire format of a one-message batch)."""
         link = self.link
         way = self._way
-        if (msg.large or msg.copying is not None or link is None or self._blocked or self._held or way.numbering
-                or self.log.resend_from is not None or way.skip and not way.overtakes(msg)):
+        if (msg.large or msg.copying is not None or link is None or self._blocked or self._held
+                or self.log.resend_from is not None or way.active and not way.overtakes(msg)):
             self.flush()
             return
         entry, pieces = msg.entry, msg.frames

@@ -34,9 +34,10 @@ def _in_place(msg: OutMessage) -> bool:
 class Overtaking:
     """One outbox's bulk message on its way (loop thread only).
 
-    ``numbering``: a bulk message waits for its number (its stream is being dialled):
-    nothing may take a number before it. ``skip``: ``seq + 1`` of the bulk message on its
-    way (0: none), with its ``tag``. ``behind``: the messages that wait for it, in order.
+    ``numbering``: a bulk message waits for its number (its stream is being dialled);
+    what may overtake it goes meanwhile, ahead of it (it has no number yet: nothing to
+    skip). ``skip``: ``seq + 1`` of the bulk message on its way (0: none). ``tag``: the
+    bulk message's. ``behind``: the messages that wait for it, in order.
     """
 
     __slots__ = ("numbering", "skip", "tag", "behind", "_tags", "_wall")
@@ -48,6 +49,16 @@ class Overtaking:
         self.behind: collections.deque[OutMessage] = collections.deque()
         self._tags: set = set()
         self._wall = False       # a goodbye waits: nothing passes it
+
+    @property
+    def active(self) -> bool:
+        """Whether a bulk message is being numbered or on its way (only what
+        :meth:`overtakes` it may go)."""
+        return self.numbering or bool(self.skip)
+
+    def numbered_later(self, tag: Any) -> None:
+        """A bulk message with ``tag`` waits for its stream to be dialled."""
+        self.numbering, self.tag = True, tag
 
     @property
     def busy(self) -> bool:

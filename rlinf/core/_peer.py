@@ -258,6 +258,11 @@ class PeerSessions:
             error.__cause__ = exc
         session.fail(error)
 
+    @property
+    def has_bulk(self) -> bool:
+        """Whether we can dial bulk streams (large payloads to other nodes)."""
+        return self._bulk is not None
+
     def _dial(self, session: PeerSession, info: WorkerInfo) -> None:
         outbox = session.outbox
         scheme = routing.select_scheme(self._me, info, config=self._config)

@@ -162,8 +162,11 @@ class SendPath:
         if nbytes < SMALL_MESSAGE:
             # copy now (the caller may reuse its buffers); coalesced into one frame later
             frames, counts, large = [bytes(b) for b in buffers], None, False
-        elif outbox.bulk is not None and nbytes >= self._config.bulk_threshold and gpu is None:
+        elif gpu is None and nbytes >= self._config.bulk_threshold and (
+                outbox.bulk is not None or outbox.info is None and self._sessions.has_bulk):
             # another node, by the bulk stream: one frame per buffer, read into place there
+            # (the peer not known yet: if it turns out to have no bulk stream to us, the
+            # outbox sends it through ZeroMQ once it is, see Outbox.attach)
             frames, counts, nbytes = wire.bulk_frames(buffers)
             entry = wire.plain_entry(kind, tag, codec_header, counts)
             future = self._loop.create_future()

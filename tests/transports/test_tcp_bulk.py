@@ -230,12 +230,15 @@ async def main():
     logging.getLogger("rlinf.transports.tcp_bulk").addHandler(Seen(asyncio.get_running_loop(), short))
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
-    outsiders = []
+    spare = socket.socket()    # its descriptor is taken now: it can connect when none is left
+    outsiders = [spare]
     try:                       # connections from someone without the token use up the descriptors
         while True:
             outsiders.append(socket.create_connection((host, int(port))))
     except OSError:
         pass
+    spare.setblocking(False)   # (the listener may have accepted all the others before we ran out)
+    spare.connect_ex((host, int(port)))
     async with asyncio.timeout(30):
         await short.wait()     # the listener ran out of descriptors to accept with
     for s in outsiders:

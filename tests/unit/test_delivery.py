@@ -233,3 +233,37 @@ async def test_messages_with_other_tags_overtake_a_bulk_message_on_its_way():
     got = [wire.unpack(f[0], f[1:]) for f in link.sent[sent:]]
     assert [(g[5], g[6], [e.tag for e in g[2]]) for g in got] == [(3, 0, [0, 0])]   # then in their order
     assert big.future.done()
+
+
+async def test_while_the_bulk_stream_is_dialled_other_tags_go_first():
+    """A bulk message waits for its stream to be dialled: a message with another tag goes
+    ahead of it (it takes the lower number: nothing to skip); one with its tag waits. If
+    the stream cannot be opened, the bulk message goes through ZeroMQ, still before the
+    message with its tag."""
+    from rlinf.core.routing import BULK
+    from rlinf.errors import TransportUnavailableError
+
+    loop = asyncio.get_running_loop()
+    link, dialled = RecordingLink(), asyncio.Event()
+    box = Outbox("peer:0", ("me:0", "inc0"), Counters("me:0"))
+
+    async def dial():
+        await dialled.wait()
+        raise TransportUnavailableError("no bulk listener")
+    box.bulk = dial
+    box.attach(link, None)
+    big = OutMessage(wire.plain_entry(wire.USER, 0, b"h", [1]), [memoryview(bytes(2 << 20))], 2 << 20,
+                     loop.create_future(), True, transport=BULK)
+    box.put(big, loop)
+    box.put(_small(1), loop)                                  # its tag: waits
+    box.put(_small(2, tag=1), loop)                           # another tag: goes now
+    box.flush()
+    got = [wire.unpack(f[0], f[1:]) for f in link.sent]
+    assert [(g[5], g[6], [e.tag for e in g[2]]) for g in got] == [(0, 0, [1])]
+    dialled.set()
+    async with asyncio.timeout(5):
+        while len(link.sent) < 3:
+            await asyncio.sleep(0)
+    got = [wire.unpack(f[0], f[1:]) for f in link.sent[1:]]
+    assert [(g[5], [e.tag for e in g[2]]) for g in got] == [(1, [0]), (2, [0])]   # the bulk one, then its tag
+    assert bytes(link.sent[2][1]) == b"\x01"
