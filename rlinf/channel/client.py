@@ -180,6 +180,8 @@ class Channel(HandleBase):
         check_key(key)
         self._check_producer()
         payload, nbytes = pack(self._codec, item)
+        if self._core.trace is not None:
+            self._core.trace.span("channel", "channel.put", self._core.trace.now(), channel=self.name, bytes=nbytes)
         op = ("put", key, weight, nbytes, payload)
         large = nbytes >= SMALL_MESSAGE
         if self._maxsize:
@@ -216,6 +218,8 @@ class Channel(HandleBase):
         timeout = self._core.timeout_of(timeout)
         buffer = self._buffers.get(key)
         if buffer and not self._must_yield and self._error is None:
+            if self._core.trace is not None:
+                self._core.trace.span("channel", "channel.get", self._core.trace.now(), channel=self.name, items=1)
             return self._take_buffered(key, buffer, ack)    # prefetched: no wait
         return (await self._get_items(key, 1, None, ack, timeout))[0]
 
@@ -316,6 +320,16 @@ class Channel(HandleBase):
 
     async def _get_items(self, key: Any, max_items: int | None, target: float | None, ack: bool,
                          timeout: float | None) -> list[Any]:
+        trace = self._core.trace
+        if trace is not None:
+            started = trace.now()
+            items = await self._get_items_untraced(key, max_items, target, ack, timeout)
+            trace.span("channel", "channel.get", started, channel=self.name, items=len(items))
+            return items
+        return await self._get_items_untraced(key, max_items, target, ack, timeout)
+
+    async def _get_items_untraced(self, key: Any, max_items: int | None, target: float | None, ack: bool,
+                                  timeout: float | None) -> list[Any]:
         check_key(key)
         self._check_consumer(key)
         self._report_done()

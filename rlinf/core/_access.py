@@ -12,6 +12,7 @@ from ._mailbox import Mailbox
 from ._membership import Departure
 from ._receive import ReceivePath
 from ._send import SendPath
+from ._trace import Recorder
 
 __all__ = ["CoreAccess"]
 
@@ -57,6 +58,10 @@ class CoreAccess:
     @property
     def info(self) -> WorkerInfo | None:
         return self._comm.info
+
+    @property
+    def trace(self) -> Recorder | None:
+        return self._receive.trace
 
     def timeout_of(self, timeout: Any) -> float | None:
         return check_timeout(timeout, self._timeout)

@@ -62,6 +62,9 @@ class Outbox:
             :mod:`rlinf.core._credit`).
     """
 
+    #: the communicator's trace recorder (``rlinf.core._trace``), set by its sessions; None: off
+    trace: Any = None
+
     def __init__(self, address: str, header: wire.HeaderPacker | tuple[str, str], counters: Counters, *,
                  clock: Callable[[], float] = time.perf_counter, window: Window = DEFAULT_WINDOW) -> None:
         self.address = address
@@ -130,6 +133,8 @@ class Outbox:
                 return False
             credit.take(msg.nbytes)
             msg.counted = True
+        if self.trace is not None:     # (here: a message admitted after waiting for credit comes back)
+            self.trace.sent(self, msg)
         queue = self.queue
         queue.append(msg)
         if not self._scheduled:
