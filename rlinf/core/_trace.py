@@ -17,8 +17,9 @@ is still read): one event per line, first the process's metadata (``process_name
 ``thread_name`` of each lane, and ``rlinf_process``: address, incarnation, host), last
 ``rlinf_clock``: this process's clock offset to the manager's (see
 :class:`rlinf.control.clock.ClockSync`), written again with every batch so the last one
-in the file is the best. Timestamps are this process's ``time.time()`` in microseconds;
-``rlinf trace merge`` (:mod:`rlinf.tools.trace`) moves them to the manager's clock.
+in the file is the best. Timestamps are this process's ``time.time_ns()`` in whole
+microseconds; ``rlinf trace merge`` (:mod:`rlinf.tools.trace`) moves them to the
+manager's clock.
 
 Sends and receives carry the key that matches them: the sender numbers its messages per
 destination and tag (``n``) in queueing order, which is the order the receiver delivers
@@ -83,11 +84,13 @@ class Recorder:
         self.address = address
         self._clock = clock
         self._pid = os.getpid()
-        self._events: list[list] = []
+        self._events: list[tuple | list] = []
         self._sent: dict[tuple[str, Any], int] = {}
         self._received: dict[tuple[str, str, Any], int] = {}
         self._kinds: dict[str, str] = {}      # peer -> the link inline messages took (zmq or stream)
-        self._quoted: dict[Any, str] = {}     # JSON of the peers and tags seen (few): formatted once
+        # the JSON that events share, formatted once: of each lane; of a peer, tag and path
+        self._heads = {lane: f'{{"ph":"X","cat":"rlinf","pid":{self._pid},"tid":{lane},' for lane in LANES}
+        self._middles: dict[tuple, str] = {}
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlinf-trace")
         self._writing: concurrent.futures.Future | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -133,7 +136,10 @@ class Recorder:
                 path, link = (routing.STREAM if isinstance(link, StreamLink) else path), None
             else:
                 link = outbox
-        event = [_SEND, time.time(), 0.0, outbox.address, tag, msg.nbytes, path, n, link]
+        if msg.future is None and link is None:    # (a tuple: the garbage collector soon skips it)
+            self._add((_SEND, time.time_ns(), 0, outbox.address, tag, msg.nbytes, path, n, None))
+            return
+        event = [_SEND, time.time_ns(), 0, outbox.address, tag, msg.nbytes, path, n, link]
         if msg.future is not None:     # its span: until the caller's buffers are free again
             msg.future.add_done_callback(functools.partial(_ended, event))
         self._add(event)
@@ -146,18 +152,18 @@ class Recorder:
         self._received[key] = n + 1
         path = "pull" if entry.pull is not None else "cuda" if entry.gpu is not None else \
             "shm" if entry.slot is not None or entry.relays is not None else ""
-        self._add([_RECV, time.time(), 0.0, src, tag, nbytes + len(entry.codec_header), path, n, incarnation])
+        self._add((_RECV, time.time_ns(), 0, src, tag, nbytes + len(entry.codec_header), path, n, incarnation))
 
-    def now(self) -> float:
-        """The clock of this trace (seconds), for :meth:`span`'s ``start``."""
-        return time.time()
+    def now(self) -> int:
+        """The clock of this trace (``time.time_ns()``), for :meth:`span`'s ``start``."""
+        return time.time_ns()
 
-    def span(self, lane: str, name: str, start: float, **args: Any) -> None:
+    def span(self, lane: str, name: str, start: int, **args: Any) -> None:
         """An operation of ``lane`` (``"collective"`` or ``"channel"``) that began at
         ``start`` (:meth:`now`) and ends now; ``args``: plain values shown with it."""
-        self._add([_COLLECTIVE if lane == "collective" else _CHANNEL, start, time.time() - start, name, args])
+        self._add((_COLLECTIVE if lane == "collective" else _CHANNEL, start, time.time_ns() - start, name, args))
 
-    def _add(self, event: list) -> None:
+    def _add(self, event: tuple | list) -> None:
         events = self._events
         events.append(event)
         if len(events) >= BATCH and not self._closed:
@@ -196,22 +202,26 @@ class Recorder:
         with open(self.path, "a", encoding="utf-8") as f:
             f.write("".join(lines))
 
-    def _quote(self, value: Any) -> str:
-        quoted = self._quoted.get(value)
-        if quoted is None:
-            quoted = self._quoted[value] = json.dumps(value)
-        return quoted
-
-    def _format(self, event: list) -> str:
-        lane, start, dur = event[0], event[1] * 1e6, max(event[2] * 1e6, 1.0)
-        head = f'{{"ph":"X","pid":{self._pid},"tid":{lane},"ts":{start:.3f},"dur":{dur:.3f},'
+    def _format(self, event: tuple | list) -> str:
+        # whole microseconds: formatting a float of 16 digits costs more than the event
+        lane, ts, dur = event[0], event[1] // 1000, event[2] // 1000 or 1    # (a slice of no length is not drawn)
+        head = self._heads[lane]
         if lane == _SEND or lane == _RECV:
-            _, _, _, peer, tag, nbytes, path, n, extra = event
-            name, path = ("send", _PATHS.get(path, path)) if lane == _SEND else ("recv", path)
-            inc = f',"inc":{self._quote(extra)}' if lane == _RECV else ""
-            return (f'{head}"name":"{name}","cat":"rlinf","args":{{"peer":{self._quote(peer)},'
-                    f'"tag":{self._quote(tag)},"bytes":{nbytes},"path":"{path}","n":{n}{inc}}}}},\n')
-        return f'{head}"name":{self._quote(event[3])},"cat":"rlinf","args":{json.dumps(event[4], default=str)}}},\n'
+            key = (lane, event[3], event[4], event[6], event[8])
+            middle = self._middles.get(key)
+            if middle is None:
+                middle = self._middles[key] = self._middle(*key)
+            return f'{head}"ts":{ts},"dur":{dur},{middle}{event[5]},"n":{event[7]}}}}},\n'
+        return (f'{head}"ts":{ts},"dur":{dur},"name":{json.dumps(event[3])},'
+                f'"args":{json.dumps(event[4], default=str)}}},\n')
+
+    @staticmethod
+    def _middle(lane: int, peer: str, tag: Any, path: str, inc: str | None) -> str:
+        """What the events of one peer, tag and path share, up to their byte count."""
+        args = {"peer": peer, "tag": tag, "path": _PATHS.get(path, path) if lane == _SEND else path}
+        if inc is not None:
+            args["inc"] = inc
+        return f'"name":"{"send" if lane == _SEND else "recv"}","args":{json.dumps(args)[:-1]},"bytes":'
 
     async def aclose(self) -> None:
         """Write what is left and end the file (idempotent). Safe to cancel: the
@@ -227,4 +237,4 @@ class Recorder:
 
 
 def _ended(event: list, _future: asyncio.Future) -> None:
-    event[2] = time.time() - event[1]
+    event[2] = time.time_ns() - event[1]
