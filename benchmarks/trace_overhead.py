@@ -33,8 +33,10 @@ async def _echo(comm, n):
 async def _flood(comm, n, size):
     payload = b"x" * size
     await comm.recv("driver:0")
+    cpu = time.process_time()       # (all its threads: the trace writer's included)
     for _ in range(n):
         await comm.send(payload, "driver:0")
+    return time.process_time() - cpu
 
 
 async def _measure(n: int, m: int) -> dict[str, float]:
@@ -49,13 +51,16 @@ async def _measure(n: int, m: int) -> dict[str, float]:
             await comm.recv("echo:0")
             lat.append(time.perf_counter() - t0)
         lat = sorted(lat[n // 10:])
-        await cluster.spawn(_flood, "flood", 1, args=(m, 1024))
+        flood = await cluster.spawn(_flood, "flood", 1, args=(m, 1024))
         await comm.send("go", "flood:0")
-        t0 = time.perf_counter()
+        t0, cpu = time.perf_counter(), time.process_time()
         for _ in range(m):
             await comm.recv("flood:0")
         rate = m / (time.perf_counter() - t0)
-    return {"p1_us": lat[len(lat) // 2] * 1e6, "p2_rate": rate}
+        cpu = time.process_time() - cpu
+        (sender_cpu,) = await flood.join(timeout=60)
+    return {"p1_us": lat[len(lat) // 2] * 1e6, "p2_rate": rate, "p2_recv_cpu_us": cpu / m * 1e6,
+            "p2_send_cpu_us": sender_cpu / m * 1e6}
 
 
 def _one(n: int, m: int) -> None:
@@ -98,13 +103,18 @@ def main() -> None:
     first = variants[0][0]
     p1_0 = statistics.median(x["p1_us"] for x in results[first])
     p2_0 = statistics.median(x["p2_rate"] for x in results[first])
-    print(f"| variant | P1 p50 (us) | vs {first} | P2 rate (msg/s) | vs {first} | P2 runs (k msg/s) |")
-    print("|---|---|---|---|---|---|")
+    cpu_0 = {side: statistics.median(x[f"p2_{side}_cpu_us"] for x in results[first]) for side in ("send", "recv")}
+    print(f"| variant | P1 p50 (us) | vs {first} | P2 rate (msg/s) | vs {first} | P2 CPU per message, "
+          f"sender / receiver (us) | vs {first} | P2 runs (k msg/s) |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, _, _ in variants:
         p1 = statistics.median(x["p1_us"] for x in results[name])
         p2 = statistics.median(x["p2_rate"] for x in results[name])
+        cpu = {side: statistics.median(x[f"p2_{side}_cpu_us"] for x in results[name]) for side in ("send", "recv")}
         runs = " ".join(f"{x['p2_rate'] / 1000:.1f}" for x in results[name])
-        print(f"| {name} | {p1:.1f} | {p1 / p1_0:.3f}x | {p2:,.0f} | {p2 / p2_0:.3f}x | {runs} |")
+        print(f"| {name} | {p1:.1f} | {p1 / p1_0:.3f}x | {p2:,.0f} | {p2 / p2_0:.3f}x | "
+              f"{cpu['send']:.2f} / {cpu['recv']:.2f} | {cpu['send'] / cpu_0['send']:.3f}x / "
+              f"{cpu['recv'] / cpu_0['recv']:.3f}x | {runs} |")
     print(f"(trace files written by the 'on' runs: {size / 1e6:.1f} MB in all)")
 
 

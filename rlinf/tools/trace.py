@@ -90,9 +90,12 @@ def merge(processes: Iterable[list[dict]]) -> dict:
     ``address (pid P on host)``; its timestamps move by its clock offset to the manager
     (``rlinf_clock``; none recorded: left as they are, and listed under
     ``metadata.rlinf.unaligned``). Each send is joined to its receive by a flow (``ph``
-    ``s`` on the sender, ``f`` on the receiver, with one ``id``; both events get it as
-    ``args.flow``); a receive takes its send's path when it could not tell it (zmq,
-    stream or bulk look the same once read). Events are sorted by time, metadata first.
+    ``s`` on the sender, ``f`` on the receiver, with one ``id``; both events get the
+    first as ``args.flow``). An event may stand for a run of messages (``n`` the first,
+    ``count`` how many, see :mod:`rlinf.core._trace`): a flow joins each send run to
+    each receive run it shares messages with. A receive takes its send's path when it
+    could not tell it (zmq, stream or bulk look the same once read). Events are sorted
+    by time, metadata first.
 
     Args:
         processes: each process's events, as :func:`load` returns them.
@@ -100,8 +103,8 @@ def merge(processes: Iterable[list[dict]]) -> dict:
     Returns:
         ``{"traceEvents": [...], "displayTimeUnit": "ms", "metadata": {"rlinf": {...}}}``,
         where ``metadata.rlinf`` holds ``processes`` (address, incarnation, host, pid, and
-        the ``offset_us`` / ``rtt_us`` applied), ``sends``, ``receives``,
-        ``unmatched_sends``, ``unmatched_receives`` and ``unaligned``.
+        the ``offset_us`` / ``rtt_us`` applied), ``sends`` and ``receives`` (messages),
+        ``flows``, ``unmatched_sends``, ``unmatched_receives`` (messages) and ``unaligned``.
     """
     loaded = []
     for events in processes:
@@ -111,8 +114,7 @@ def merge(processes: Iterable[list[dict]]) -> dict:
         loaded.append((info, events))
     loaded.sort(key=lambda item: (str(item[0].get("address", "")), str(item[0].get("incarnation", ""))))
     out: list[dict] = []
-    sends: dict[tuple, dict] = {}
-    receives: list[tuple[tuple, dict]] = []
+    runs: dict[tuple, tuple[list, list]] = {}       # (src, inc, dst, tag) -> (send runs, receive runs)
     described, unaligned = [], []
     for pid, (info, events) in enumerate(loaded, start=1):
         address, incarnation = info.get("address", f"process {pid}"), info.get("incarnation", "")
@@ -136,28 +138,52 @@ def merge(processes: Iterable[list[dict]]) -> dict:
             out.append(event)
             args = event["args"]
             if name == "send" and event.get("tid") == _SEND_LANE:
-                sends[(address, incarnation, args.get("peer"), _hashable(args.get("tag")), args.get("n"))] = event
+                key = (address, incarnation, args.get("peer"), _hashable(args.get("tag")))
+                runs.setdefault(key, ([], []))[0].append(event)
             elif name == "recv" and event.get("tid") == _RECV_LANE:
-                receives.append(((args.get("peer"), args.get("inc"), address, _hashable(args.get("tag")),
-                                  args.get("n")), event))
-    matched = 0
-    for key, recv in receives:
-        send = sends.pop(key, None)
-        if send is None:
-            continue
-        matched += 1
-        flow = matched
-        send["args"]["flow"] = recv["args"]["flow"] = flow
-        if not recv["args"].get("path"):
-            recv["args"]["path"] = send["args"].get("path", "")
-        common = {"name": "message", "cat": "rlinf.flow", "id": flow}
-        out.append({**common, "ph": "s", "pid": send["pid"], "tid": send["tid"], "ts": send["ts"]})
-        out.append({**common, "ph": "f", "bp": "e", "pid": recv["pid"], "tid": recv["tid"], "ts": recv["ts"]})
+                key = (args.get("peer"), args.get("inc"), address, _hashable(args.get("tag")))
+                runs.setdefault(key, ([], []))[1].append(event)
+    flows = sends = receives = matched = 0
+    for send_runs, recv_runs in runs.values():
+        sends += sum(_count(e) for e in send_runs)
+        receives += sum(_count(e) for e in recv_runs)
+        for send, recv, both in _overlaps(send_runs, recv_runs):
+            flows += 1
+            matched += both
+            send["args"].setdefault("flow", flows)
+            recv["args"].setdefault("flow", flows)
+            if not recv["args"].get("path"):
+                recv["args"]["path"] = send["args"].get("path", "")
+            common = {"name": "message", "cat": "rlinf.flow", "id": flows}
+            out.append({**common, "ph": "s", "pid": send["pid"], "tid": send["tid"], "ts": send["ts"]})
+            out.append({**common, "ph": "f", "bp": "e", "pid": recv["pid"], "tid": recv["tid"], "ts": recv["ts"]})
     out.sort(key=lambda e: (e.get("ph") != "M", e.get("ts", 0.0)))
-    summary = {"processes": described, "sends": matched + len(sends), "receives": len(receives),
-               "unmatched_sends": len(sends), "unmatched_receives": len(receives) - matched,
+    summary = {"processes": described, "sends": sends, "receives": receives, "flows": flows,
+               "unmatched_sends": sends - matched, "unmatched_receives": receives - matched,
                "unaligned": unaligned}
     return {"traceEvents": out, "displayTimeUnit": "ms", "metadata": {"rlinf": summary}}
+
+
+def _count(event: dict) -> int:
+    return int(event["args"].get("count", 1))
+
+
+def _overlaps(sends: list[dict], receives: list[dict]) -> Iterable[tuple[dict, dict, int]]:
+    """The pairs of a send run and a receive run that share messages (their ``n`` ranges
+    overlap), with how many they share, in order."""
+    sends = sorted(sends, key=lambda e: e["args"].get("n", 0))
+    receives = sorted(receives, key=lambda e: e["args"].get("n", 0))
+    i = j = 0
+    while i < len(sends) and j < len(receives):
+        s0, r0 = sends[i]["args"].get("n", 0), receives[j]["args"].get("n", 0)
+        s1, r1 = s0 + _count(sends[i]), r0 + _count(receives[j])
+        both = min(s1, r1) - max(s0, r0)
+        if both > 0:
+            yield sends[i], receives[j], both
+        if s1 <= r1:
+            i += 1
+        else:
+            j += 1
 
 
 def _hashable(tag: Any) -> Any:

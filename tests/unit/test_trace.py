@@ -44,13 +44,14 @@ def test_the_recorder_writes_chrome_trace_events(tmp_path):
     async def scenario() -> Recorder:
         recorder = Recorder(str(tmp_path / "t"), "a:0", "inc-a-0123456789", clock=lambda: (0.002, 0.0005))
         recorder.start(asyncio.get_running_loop())
-        outbox = types.SimpleNamespace(address="b:0", link=None)
+        outbox = types.SimpleNamespace(address="b:0", link=object())     # a ZeroMQ link
         recorder.sent(outbox, _user(1, 100))
-        recorder.sent(outbox, _user(1, 200))
+        recorder.sent(outbox, _user(1, 200))          # a burst: one event, a run of two
         recorder.sent(outbox, _user("coll:0", 1 << 20, routing.SHM))
         recorder.sent(outbox, OutMessage(wire.system_entry("shm"), [], 10, None, False))   # SYSTEM: not traced
         done = asyncio.get_running_loop().create_future()
         recorder.sent(outbox, _user(2, 1 << 21, routing.BULK, done))
+        recorder.sent(types.SimpleNamespace(address="c:0", link=None), _user(1, 50))    # link not dialled yet
         recorder.received("b:0", "inc-b", wire.Entry(wire.USER, 1, b"hh", [1]), 40)
         start = recorder.now()
         done.set_result(None)
@@ -74,11 +75,11 @@ def test_the_recorder_writes_chrome_trace_events(tmp_path):
     timed = [e for e in events if e["ph"] == "X"]
     assert all(e["pid"] == events[0]["pid"] and e["dur"] >= 1.0 and e["ts"] > 1e15 for e in timed)
     sends = [e["args"] for e in timed if e["name"] == "send"]
-    assert [(s["tag"], s["n"], s["bytes"], s["path"]) for s in sends] == [
-        (1, 0, 100, "zmq"), (1, 1, 200, "zmq"), ("coll:0", 0, 1 << 20, "shm"), (2, 0, 1 << 21, "bulk")]
-    assert all(s["peer"] == "b:0" for s in sends)
+    assert [(s["peer"], s["tag"], s["n"], s["count"], s["bytes"], s["path"]) for s in sends] == [
+        ("b:0", 1, 0, 2, 300, "zmq"), ("b:0", "coll:0", 0, 1, 1 << 20, "shm"), ("b:0", 2, 0, 1, 1 << 21, "bulk"),
+        ("c:0", 1, 0, 1, 50, "zmq")]
     recv = next(e["args"] for e in timed if e["name"] == "recv")
-    assert recv == {"peer": "b:0", "tag": 1, "bytes": 42, "path": "", "n": 0, "inc": "inc-b"}
+    assert recv == {"peer": "b:0", "tag": 1, "bytes": 42, "path": "", "n": 0, "count": 1, "inc": "inc-b"}
     span = next(e for e in timed if e["tid"] == 3)
     assert span["name"] == "broadcast" and span["args"] == {"tag": "g:0", "root": "a:0", "members": 2}
 
@@ -162,6 +163,19 @@ def test_merge_aligns_clocks_joins_sends_to_receives_and_sorts():
     assert [(p["address"], p["offset_us"], p["merged_pid"]) for p in summary["processes"]] == \
         [("a:0", 1000.0, 1), ("b:0", -500.0, 2)]
     assert summary["unaligned"] == []
+
+
+def test_merge_joins_runs_of_messages_by_the_ones_they_share():
+    def run(event, count):
+        event["args"]["count"] = count
+        return event
+
+    a = _process("a:0", "ia", 11, 0.0, [run(_send(10.0, "b:0", 1, 0), 3), run(_send(20.0, "b:0", 1, 3), 2)])
+    b = _process("b:0", "ib", 22, 0.0, [run(_recv(15.0, "a:0", "ia", 1, 0), 1), run(_recv(16.0, "a:0", "ia", 1, 1), 3)])
+    summary = merge([a, b])["metadata"]["rlinf"]
+    # messages 0 | 1 2 | 3 of the receive runs: three flows; message 4 never arrived
+    assert (summary["sends"], summary["receives"], summary["flows"]) == (5, 4, 3)
+    assert (summary["unmatched_sends"], summary["unmatched_receives"]) == (1, 0)
 
 
 def test_merge_leaves_a_process_without_a_clock_where_it_is():
