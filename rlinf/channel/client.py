@@ -321,22 +321,18 @@ class Channel(HandleBase):
     async def _get_items(self, key: Any, max_items: int | None, target: float | None, ack: bool,
                          timeout: float | None) -> list[Any]:
         trace = self._core.trace
-        if trace is not None:
-            started = trace.now()
-            items = await self._get_items_untraced(key, max_items, target, ack, timeout)
-            trace.span("channel", "channel.get", started, channel=self.name, items=len(items))
-            return items
-        return await self._get_items_untraced(key, max_items, target, ack, timeout)
-
-    async def _get_items_untraced(self, key: Any, max_items: int | None, target: float | None, ack: bool,
-                                  timeout: float | None) -> list[Any]:
+        started = trace.now() if trace is not None else 0
         check_key(key)
         self._check_consumer(key)
         self._report_done()
         if self._prefetch:
-            return await self._get_buffered(key, max_items, target, ack, timeout)
-        rid, future = self._start_get(key, max_items, target)
-        return await self._finish_get(rid, future, ack, timeout)
+            items = await self._get_buffered(key, max_items, target, ack, timeout)
+        else:
+            rid, future = self._start_get(key, max_items, target)
+            items = await self._finish_get(rid, future, ack, timeout)
+        if trace is not None:
+            trace.span("channel", "channel.get", started, channel=self.name, items=len(items))
+        return items
 
     def _start_get(self, key: Any, max_items: int | None, target: float | None) -> tuple[int, asyncio.Future]:
         rid = next(self._rids)

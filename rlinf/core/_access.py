@@ -34,7 +34,7 @@ class CoreAccess:
     """
 
     __slots__ = ("_comm", "_send", "_receive", "_mailbox", "_roster", "_guard", "_lookup", "_timeout", "departed",
-                 "check_open", "address", "incarnation", "manager_address", "token", "codec", "__weakref__")
+                 "check_open", "address", "incarnation", "manager_address", "token", "codec", "trace", "__weakref__")
 
     def __init__(self, comm: Any, token: str, codec: Codec, send: SendPath, receive: ReceivePath, mailbox: Mailbox,
                  roster: dict[str, WorkerInfo], *, check_open: Callable[[], None], guard: Callable[[], None],
@@ -51,6 +51,7 @@ class CoreAccess:
         self.manager_address = comm.manager_address
         self.token = token
         self.codec = codec
+        self.trace: Recorder | None = receive.trace     # (an attribute: checked on every channel put)
 
     def __repr__(self) -> str:
         return f"<CoreAccess {self.address}>"
@@ -58,10 +59,6 @@ class CoreAccess:
     @property
     def info(self) -> WorkerInfo | None:
         return self._comm.info
-
-    @property
-    def trace(self) -> Recorder | None:
-        return self._receive.trace
 
     def timeout_of(self, timeout: Any) -> float | None:
         return check_timeout(timeout, self._timeout)

@@ -379,6 +379,8 @@ class CoreCommunicator:
 
     async def _teardown(self, *, deregister: bool) -> None:
         error = self._closed or ClosedError(f"communicator {self.address} failed to start")
+        if self._trace is not None:
+            self._trace.flush()     # while the links are open: the trace names the ones messages took
         cancelled = undelivered = None
         deadline = time.monotonic() + _GRACEFUL_LINGER_MS / 1000     # one linger for every drain below
 
