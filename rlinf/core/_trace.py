@@ -6,10 +6,13 @@ off the wire (``recv``), the collectives it runs and the channel puts and gets i
 with their bytes and the path taken. The parts that note them hold the recorder in an
 attribute that is None when tracing is off: off, the hot path pays one attribute check.
 
-On, noting an event appends a short list to a buffer (no formatting, no I/O); every
-:data:`BATCH` events, and once a second from the event loop, the buffer is swapped for an
-empty one and formatted and appended to the file by the recorder's own writer thread;
-:meth:`Recorder.close` writes the rest.
+On, noting a message that joins the event before it (see runs, below) is a few
+comparisons and additions; another appends a short list to a buffer (no formatting, no
+I/O). Every :data:`BATCH` events, once a second, and when the communicator closes
+(:meth:`Recorder.flush`, :meth:`Recorder.aclose`), the loop formats the buffer, and the
+recorder's own thread appends the text to the file (only the write: formatting there
+would hold the GIL against the loop). (Noting every message as a tuple and making the
+runs per batch was tried: it cost twice as much, measured in P2.)
 
 The file, ``DIR/<group>_<rank>-<pid>-<incarnation>.json``, is the JSON array form of the
 Chrome trace format (which tools accept unterminated, so the file of a process that died
@@ -30,8 +33,9 @@ counted. Messages that follow each other closely (within :data:`RUN_GAP_NS`, wit
 same peer, tag and path, nothing else noted between them: a burst) share one event, a
 run: ``n`` is its first message, ``count`` how many, ``bytes`` their sum, and its span
 runs from the first to the last. This is what keeps a trace of a message flood cheap:
-noting a message that joins a run is a few attribute updates, and only runs are
-formatted and written.
+only runs are formatted and written. A message whose buffers we hold until it is
+through (large, or in shared memory, pulled, in CUDA IPC) is an event of its own, whose
+span ends when they are free.
 """
 
 from __future__ import annotations
@@ -68,9 +72,9 @@ _SEND, _RECV, _COLLECTIVE, _CHANNEL = 1, 2, 3, 4
 _PATHS = {routing.INLINE: "zmq", routing.SHM: "shm", routing.BULK: "bulk", routing.CUDA_IPC: "cuda"}
 _PULL = 7    # where a pull entry holds its descriptor (see wire.pull_entry)
 _USER, _KIND, _TAG, _INLINE, _STREAM = wire.USER, wire.KIND, wire.TAG, routing.INLINE, routing.STREAM
-# an event: [lane, start ns, duration ns, peer, tag, bytes, path, n, outbox or incarnation, count]
-_PEER, _BYTES, _PATH, _N, _EXTRA, _COUNT = 3, 5, 6, 7, 8, 9
-_PENDING = "?"     # the path of an inline message sent before its link was dialled, until known
+# an event: [lane, start ns, duration ns, peer, tag, bytes, path, n, link or incarnation, count,
+# the outbox a send run is for (None: it grows no more)]
+_PEER, _BYTES, _PATH, _N, _EXTRA, _COUNT, _OUTBOX = 3, 5, 6, 7, 8, 9, 10
 _time_ns = time.time_ns
 
 
@@ -100,9 +104,10 @@ class Recorder:
         self.address = address
         self._clock = clock
         self._pid = os.getpid()
-        self._notes: list[tuple | list] = []     # what was noted since the last batch (see sent)
-        #: the number of the next message and the time of the last, of each (peer, tag)
-        #: sent to and (peer, incarnation, tag) received from
+        self._events: list[list] = []
+        self._last: list | None = None        # the last event noted, while a message may join it
+        #: the last event of each (peer, tag) sent to / (peer, incarnation, tag) received
+        #: from: its ``n + count`` numbers the next message
         self._sent: dict[tuple, list] = {}
         self._received: dict[tuple, list] = {}
         self._kinds: dict[str, str] = {}      # peer -> the link inline messages took (zmq or stream)
@@ -121,7 +126,7 @@ class Recorder:
             f.write("[\n" + "".join(json.dumps(e) + ",\n" for e in head))
 
     def __repr__(self) -> str:
-        return f"<Recorder {self.path} buffered={len(self._notes)}>"
+        return f"<Recorder {self.path} buffered={len(self._events)}>"
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Write what is buffered about once a second from ``loop`` (else only every
@@ -135,158 +140,125 @@ class Recorder:
         self._timer = loop.call_later(FLUSH_INTERVAL, self._tick, loop)
 
     # -- noting events (the traced paths call these only when tracing is on) ----------------
-    # A small inline message is noted as a tuple and nothing more: numbering it, finding
-    # its path and joining it to a run wait for the batch (:meth:`_take`), where the same
-    # work for a thousand messages in one loop costs a third of what it costs spread out.
-
     def sent(self, outbox: Any, msg: Any) -> None:
         """``msg`` (an :class:`~rlinf.core._outmsg.OutMessage`) queued on ``outbox``."""
-        if msg.large or msg.transport != _INLINE:
-            self._sent_held(outbox, msg)
-            return
-        notes = self._notes
-        notes.append((_time_ns(), outbox, msg.entry, msg.nbytes, outbox.link))   # (the link: now, not later)
-        if len(notes) >= BATCH:
-            self._write_batch()
-
-    def _sent_held(self, outbox: Any, msg: Any) -> None:
-        """A message whose buffers we hold until it is through (large, or in shared
-        memory, ...): its span lasts until they are free."""
         entry = msg.entry
+        now = _time_ns()
+        last = self._last
+        # the hot case first: a small inline message in a burst to one peer and tag
+        if last is not None and last[_OUTBOX] is outbox and entry[_TAG] == last[4] and msg.transport == _INLINE \
+                and not msg.large and entry[_KIND] == _USER and now - last[1] - last[2] < RUN_GAP_NS:
+            last[2] = now - last[1]
+            last[_BYTES] += msg.nbytes
+            last[_COUNT] += 1
+            return
         if entry[_KIND] != _USER:
             return
+        peer, tag = outbox.address, entry[_TAG]
         path = msg.transport
         if path == routing.SHM and len(entry) > _PULL and entry[_PULL] is not None:
             path = "pull"
-        event = [_SEND, _time_ns(), 0, outbox.address, entry[_TAG], msg.nbytes, path, 0,
-                 outbox if path == _INLINE else None, 1]
-        if msg.future is not None:
+        # the span of a message whose buffers we still hold (large, or in shared memory
+        # being copied or pulled, ...) lasts until they are free; a small inline one's
+        # future only said it waited for credit, and it has just been admitted
+        runs = path == _INLINE and not msg.large
+        link = None
+        if path == _INLINE:     # ZeroMQ or a stream: the link says (not dialled yet: when written)
+            link = outbox.link
+            if link is not None:
+                path, link = (_STREAM if type(link) is StreamLink else path), None   # (not isinstance: an ABC, slow)
+            else:
+                link = outbox
+        key = (peer, tag)
+        sent = self._sent
+        before = sent.get(key)
+        event = [_SEND, now, 0, peer, tag, msg.nbytes, path, 0 if before is None else before[_N] + before[_COUNT],
+                 link, 1, outbox if runs else None]
+        sent[key] = event
+        self._last = event if runs else None
+        if not runs and msg.future is not None:     # its span: until the caller's buffers are free again
             msg.future.add_done_callback(functools.partial(_ended, event))
         self._add(event)
+        if len(sent) > MAX_KEYS:
+            _forget_idle(sent)
 
     def received(self, src: str, incarnation: str, entry: wire.Entry, nbytes: int) -> None:
         """A user-kind message ``entry`` from ``src`` delivered to the mailbox."""
-        notes = self._notes
-        notes.append((_time_ns(), src, incarnation, entry, nbytes))
-        if len(notes) >= BATCH:
-            self._write_batch()
+        now = _time_ns()
+        tag = entry.tag
+        nbytes += len(entry.codec_header)
+        inline = entry.slot is None and entry.pull is None and entry.gpu is None and entry.relays is None
+        last = self._last
+        if last is not None and inline and last[_PEER] == src and last[4] == tag and last[_EXTRA] == incarnation \
+                and last[0] == _RECV and last[_PATH] == "" and now - last[1] - last[2] < RUN_GAP_NS:
+            last[2] = now - last[1]
+            last[_BYTES] += nbytes
+            last[_COUNT] += 1
+            return
+        path = "" if inline else "pull" if entry.pull is not None else "cuda" if entry.gpu is not None else "shm"
+        key = (src, incarnation, tag)
+        received = self._received
+        before = received.get(key)
+        event = [_RECV, now, 0, src, tag, nbytes, path, 0 if before is None else before[_N] + before[_COUNT],
+                 incarnation, 1, None]
+        received[key] = self._last = event
+        self._add(event)
+        if len(received) > MAX_KEYS:
+            _forget_idle(received)
 
     def now(self) -> int:
         """The clock of this trace (``time.time_ns()``), for :meth:`span`'s ``start``."""
-        return _time_ns()
+        return time.time_ns()
 
     def span(self, lane: str, name: str, start: int, **args: Any) -> None:
         """An operation of ``lane`` (``"collective"`` or ``"channel"``) that began at
         ``start`` (:meth:`now`) and ends now; ``args``: plain values shown with it."""
-        self._add([_COLLECTIVE if lane == "collective" else _CHANNEL, start, _time_ns() - start, name, args])
+        self._last = None
+        self._add([_COLLECTIVE if lane == "collective" else _CHANNEL, start, time.time_ns() - start, name, args])
 
     def _add(self, event: list) -> None:
-        notes = self._notes
-        notes.append(event)
-        if len(notes) >= BATCH:
-            self._write_batch()
+        events = self._events
+        events.append(event)
+        if len(events) >= BATCH:
+            if self._closed:     # (late, after the last batch: not kept)
+                events.clear()
+            else:
+                self._write_batch()
 
     # -- writing ------------------------------------------------------------------------------
     def flush(self) -> None:
         """Write what was noted, now: before the links close, so that the messages
         noted before their link was known learn it from their outbox."""
-        if self._notes:
+        if self._events:
             self._write_batch()
 
     def _write_batch(self) -> None:
-        """Make events of what is noted and format them here, and hand the text to the
-        writer thread. (Here: formatting in that thread would make it take the GIL for
-        milliseconds, and the loop, woken by a message, would wait for it; the write
-        itself lets go of the GIL.)"""
-        if self._closed:       # (a late message, after the last batch: not kept)
-            self._notes.clear()
-            return
-        self._writer.submit(self._write, self._text(self._take(), self._clock()))
+        """Format what is buffered here, and hand the text to the writer thread. (Here:
+        formatting in that thread would make it take the GIL for milliseconds, and the
+        loop, woken by a message, waits for it; the write itself lets go of the GIL.)"""
+        text = self._text(self._take(), self._clock())
+        self._writer.submit(self._write, text)
 
     def _take(self) -> list[list]:
-        """The events of what was noted since the last batch, in order, the notes
-        emptied: messages numbered, inline ones given the link their outbox has now
-        (or, closed meanwhile, the one later sends to that peer took), bursts joined."""
-        notes, self._notes = self._notes, []
-        events: list[list] = []
-        last: list | None = None     # the event a message may join, and of it:
-        last_outbox = last_link = last_counted = None     # a send's outbox and link; its numbering
-        pending: list[tuple[list, Any]] = []
+        """The buffered events, the buffer emptied. An inline send queued before its
+        link was dialled gets its path here, on the loop thread: its outbox's link, or
+        (that link closed meanwhile) the one later sends to that peer took."""
+        batch, self._events, self._last = self._events, [], None    # (a written event grows no more)
         kinds = self._kinds
-        for note in notes:
-            if type(note) is not tuple:      # an event already: a span, a message we held
-                if note[0] == _SEND:
-                    outbox, note[_EXTRA] = note[_EXTRA], None
-                    if outbox is not None:      # (a large message's link: the one it goes on)
-                        note[_PATH] = self._link_kind(outbox.link, note[_PEER])
-                    note[_N] = self._count(self._sent, (note[_PEER], note[4]), note[1])[0] - 1
-                events.append(note)
-                last = None
-                continue
-            now = note[0]
-            if type(note[1]) is not str:      # a small inline message sent (else received from note[1])
-                _, outbox, entry, nbytes, link = note
-                if last is not None and outbox is last_outbox and link is last_link and entry[_TAG] == last[4] \
-                        and now - last[1] - last[2] < RUN_GAP_NS and entry[_KIND] == _USER:
-                    last[2] = now - last[1]
-                    last[_BYTES] += nbytes
-                    last[_COUNT] += 1
-                    last_counted[0] += 1
-                    continue
-                if entry[_KIND] != _USER:
-                    continue
-                peer, tag = outbox.address, entry[_TAG]
-                path = _PENDING if link is None else kinds.get(peer) if link is last_link else \
-                    self._link_kind(link, peer)
-                last_counted = self._count(self._sent, (peer, tag), now)
-                last = [_SEND, now, 0, peer, tag, nbytes, path, last_counted[0] - 1, None, 1]
-                last_outbox, last_link = outbox, link
-                if link is None:
-                    pending.append((last, outbox))
-            else:
-                _, peer, incarnation, entry, nbytes = note
-                inline = entry.slot is None and entry.pull is None and entry.gpu is None and entry.relays is None
-                if last is not None and inline and last[0] == _RECV and peer == last[_PEER] and entry.tag == last[4] \
-                        and incarnation == last[_EXTRA] and last[_PATH] == "" and now - last[1] - last[2] < RUN_GAP_NS:
-                    last[2] = now - last[1]
-                    last[_BYTES] += nbytes + len(entry.codec_header)
-                    last[_COUNT] += 1
-                    last_counted[0] += 1
-                    continue
-                path = "" if inline else "pull" if entry.pull is not None else \
-                    "cuda" if entry.gpu is not None else "shm"
-                last_counted = self._count(self._received, (peer, incarnation, entry.tag), now)
-                last = [_RECV, now, 0, peer, entry.tag, nbytes + len(entry.codec_header), path, last_counted[0] - 1,
-                        incarnation, 1]
-                last_outbox = last_link = None
-            events.append(last)
-        for event, outbox in pending:   # sent before the link was dialled: what later ones took
-            event[_PATH] = kinds.get(event[_PEER]) or self._link_kind(outbox.link, event[_PEER])
-        for numbers in (self._sent, self._received):
-            if len(numbers) > MAX_KEYS:
-                _forget_idle(numbers)
+        for event in batch:
+            if event[0] == _SEND:
+                event[_OUTBOX] = None     # (the last event of each peer and tag is kept: not its outbox)
+                if event[_EXTRA] is None and event[_PATH] in (_INLINE, _STREAM):
+                    kinds[event[_PEER]] = event[_PATH]
+        for event in batch:
+            if event[0] == _SEND and event[_EXTRA] is not None:
+                outbox, event[_EXTRA] = event[_EXTRA], None
+                link = outbox.link
+                event[_PATH] = kinds.get(event[_PEER], _INLINE) if link is None else \
+                    _STREAM if type(link) is StreamLink else _INLINE
         if len(self._middles) > MAX_KEYS:
             self._middles.clear()
-        return events
-
-    @staticmethod
-    def _count(numbers: dict[tuple, list], key: tuple, now: int) -> list:
-        """``[next n, last time]`` of ``key`` (a peer and tag), one message counted."""
-        counted = numbers.get(key)
-        if counted is None:
-            counted = numbers[key] = [1, now]
-        else:
-            counted[0] += 1
-            counted[1] = now
-        return counted
-
-    def _link_kind(self, link: Any, peer: str) -> str:
-        """``"stream"`` or ``"zmq"``: ``link``'s kind (kept as ``peer``'s), or, when None
-        (closed), the last seen for ``peer``."""
-        if link is None:
-            return self._kinds.get(peer, _INLINE)
-        kind = self._kinds[peer] = _STREAM if type(link) is StreamLink else _INLINE   # (an ABC: isinstance
-        return kind                                                                     # is slow)
+        return batch
 
     def _text(self, batch: list[list], clock: tuple[float, float] | None, last: bool = False) -> str:
         lines = [self._format(event) for event in batch]
@@ -340,8 +312,9 @@ def _ended(event: list, _future: asyncio.Future) -> None:
     event[2] = time.time_ns() - event[1]
 
 
-def _forget_idle(numbers: dict[tuple, list]) -> None:
-    """Forget the half of ``numbers`` (key -> [next n, last time]) idle longest."""
-    cut = sorted(counted[1] for counted in numbers.values())[len(numbers) // 2]
-    for key in [k for k, counted in numbers.items() if counted[1] < cut]:
-        del numbers[key]
+def _forget_idle(last: dict[tuple, list]) -> None:
+    """Forget the half of ``last`` (key -> its last event) idle longest."""
+    ends = sorted(event[1] + event[2] for event in last.values())
+    cut = ends[len(ends) // 2]
+    for key in [k for k, event in last.items() if event[1] + event[2] < cut]:
+        del last[key]
