@@ -56,6 +56,7 @@ from .control.manager import Manager
 from .core.stats import CommStats, PeerStats, TransportStats
 from .core.work import Work
 from .launch.worker import Worker
+from .tools.trace import trace
 from .weights import WeightStats, WeightStore
 from .version import __version__
 
@@ -99,4 +100,5 @@ __all__ = [
     "init",
     "policies",
     "shutdown",
+    "trace",
 ]

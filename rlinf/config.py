@@ -381,6 +381,13 @@ class Settings:
         "Which node this process is on, equal ids meaning the same node (unset: derived from "
         "the host name, machine id, boot id and a token file in /dev/shm, so processes that "
         "do not share /dev/shm never share an id).")
+    # observing
+    trace: str | None = _knob(
+        "RLINF_TRACE", "str", None,
+        "Directory where every rlinf process writes a timeline of its sends, receives, collectives "
+        "and channel puts and gets, one Chrome trace (Perfetto) JSON file each; `rlinf trace merge` "
+        "joins them (see `docs/troubleshooting.md`).",
+        shown="unset: no trace")
     # launcher to child
     address: str | None = _knob(
         "RLINF_ADDRESS", "str", None,

@@ -194,6 +194,8 @@ class Channel(HandleBase):
         version = None if version is None else check_version(version)
         self._check_producer()
         payload, nbytes = pack(self._codec, item)
+        if self._core.trace is not None:
+            self._core.trace.span("channel", "channel.put", self._core.trace.now(), channel=self.name, bytes=nbytes)
         op = self._put_op(key, weight, nbytes, payload, version)
         large = nbytes >= SMALL_MESSAGE
         if self._maxsize:
@@ -313,6 +315,8 @@ class Channel(HandleBase):
         timeout = self._core.timeout_of(timeout)
         buffer = self._buffers.get(key)
         if buffer and not self._must_yield and self._error is None:
+            if self._core.trace is not None:
+                self._core.trace.span("channel", "channel.get", self._core.trace.now(), channel=self.name, items=1)
             return self._take_buffered(key, buffer, ack)    # prefetched: no wait
         return (await self._get_items(key, 1, None, ack, timeout))[0]
 
@@ -413,13 +417,19 @@ class Channel(HandleBase):
 
     async def _get_items(self, key: Any, max_items: int | None, target: float | None, ack: bool,
                          timeout: float | None) -> list[Any]:
+        trace = self._core.trace
+        started = trace.now() if trace is not None else 0
         check_key(key)
         self._check_consumer(key)
         self._report_done()
         if self._prefetch:
-            return await self._get_buffered(key, max_items, target, ack, timeout)
-        rid, future = self._start_get(key, max_items, target)
-        return await self._finish_get(rid, future, ack, timeout)
+            items = await self._get_buffered(key, max_items, target, ack, timeout)
+        else:
+            rid, future = self._start_get(key, max_items, target)
+            items = await self._finish_get(rid, future, ack, timeout)
+        if trace is not None:
+            trace.span("channel", "channel.get", started, channel=self.name, items=len(items))
+        return items
 
     def _start_get(self, key: Any, max_items: int | None, target: float | None) -> tuple[int, asyncio.Future]:
         rid = next(self._rids)

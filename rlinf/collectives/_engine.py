@@ -263,6 +263,8 @@ async def execute(call: Call, body: Callable[..., Awaitable[Any]], *args: Any, t
         timeout = call.core.timeout_of(timeout)
     except (TypeError, ValueError) as exc:     # raised inside the call: the others hear of it
         call.arg_error, timeout = exc, None
+    trace = call.core.trace
+    started = trace.now() if trace is not None else 0.0
     task = call.task = asyncio.current_task()
     call.baseline = task.cancelling()
     call.state.pending.add(call)
@@ -301,3 +303,5 @@ async def execute(call: Call, body: Callable[..., Awaitable[Any]], *args: Any, t
         if timer is not None:
             timer.cancel()
         call.state.pending.discard(call)
+        if trace is not None:     # its messages are the sends and receives with its tag
+            trace.span("collective", call.kind, started, tag=call.tag, root=call.root, members=len(call.members))

@@ -26,6 +26,7 @@ from ..config import DEFAULTS
 from ..util.procs import process_gone
 from ..errors import AddressInUseError, AuthenticationError, ClosedError, CommTimeoutError, ProtocolError
 from ..info import MembershipEvent, WorkerInfo
+from .clock import ClockSync
 from .security import ClusterKeys
 
 __all__ = ["ControlClient", "HANDSHAKE_FAILED", "pack", "unpack", "machine_id", "run"]
@@ -173,6 +174,8 @@ class ControlClient:
         self._heard = time.monotonic()     # the last heartbeat answer (set by the heartbeat thread)
         self._reregistering = False
         self.latest_stats: dict | None = None
+        #: our clock against the manager's, from the round trips of requests and heartbeats
+        self.clock = ClockSync()
         self._closed = False
         self.manager_reachable = False
 
@@ -224,9 +227,12 @@ class ControlClient:
         Raises:
             AddressInUseError: another incarnation holds our address.
         """
+        sent = time.time()
         reply = await self.request("register", timeout=timeout, info=self.info.to_wire(),
                                    exclusive=self.exclusive or rebuilding,
                                    on_reply=lambda r: "taken" in r or self._resync_from(r, report_lost=not rebuilding))
+        if "now" in reply:       # (a manager of an older version does not say)
+            self.clock.sample(sent, reply["now"], time.time())
         if "taken" in reply:
             raise AddressInUseError(reply["taken"])
         self.manager_reachable = True
@@ -401,10 +407,10 @@ class ControlClient:
         poller.register(sock, zmq.POLLIN)
         try:
             while not stop.is_set():
-                message = ident
                 now = time.monotonic()
+                message = {**ident, "t": time.time()}     # echoed: a round trip for the clock
                 if self.latest_stats is not None and now - last_stats >= 1.0:
-                    message = {**ident, "stats": self.latest_stats}
+                    message["stats"] = self.latest_stats
                     last_stats = now
                 try:
                     sock.send(pack(message), zmq.NOBLOCK)
@@ -419,6 +425,8 @@ class ControlClient:
                         except (zmq.Again, ProtocolError):
                             continue
                         self._heard = time.monotonic()   # here: a busy loop must not look like silence
+                        if isinstance(reply.get("t"), float) and isinstance(reply.get("now"), float):
+                            self.clock.sample(reply["t"], reply["now"], time.time())
                         self._loop.call_soon_threadsafe(self._on_heartbeat_reply, reply)
         except zmq.ContextTerminated:
             pass

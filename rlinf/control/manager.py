@@ -257,7 +257,7 @@ class Manager:
             self._register(identity, info)
             self._reply(identity, req, ok=True, version=self.version,
                         roster=[w.to_wire() for w in self._roster.values()],
-                        events=self.events_address)
+                        events=self.events_address, now=time.time())   # (now: for the worker's clock)
         elif op == "heartbeat":
             address = req["address"]
             info = self._roster.get(address)
@@ -266,7 +266,9 @@ class Manager:
                 self._last_seen[address] = time.monotonic()
                 if "stats" in req:
                     self._keep_stats(address, req["stats"])
-            self._send(identity, {"op": "heartbeat", "known": known, "version": self.version})
+            # ``t`` echoed and ``now``: a round trip that measures the worker's clock against ours
+            self._send(identity, {"op": "heartbeat", "known": known, "version": self.version,
+                                  "t": req.get("t"), "now": time.time()})
         elif op == "deregister":
             bye_to = req.get("bye_to", [])
             if not isinstance(bye_to, list) or not all(isinstance(a, str) for a in bye_to):

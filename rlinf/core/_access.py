@@ -12,6 +12,7 @@ from ._mailbox import Mailbox
 from ._membership import Departure
 from ._receive import ReceivePath
 from ._send import SendPath
+from ._trace import Recorder
 
 __all__ = ["CoreAccess"]
 
@@ -33,7 +34,7 @@ class CoreAccess:
     """
 
     __slots__ = ("_comm", "_send", "_receive", "_mailbox", "_roster", "_guard", "_lookup", "_timeout", "departed",
-                 "check_open", "address", "incarnation", "manager_address", "token", "codec", "__weakref__")
+                 "check_open", "address", "incarnation", "manager_address", "token", "codec", "trace", "__weakref__")
 
     def __init__(self, comm: Any, token: str, codec: Codec, send: SendPath, receive: ReceivePath, mailbox: Mailbox,
                  roster: dict[str, WorkerInfo], *, check_open: Callable[[], None], guard: Callable[[], None],
@@ -50,6 +51,7 @@ class CoreAccess:
         self.manager_address = comm.manager_address
         self.token = token
         self.codec = codec
+        self.trace: Recorder | None = receive.trace     # (an attribute: checked on every channel put)
 
     def __repr__(self) -> str:
         return f"<CoreAccess {self.address}>"

@@ -17,14 +17,10 @@ its copy into the slot runs in an executor (``copying``), the outbox holds it, a
 message behind it, until the copy is done, so the order stays the call order. A large
 message to another node may go over the peer's bulk TCP stream (``bulk``, see
 ``rlinf/transports/tcp_bulk.py``): its buffers are referenced until the receiver
-acknowledged it. Meanwhile user messages with other tags behind it go on through
-ZeroMQ and overtake it (the receiver delivers them ahead of it: see
-:mod:`rlinf.core._delivery`); the first message with its tag, a SYSTEM message or the
-next bulk one waits for that acknowledgement, and everything behind it (the order per
-tag stays the call order across the two transports). If the bulk stream fails, that
-message and later ones go through ZeroMQ instead. When the link pushes back (high-water
-mark), flushing pauses until the socket is writable, and new sends wait (backpressure:
-nothing is dropped).
+acknowledged it; messages with other tags overtake it meanwhile (see
+:mod:`rlinf.core._overtake`). If the bulk stream fails, that message and later ones go
+through ZeroMQ instead. When the link pushes back (high-water mark), flushing pauses
+until the socket is writable, and new sends wait (backpressure: nothing is dropped).
 """
 
 from __future__ import annotations
@@ -62,6 +58,9 @@ class Outbox:
         window: the receiver's credit window until its WorkerInfo tells it (see
             :mod:`rlinf.core._credit`).
     """
+
+    #: the communicator's trace recorder (``rlinf.core._trace``), set by its sessions; None: off
+    trace: Any = None
 
     def __init__(self, address: str, header: wire.HeaderPacker | tuple[str, str], counters: Counters, *,
                  clock: Callable[[], float] = time.perf_counter, window: Window = DEFAULT_WINDOW) -> None:
@@ -125,6 +124,8 @@ class Outbox:
                 return False
             credit.take(msg.nbytes)
             msg.counted = True
+        if self.trace is not None:     # (here: a message admitted after waiting for credit comes back)
+            self.trace.sent(self, msg)
         queue = self.queue
         queue.append(msg)
         if not self._scheduled:

@@ -172,6 +172,7 @@ class PeerSessions:
         self._watch: asyncio.Task | None = None   # the resend timers
         self._closing = False
         self._warned = Recent()                # unregistered addresses a warning was logged for
+        self.trace = None                      # the trace recorder every outbox gets (None: off)
         # set by start()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._me: WorkerInfo | None = None
@@ -223,6 +224,7 @@ class PeerSessions:
             raise PeerLostError(str(lost), peer=address)
         session = self._sessions[address] = PeerSession(address, Outbox(address, self._header, self._counters,
                                                                               window=self.window))
+        session.outbox.trace = self.trace
         session.outbox.redial = functools.partial(self._redial, session)
         info = self._roster.get(address)
         if info is not None:

@@ -53,6 +53,9 @@ class ReceivePath:
         on_bye: ``on_bye(src, incarnation)``: a peer's in-order goodbye arrived.
     """
 
+    #: the communicator's trace recorder (``rlinf.core._trace``); None: off
+    trace: Any = None
+
     def __init__(self, address: str, codec: Codec, mailbox: Mailbox, counters: Counters, dead: Recent, views: bool,
                  sessions: PeerSessions, guard: Callable[[], None], on_bye: Callable[[str, str], None]) -> None:
         self._address = address
@@ -195,6 +198,8 @@ class ReceivePath:
                     self._counters.received(src, len(entry.codec_header), nbytes)
                 else:
                     self._counters.received(src, nbytes + len(entry.codec_header))
+                if self.trace is not None:
+                    self.trace.received(src, incarnation, entry, nbytes)
                 self._mailbox.deliver(Message(src, incarnation, entry.tag, entry.codec_header, buffers,
                                               nbytes=nbytes, shm=in_shm, error=error, ready=ready, pulling=pulling,
                                               credit=inflow if type(entry.tag) is int else None))

@@ -56,6 +56,7 @@ from ._peer import PeerSessions
 from ._receive import ReceivePath
 from ._send import SendPath
 from ._threads import run_threadsafe, wait_for
+from ._trace import Recorder
 from .interface import Core
 from .stats import CommStats, Counters, StatsReports
 from .work import Work
@@ -159,6 +160,10 @@ class CoreCommunicator:
                                       lambda: self._closed is not None)
         self._receive = ReceivePath(address, self._codec, self._mailbox, self._counters, self._dead, shm_views,
                                     self._sessions, self._guard, self._membership.said_bye)
+        # RLINF_TRACE: this communicator's timeline (see rlinf/core/_trace.py); None: off
+        self._trace = Recorder(settings.trace, address, self.incarnation, self._clock_offset) \
+            if settings.trace else None
+        self._sessions.trace = self._receive.trace = self._trace
         self._internal = CoreAccess(self, token, self._codec, self._send, self._receive, self._mailbox,
                                     self._roster, check_open=self._check_open, guard=self._guard,
                                     lookup=self._lookup, departed=self._membership.departed,
@@ -258,6 +263,8 @@ class CoreCommunicator:
                                                   peer_timeout=settings.peer_timeout,
                                                   heartbeat_interval=settings.heartbeat_interval)
             self._start_parts()
+            if self._trace is not None:
+                self._trace.start(self._loop)
             await self._control.register(timeout=self._connect_timeout)
         except BaseException:
             await self._teardown(deregister=False)
@@ -372,6 +379,8 @@ class CoreCommunicator:
 
     async def _teardown(self, *, deregister: bool) -> None:
         error = self._closed or ClosedError(f"communicator {self.address} failed to start")
+        if self._trace is not None:
+            self._trace.flush()     # while the links are open: the trace names the ones messages took
         cancelled = undelivered = None
         deadline = time.monotonic() + _GRACEFUL_LINGER_MS / 1000     # one linger for every drain below
 
@@ -438,6 +447,11 @@ class CoreCommunicator:
                 except asyncio.CancelledError as exc:
                     cancelled = exc
             self._sessions.cancel_tasks()
+            if self._trace is not None:
+                try:
+                    await self._trace.aclose()
+                except asyncio.CancelledError as exc:
+                    cancelled = exc
         if cancelled is not None:
             raise cancelled
         if undelivered:
@@ -458,6 +472,10 @@ class CoreCommunicator:
         if threading.get_ident() != self._loop_thread:
             raise RuntimeError(f"communicator {self.address} is used on its own event loop's thread only; from "
                                "another thread use its blocking_* methods (or asyncio.run_coroutine_threadsafe)")
+
+    def _clock_offset(self) -> tuple[float, float] | None:
+        """Our clock against the manager's, for the trace: ``(offset, round_trip)``."""
+        return self._control.clock.offset if self._control is not None else None
 
     async def _lookup(self, address: str, *, wait: bool, timeout: float | None) -> WorkerInfo | None:
         return await self._control.lookup(address, wait=wait, timeout=timeout)

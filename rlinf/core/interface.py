@@ -22,6 +22,7 @@ from ..codec import Codec
 from ..info import WorkerInfo
 from ._outbox import SMALL_MESSAGE
 from ._membership import Departure
+from ._trace import Recorder
 
 __all__ = ["Core", "Departure", "HasCore", "SMALL_MESSAGE", "SYSTEM_TAGS"]
 
@@ -56,6 +57,12 @@ class Core(Protocol):
     @property
     def codec(self) -> Codec:
         """The codec messages are encoded with (for payloads a subsystem packs itself)."""
+
+    @property
+    def trace(self) -> Recorder | None:
+        """The communicator's trace recorder (``RLINF_TRACE``), None when tracing is off:
+        a subsystem notes its operations with ``trace.span(lane, name, start, **args)``
+        (``start = trace.now()``), checking for None first, so that off costs nothing."""
 
     def check_open(self) -> None:
         """Raise :class:`~rlinf.ClosedError` unless the communicator is started and open."""

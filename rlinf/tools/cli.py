@@ -1,4 +1,4 @@
-"""The ``rlinf`` command: ``rlinf manager | top | bench | demo``.
+"""The ``rlinf`` command: ``rlinf manager | top | bench | demo | trace``.
 
 Each subcommand lives in its own module and is imported only when used, so
 ``rlinf --help`` and ``rlinf top`` start fast and do not need torch.
@@ -86,6 +86,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench.run(args)
 
 
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from . import trace
+
+    return trace.run(args)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .. import demo
 
@@ -129,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description=demo.DESCRIPTION)
     demo.add_arguments(p)
     p.set_defaults(func=_cmd_demo)
+
+    from . import trace
+
+    p = sub.add_parser("trace", help="merge the timeline files RLINF_TRACE=DIR wrote into one",
+                       description="Work with the timeline trace that RLINF_TRACE=DIR (or rlinf.trace(DIR)) "
+                                   "writes, one file per process.")
+    trace.add_arguments(p)
+    p.set_defaults(func=_cmd_trace)
     return parser
 
 

@@ -42,6 +42,7 @@ TODAY = {
     "RLINF_WINDOW_MSGS": 4096,
     "RLINF_PEER_TIMEOUT": 2.5,
     "RLINF_TIMEOUT": None,                   # operations without timeout= wait forever
+    "RLINF_TRACE": None,                     # no timeline written
     "RLINF_HEARTBEAT_INTERVAL": 0.25,
     "RLINF_TCP_ENCRYPTION": True,
     "RLINF_HOST": None,
