@@ -17,7 +17,20 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["Row", "nested_object", "median_time", "print_rows", "machine", "baseline_context", "text_table"]
+__all__ = ["Row", "nested_object", "median_time", "print_rows", "machine", "baseline_context", "text_table",
+           "round_trips"]
+
+
+async def round_trips(comm, peer: str, n: int) -> list[float]:
+    """``n`` 64 B round trips with an echoing ``peer``: their times in seconds, sorted,
+    the first tenth (warm-up) left out."""
+    lat = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await comm.send(b"x" * 64, peer)
+        await comm.recv(peer)
+        lat.append(time.perf_counter() - t0)
+    return sorted(lat[n // 10:])
 
 
 @dataclass

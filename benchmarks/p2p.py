@@ -33,7 +33,7 @@ import numpy as np
 import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Row, baseline_context, nested_object, quick_main, touch  # noqa: E402
+from _common import Row, baseline_context, nested_object, quick_main, round_trips, touch  # noqa: E402
 
 import rlinf  # noqa: E402
 from rlinf.control.client import run as run_loop  # noqa: E402
@@ -71,13 +71,7 @@ async def _rlinf_p2p(quick: bool, encrypt: bool) -> dict[str, float]:
         if encrypt:   # same-node rows once
             n = 1000 if quick else 20000
             await cluster.spawn(_rl_echo, "echo", 1, args=(n,))
-            lat = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                await comm.send(b"x" * 64, "echo:0")
-                await comm.recv("echo:0")
-                lat.append(time.perf_counter() - t0)
-            lat = sorted(lat[n // 10:])
+            lat = await round_trips(comm, "echo:0", n)
             out["rtt_p50"], out["rtt_p99"] = lat[len(lat) // 2], lat[int(len(lat) * 0.99)]
             m = 10000 if quick else 200000
             await cluster.spawn(_rl_flood, "flood", 1, args=(m, 1024))

@@ -22,6 +22,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import round_trips  # noqa: E402
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -44,13 +47,7 @@ async def _measure(n: int, m: int) -> dict[str, float]:
 
     async with rlinf.Cluster() as cluster, cluster.connect("driver:0") as comm:
         await cluster.spawn(_echo, "echo", 1, args=(n,))
-        lat = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            await comm.send(b"x" * 64, "echo:0")
-            await comm.recv("echo:0")
-            lat.append(time.perf_counter() - t0)
-        lat = sorted(lat[n // 10:])
+        lat = await round_trips(comm, "echo:0", n)
         flood = await cluster.spawn(_flood, "flood", 1, args=(m, 1024))
         await comm.send("go", "flood:0")
         t0, cpu = time.perf_counter(), time.process_time()
