@@ -155,7 +155,7 @@ async def test_a_refreshed_rollout_is_put_with_the_version_its_grant_told(driver
         async with ch.admit(0):
             await ch.put("first")
 
-        async def second() -> rlinf.channel.Admission:
+        async def second():
             async with ch.admit(0, timeout=10) as admission:     # waits: version 0's place is taken
                 await ch.put("second")                          # (weights refreshed to admission.current)
                 return admission
