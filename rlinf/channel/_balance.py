@@ -12,7 +12,9 @@ apart from its queues and accounting:
   speed; then what waits there is placed at once,
   heaviest first, so a step is balanced from its first items on: no speed is guessed.
   While a consumer's speed estimate still moves (by more than 10%: it rests on a few
-  items), what is placed and not sent yet is placed again (:func:`speed_changed`).
+  items), what is placed and not sent yet is placed again (:func:`speed_changed`); an
+  item placed again goes only to a consumer that was sent nothing newer, so each
+  consumer still gets its items in put order.
 """
 
 from __future__ import annotations
@@ -78,11 +80,13 @@ def place_shared(core: Any, key: Any, again: bool = False) -> None:
     """Place the items of ``key`` waiting in the shared queue with the batch policy, once
     every consumer of ``key`` has a measured speed (until then they stay: consumers
     compete for them, and each one's first items measure it); ``again``: the items
-    placed before and not sent yet too. Consumers that got items and wait are served."""
+    placed before and not sent yet too, each only among the consumers that were sent
+    nothing newer (per-consumer put order is kept). Consumers that got items and wait
+    are served."""
     members = core.consumers.get(key)
     if not members or not all(h.rate[1] > 0 or h.hint for h in members):
         return
-    items = list(core.shared.get(key, ()))
+    items = list(core.shared.pop(key, ()))
     if again and sum(len(h.assigned.get(key, ())) for h in members) <= REPLACE_MAX:
         for h in members:
             mine = h.assigned.pop(key, ())
@@ -91,19 +95,40 @@ def place_shared(core: Any, key: Any, again: bool = False) -> None:
         items.sort(key=lambda it: it.id)
     if not items:
         return
-    now = core.clock()
-    choices = core.guard.select_batch([it.info() for it in items], [_ahead(h, now) for h in members])
-    if choices is None:         # (counted and logged once by the guard) they wait shared
-        core.shared[key] = collections.deque(items)
-        return
-    core.shared.pop(key, None)
-    for item, i in zip(items, choices):
-        h = members[i]
-        insert_by_id(h.assigned, key, item)
-        h.add_pending(1, item.weight)
-    for h in members:
-        h.placed_speed = _speed(h)
+    placed = True
+    for group, among in _eligible(key, items, members):
+        now = core.clock()
+        choices = placed and core.guard.select_batch([it.info() for it in group],
+                                                     [_ahead(members[i], now) for i in among])
+        if not choices:         # (counted and logged once by the guard) they wait shared
+            placed = False
+            for item in group:
+                insert_by_id(core.shared, key, item)
+            continue
+        for item, i in zip(group, choices):
+            h = members[among[i]]
+            insert_by_id(h.assigned, key, item)
+            h.add_pending(1, item.weight)
+    for h in members:           # (placement failed: those that wait compete for the shared queue)
+        if placed:
+            h.placed_speed = _speed(h)
         core._serve(h, key)
+
+
+def _eligible(key: Any, items: list, members: list[Handle]) -> list[tuple[list, list[int]]]:
+    """``items`` (in id order) in runs that the same members may get, oldest first: an
+    item goes only to a member that was sent nothing newer of ``key`` (one that no
+    member may get, returned after a consumer left, goes to any)."""
+    sent = [h.last_sent.get(key, 0) for h in members]
+    everyone = list(range(len(members)))
+    runs: list[tuple[list, list[int]]] = []
+    for item in items:
+        among = [i for i in everyone if sent[i] < item.id] or everyone
+        if runs and runs[-1][1] == among:
+            runs[-1][0].append(item)
+        else:
+            runs.append(([item], among))
+    return runs
 
 
 def speed_changed(core: Any, h: Handle, weight: float, seconds: float) -> None:

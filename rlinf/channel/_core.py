@@ -159,6 +159,7 @@ class ChannelCore:
                 h.requests.pop(key, None)
                 h.assigned.pop(key, None)
                 h.credit.pop(key, None)
+                h.last_sent.pop(key, None)
             for table in (self.shared, self.consumers, self.wanting, self.key_len, self.key_weight, self.live,
                           self.pacing.stale_by_key):
                 table.pop(key, None)
@@ -197,7 +198,7 @@ class ChannelCore:
             for index in range(start, stop):
                 op = ops[index]      # ("put", key, weight, nbytes, payload[, version, admission])
                 _kind, key, weight, nbytes, payload = op[:5]
-                version = self.pacing.put(h, op[5], op[6]) if len(op) > 5 else None
+                version, paced = self.pacing.put(h, op[5], op[6]) if len(op) > 5 else (None, False)
                 if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
                     raise ValueError(f"bad weight {weight!r}")
                 if h.leased > 0:
@@ -206,7 +207,7 @@ class ChannelCore:
                 if self.closed:
                     rejected += 1
                     continue
-                item = Item(self.next_id, float(weight), key, payload, int(nbytes), h.src, version)
+                item = Item(self.next_id, float(weight), key, payload, int(nbytes), h.src, version, paced)
                 live[key] += 1            # (an unhashable key fails here, before anything changed)
                 self.next_id += 1
                 self.live_total += 1
@@ -355,7 +356,7 @@ class ChannelCore:
             "cancel": _op_cancel, "took": _op_took, "unget": _op_unget, "done": _op_done,
             "close": _op_close, "stats": _op_stats, "sync": _op_sync, "bye": _op_bye,
             "advance": lambda self, h, rid, v: self.send(h, ("reply", rid, self.pacing.advance(int(v)))),
-            "admit": lambda self, h, rid, v: self.pacing.admit(h, int(rid), int(v)),
+            "admit": lambda self, h, rid, v, n=1: self.pacing.admit(h, int(rid), int(v), int(n)),
             "release": lambda self, h, rid: self.pacing.release(h, int(rid))}
 
     # -- membership ------------------------------------------------------------------------
@@ -516,6 +517,7 @@ class ChannelCore:
         if taken:       # what _dequeue_count does per item, once for the batch
             if self.batching:        # when its work started (_balance counts what is left)
                 h.sent_at = self.clock()
+                h.last_sent[key] = max(h.last_sent.get(key, 0), max(it.id for it in taken))
             n = len(taken)
             self.queued -= n
             self.queued_weight -= total
@@ -540,7 +542,7 @@ class ChannelCore:
         self._dequeue_count(item)
         if assigned:
             h.add_pending(-1, -item.weight)
-        self.pacing.dropped(item.key)
+        self.pacing.dropped(item)
         self._retire(item)
 
     # -- serving consumers -----------------------------------------------------------------

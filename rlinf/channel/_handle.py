@@ -228,13 +228,17 @@ class HandleBase:
 
     def _release_blocked(self) -> None:
         while self._blocked and self._credits > 0:
-            op, large, future = self._blocked.popleft()
+            op, large, future, admission = self._blocked.popleft()
             self._credits -= 1
             try:
                 sent = self._send_put(op, large)
             except RlinfError as exc:
                 future.set_exception(exc)
+                if admission is not None:
+                    admission.settled(True)
                 continue
+            if admission is not None:   # (its block's exit, if told, follows the put)
+                admission.settled(False)
             if sent is None:
                 future.set_result(None)
             else:
@@ -246,6 +250,8 @@ class HandleBase:
         except ValueError:
             return False
         entry[2].cancel()
+        if entry[3] is not None:      # an admission's place is free again
+            entry[3].settled(True)
         return True
 
     def _abandon(self, rid: int, future: asyncio.Future) -> None:

@@ -54,6 +54,7 @@ def resume(core: Any, h: Handle) -> None:
     for key in list(h.keys):
         if h.wants(key):
             core._serve(h, key)
+    core.pacing.grant()          # its admissions waited while it was away
 
 
 def expire(core: Any, h: Handle) -> None:

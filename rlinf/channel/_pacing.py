@@ -7,19 +7,24 @@ with it (``put(..., version=v)``); the trainer tells the channel its current ver
 * **Staleness bound** (``max_staleness=k``, the safety net): an item whose version is
   older than ``current - k`` when it would be handed out is dropped and counted.
 * **Pacing** (``max_staleness=k`` and ``batch_size=B``): a producer asks for admission
-  before it starts a rollout (``async with ch.admit(v)``). The trainer consumes ``B``
-  items per version from version 0, in put order, so it reaches version ``w`` only after
-  ``w * B`` items were put. Admissions are granted while the items admitted so far stay
-  below ``(m + k + 1) * B``, where ``m`` is the current version or, if lower, the oldest
-  version of a rollout admitted and not put yet. Then a rollout made with version ``v``
-  is consumed at version ``v + k`` at the latest: until it is put, fewer than ``(v + k +
-  1) * B`` other items can exist, and every item admitted after its put queues behind
-  it. (With only the current version in the limit, a slow rollout could be overtaken by
-  faster ones admitted later, and arrive too old.) The grant tells the producer the
-  current version: one that waited while the trainer moved on refreshes its weights to
-  it before generating, and its rollout counts as made with it. An admission ends with
-  the put made in its block (the item counts for good) or at the block's exit without a
-  put (its place is freed).
+  before it starts a rollout (``async with ch.admit(v)``, or ``admit(v, n=G)`` for a
+  group of ``G`` items). The trainer consumes ``B`` items per version, in put order, so
+  if ``b`` admitted items had been handed out when version ``m`` began, the one handed
+  out ``(k + 1) * B`` later is the last it gets at version ``m + k``. Places are granted
+  while the places taken (granted, less those given back unused and the admitted items
+  dropped as stale) stay within ``b + (k + 1) * B``, with ``b`` counted when the current
+  version began or, if earlier, when the oldest admission still open was granted. Then a
+  rollout made with version ``v`` is consumed at version ``v + k`` at the latest: until
+  it is put, at most ``b + (k + 1) * B`` places can be taken, and every item admitted
+  after its put queues behind it. (With only the current version in the limit, a slow
+  rollout could be overtaken by faster ones admitted later, and arrive too old.)
+  Counting what was handed out, not versions times ``B``, keeps the limit right when
+  items are dropped, when the trainer takes more or fewer than ``B`` items per version,
+  and when it resumes at a later version. The grant tells the producer the current
+  version: one that waited while the trainer moved on refreshes its weights to it before
+  generating, and its rollout counts as made with it. An admission ends once each of its
+  places was put (the items count for good) or at the block's exit (its places not put
+  are freed).
 
 :class:`Pacing` holds that state; the channel core (:mod:`rlinf.channel._core`) calls it
 and sends what it returns. Everything here is arithmetic on plain values, unit-tested
@@ -57,13 +62,12 @@ def check_pacing(max_staleness: Any, batch_size: Any) -> tuple[int | None, int |
     return max_staleness, batch_size
 
 
-def admission_limit(oldest: int, max_staleness: int, batch_size: int) -> int:
-    """How many admissions may have been granted, at most, for one more to be granted
-    while ``oldest`` is the trainer's current version or, if lower, the oldest version of
-    a rollout in progress (admitted, not put): fewer than ``limit`` items can be put
-    before that rollout's, so it is consumed at version ``limit // batch_size - 1 =
-    oldest + max_staleness`` at the latest."""
-    return (oldest + max_staleness + 1) * batch_size
+def admission_limit(base: int, max_staleness: int, batch_size: int) -> int:
+    """How many places may be taken, at most, while ``base`` admitted items had been
+    handed out when the version that a rollout is made with began: that rollout is then
+    at most the ``limit``-th admitted item handed out, which a trainer consuming
+    ``batch_size`` items per version gets ``max_staleness`` versions later at the latest."""
+    return base + (max_staleness + 1) * batch_size
 
 
 class Staleness:
@@ -112,9 +116,13 @@ class Pacing:
         self.batch_size = batch_size
         self.reply = reply
         self.current = 0
-        self.admitted = 0                 # granted so far, less those that ended without a put
-        self.open: dict[tuple[Any, int], int] = {}        # (handle, rid) -> version: granted, not ended
-        self.waiting: collections.deque[tuple[Any, int, int]] = collections.deque()   # (handle, rid, version)
+        # places granted so far, less those given back unused and admitted items dropped
+        self.admitted = 0
+        self.handed_out = 0               # admitted items handed out (each once)
+        self.base = 0                     # handed_out when the current version began
+        # (handle, rid) -> [version made with, base at the grant, places not put yet]
+        self.open: dict[tuple[Any, int], list[int]] = {}
+        self.waiting: collections.deque[tuple[Any, int, int, int]] = collections.deque()   # (handle, rid, version, n)
         self.closed = False
         self.versioned = False            # a versioned item was put: staleness is recorded
         self.stale_dropped = 0
@@ -125,65 +133,98 @@ class Pacing:
         """Items of a version below this are stale (None: no bound)."""
         return None if self.max_staleness is None else self.current - self.max_staleness
 
+    @property
+    def span(self) -> int | None:
+        """Places one version's window holds, ``(k + 1) * B`` (None: no pacing)."""
+        return None if self.batch_size is None else (self.max_staleness + 1) * self.batch_size
+
     def advance(self, version: int) -> int:
         """Set the current version (a lower one leaves it). Returns the current version.
         Admissions that now fit are granted."""
         if version > self.current:
             self.current = version
+            self.base = self.handed_out
             self.grant()
         return self.current
 
     def handed(self, h: Any, items: list) -> None:
-        """``items`` were handed to consumer ``h``: record how far behind they were."""
+        """``items`` were handed to consumer ``h``: record how far behind they were, and
+        count the admitted ones. An item handed out again (given back by a consumer that
+        left) counts once, where it was first handed out."""
         current = self.current
         for item in items:
+            if item.handed:
+                continue
+            item.handed = True
+            if item.paced:
+                self.handed_out += 1
             if item.version is not None:
                 if h.staleness is None:
                     h.staleness = Staleness()
                 h.staleness.add(current - item.version)
 
-    def dropped(self, key: Hashable) -> None:
-        """A stale item of ``key`` was dropped."""
+    def dropped(self, item: Any) -> None:
+        """A stale ``item`` was dropped: counted; an admitted one gives its place back
+        (it will never be consumed, so it must not hold the trainer's next items back)."""
         self.stale_dropped += 1
-        self.stale_by_key[key] += 1
+        self.stale_by_key[item.key] += 1
+        if item.paced and not item.handed:
+            self.admitted -= 1
+            self.grant()
 
     # -- admissions ------------------------------------------------------------------------
-    def admit(self, h: Any, rid: int, version: int) -> None:
-        """``h`` asks for admission ``rid`` for a rollout made with ``version``: granted
+    def admit(self, h: Any, rid: int, version: int, n: int = 1) -> None:
+        """``h`` asks for admission ``rid`` of ``n`` items made with ``version``: granted
         now (answered with the current version) or queued; refused (answered None)
         once the channel is closed."""
         if self.closed:
             self.reply(h, rid, None)
             return
-        self.waiting.append((h, rid, int(version)))
+        n = max(1, int(n))
+        if self.span is not None:
+            n = min(n, self.span)         # (the client refuses more: it could never fit)
+        self.waiting.append((h, rid, int(version), n))
         self.grant()
 
     def close(self) -> None:
         """The channel closed: admissions still waiting are answered None (refused)."""
         self.closed = True
         while self.waiting:
-            h, rid, _version = self.waiting.popleft()
+            h, rid, _version, _n = self.waiting.popleft()
             self.reply(h, rid, None)
 
-    def grant(self) -> None:
-        """Grant waiting admissions, oldest first, while they fit. A granted rollout
-        counts as made with the current version if it asked with an older one (its
-        producer refreshes its weights to the version the grant tells it)."""
-        waiting = self.waiting
-        while waiting:
-            if self.batch_size is not None:
-                oldest = min(self.current, *self.open.values()) if self.open else self.current
-                if self.admitted >= admission_limit(oldest, self.max_staleness, self.batch_size):
-                    return
-            h, rid, version = waiting.popleft()
-            self.admitted += 1
-            self.open[(h, rid)] = max(version, self.current)
-            self.reply(h, rid, self.current)
+    def limit(self) -> int:
+        """Places that may be taken, at most: ``(k + 1) * B`` beyond the admitted items
+        handed out when the current version began or, if earlier, when the oldest
+        admission still open was granted (see the module docs)."""
+        base = min(self.base, *(entry[1] for entry in self.open.values())) if self.open else self.base
+        return admission_limit(base, self.max_staleness, self.batch_size)
 
-    def put(self, h: Any, version: Any, rid: int) -> int | None:
+    def grant(self) -> None:
+        """Grant waiting admissions, oldest first, while they fit; those of a handle
+        taken for lost wait until it is back. A granted rollout counts as made with the
+        current version if it asked with an older one (its producer refreshes its
+        weights to the version the grant tells it)."""
+        waiting = self.waiting
+        lost = []
+        while waiting:
+            h, rid, version, n = waiting[0]
+            if getattr(h, "lost", False):
+                lost.append(waiting.popleft())
+                continue
+            if self.batch_size is not None and self.admitted + n > self.limit():
+                break
+            waiting.popleft()
+            self.admitted += n
+            self.open[(h, rid)] = [max(version, self.current), self.base, n]
+            self.reply(h, rid, self.current)
+        waiting.extendleft(reversed(lost))
+
+    def put(self, h: Any, version: Any, rid: int) -> tuple[int | None, bool]:
         """``h`` put an item of ``version`` (None: not versioned), made under its
-        admission ``rid`` (0: none), which ends: the item counts for good. Returns the
-        version.
+        admission ``rid`` (0: none), which ends once all its places are put: the item
+        counts for good. Returns the version, and whether the item took an admission's
+        place.
 
         Raises:
             TypeError: a version that is not an int.
@@ -192,28 +233,34 @@ class Pacing:
             if isinstance(version, bool) or not isinstance(version, int):
                 raise TypeError(f"bad version {version!r}")
             self.versioned = True
-        if rid and self.open.pop((h, rid), None) is not None and self.waiting:
-            self.grant()              # the oldest rollout out may be this one
-        return version
+        entry = self.open.get((h, rid)) if rid else None
+        if entry is None:
+            return version, False
+        entry[2] -= 1
+        if entry[2] <= 0:
+            del self.open[(h, rid)]
+            if self.waiting:
+                self.grant()              # the oldest admission out may be this one
+        return version, True
 
     def release(self, h: Any, rid: int) -> None:
-        """Admission ``rid`` of ``h`` ends: without a put it frees its place (one still
-        waiting is withdrawn); after its put, nothing changes."""
-        if self.open.pop((h, rid), None) is not None:
-            self.admitted -= 1
+        """Admission ``rid`` of ``h`` ends: its places not put are freed (one still
+        waiting is withdrawn); after all its puts, nothing changes."""
+        entry = self.open.pop((h, rid), None)
+        if entry is not None:
+            self.admitted -= entry[2]
             self.grant()
             return
-        for i, (other, other_rid, _v) in enumerate(self.waiting):
+        for i, (other, other_rid, _v, _n) in enumerate(self.waiting):
             if other is h and other_rid == rid:
                 del self.waiting[i]
                 return
 
     def forget(self, h: Any) -> None:
-        """``h`` left or died: its admissions end without puts; its waiting ones go."""
+        """``h`` left or died: its admissions end without more puts; its waiting ones go."""
         mine = [key for key in self.open if key[0] is h]
         for key in mine:
-            del self.open[key]
-        self.admitted -= len(mine)
+            self.admitted -= self.open.pop(key)[2]
         self.waiting = collections.deque(w for w in self.waiting if w[0] is not h)
         if mine:
             self.grant()

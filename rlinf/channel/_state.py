@@ -17,14 +17,17 @@ __all__ = ["Item", "Handle", "Request", "insert_by_id"]
 class Item:
     """One item in the channel: id (put order), weight, key, the producer's opaque
     payload, its size and producer; ``ack``: taken with ``get(ack=True)``; ``version``:
-    the policy version that made it (None: not versioned)."""
+    the policy version that made it (None: not versioned); ``paced``: it took an
+    admission's place; ``handed``: it was handed out once (staleness recorded)."""
 
-    __slots__ = ("id", "weight", "key", "payload", "nbytes", "producer", "ack", "version")
+    __slots__ = ("id", "weight", "key", "payload", "nbytes", "producer", "ack", "version", "paced", "handed")
 
     def __init__(self, item_id: int, weight: float, key: Any, payload: Any, nbytes: int, producer: str,
-                 version: int | None = None) -> None:
+                 version: int | None = None, paced: bool = False) -> None:
         self.id = item_id
         self.version = version
+        self.paced = paced
+        self.handed = False
         self.weight = weight
         self.key = key
         self.payload = payload
@@ -85,6 +88,7 @@ class Handle:
         self.staleness: Any = None      # a _pacing.Staleness once it got a versioned item
         self.placed_speed: float | None = None   # its speed when a batch policy last placed items (_balance)
         self.sent_at = now              # when it was last sent items
+        self.last_sent: dict[Any, int] = {}     # key -> the newest item id sent (batch policies)
         self.rate = [0.0, 0.0]          # decayed sums of weight done and its seconds (_balance)
         self.hint: float | None = None  # the speed it declared, until measured
 

@@ -21,7 +21,7 @@ from ..errors import AddressInUseError, ClosedError, CommTimeoutError, EndOfChan
 from ..core.interface import SMALL_MESSAGE, Core, HasCore
 from ..core.work import Work
 from ..util.futures import retrieve
-from ._admit import Admission, check_version, current_admission
+from ._admit import Admission, check_count, check_version, current_admission
 from ._handle import MAX_COUNT, HandleBase, chain, check_key, check_weight, default_free_memory
 from ._pacing import check_pacing
 from ._payload import pack
@@ -104,11 +104,13 @@ class Channel(HandleBase):
         ``RLINF_TIMEOUT`` if set, else forever).
 
         ``version``: the policy version that made the item (an int >= 0; None: not
-        versioned, never stale). Inside ``async with ch.admit(v)`` it defaults to ``v``,
-        and the first put of the block ends the admission.
+        versioned, never stale). Inside ``async with ch.admit(v)`` the put takes one of
+        the admission's places and ``version`` defaults to ``admission.made_with``
+        (``max(v, admission.current)``: the version a producer refreshed to).
 
         Raises:
-            ValueError: ``weight`` is not finite and >= 0, or ``version`` < 0.
+            ValueError: ``weight`` is not finite and >= 0, or ``version`` < 0; inside
+                an ``admit`` block, every place of the admission was put already.
             TypeError: bad key, weight or version.
             EncodeError: ``item`` cannot be encoded.
             ClosedError: the channel is closed (or this handle detached, or its
@@ -200,7 +202,10 @@ class Channel(HandleBase):
         large = nbytes >= SMALL_MESSAGE
         if self._maxsize:
             if self._blocked or self._credits <= 0:
-                entry = [op, large, self._loop.create_future()]
+                admission = current_admission(self)
+                entry = [op, large, self._loop.create_future(), admission]
+                if admission is not None:        # its exit is told after this put
+                    admission.queued()
                 self._blocked.append(entry)
                 self._op(("want", 1, False))
                 return entry
@@ -209,15 +214,13 @@ class Channel(HandleBase):
         return None if future is None else [op, large, future]
 
     def _put_op(self, key: Any, weight: float, nbytes: int, payload: Any, version: int | None) -> tuple:
-        """The "put" op; inside an admission's block, the first put carries it (and its
-        version, unless ``version`` is given)."""
+        """The "put" op; inside an admission's block, it takes one of the admission's
+        places (and its version, unless ``version`` is given)."""
         admission = current_admission(self)
         if admission is None:
             return ("put", key, weight, nbytes, payload) if version is None else \
                 ("put", key, weight, nbytes, payload, version, 0)
-        admission.used = True
-        return ("put", key, weight, nbytes, payload, admission.version if version is None else version,
-                admission.rid)
+        return ("put", key, weight, nbytes, payload, *admission.take(version))
 
     # -- asynchronous RL: versions and pacing ------------------------------------------------
     async def advance(self, version: int, timeout: float | None = None) -> None:
@@ -242,21 +245,25 @@ class Channel(HandleBase):
             raise ValueError(f"channel {self.name!r}: version {version} is behind the current version {current} "
                              "(a version never goes back)")
 
-    def admit(self, version: int, *, timeout: float | None = None) -> Admission:
+    def admit(self, version: int, *, n: int = 1, timeout: float | None = None) -> Admission:
         """``async with ch.admit(version): ... await ch.put(item)``: pacing for a
-        producer about to make one rollout with policy ``version``.
+        producer about to make one rollout (``n`` items: a group, such as the samples
+        of one prompt) with policy ``version``.
 
-        Entering the block waits until a rollout started now, with the trainer's
+        Entering the block waits until ``n`` items started now, with the trainer's
         current version, will be at most ``max_staleness`` versions old when the
-        trainer consumes it (see ``docs/channel.md``, "Asynchronous RL"); the admission's
-        ``current`` is that version: a producer holding an older ``version`` refreshes
-        its weights first. The first put of this handle inside the block (same task)
-        ends the admission and defaults to ``version``; leaving the block without a put
-        frees its place. A producer that dies or detaches gives its admissions back. On
-        a channel without ``batch_size`` it admits at once.
+        trainer consumes them (see ``docs/channel.md``, "Asynchronous RL"); the
+        admission's ``current`` is that version: a producer holding an older ``version``
+        refreshes its weights first. Each put of this handle inside the block (same
+        task) takes one of the ``n`` places, with version ``max(version, current)``
+        unless it gives one; a put beyond ``n`` raises ``ValueError``. The admission
+        ends with its ``n``-th put, or at the block's exit, which frees the places not
+        put. A producer that dies or detaches gives its admissions back. On a channel
+        without ``batch_size`` it admits at once.
 
         Args:
             version: the policy version the producer holds (an int >= 0).
+            n: the items the block puts, at most ``(max_staleness + 1) * batch_size``.
             timeout: seconds to wait for admission (None: ``RLINF_TIMEOUT`` if set, else
                 forever).
 
@@ -264,19 +271,21 @@ class Channel(HandleBase):
             An async context manager (an :class:`~rlinf.channel._admit.Admission`).
 
         Raises:
-            TypeError / ValueError: a bad version (at once). On entering the block:
+            TypeError / ValueError: a bad version or ``n`` (at once). On entering the block:
             CommTimeoutError (not admitted within ``timeout``; the request is
             withdrawn), ClosedError, PeerLostError. Cancelled while waiting: withdrawn.
         """
-        return Admission(self, check_version(version), timeout)
+        batch_size = self.info.get("batch_size")
+        span = None if batch_size is None else (self.info["max_staleness"] + 1) * batch_size
+        return Admission(self, check_version(version), check_count(n, span), timeout)
 
-    async def _admit_wait(self, version: int, timeout: float | None) -> tuple[int, int]:
+    async def _admit_wait(self, version: int, n: int, timeout: float | None) -> tuple[int, int]:
         """Wait for admission: its id (0: the channel does not pace) and the channel's
         current version then (``version`` when it does not pace)."""
         self._check_producer()
         if self.info.get("batch_size") is None:
             return 0, version
-        call = self._call_start("admit", version)
+        call = self._call_start("admit", version, n)
         try:
             current = await self._await_call(call, timeout, "admission")
         except BaseException:
@@ -622,7 +631,7 @@ async def create_channel(comm: HasCore, name: str, *, maxsize: int = 0, policy: 
         TypeError: a bad policy object, or one that cannot be pickled (without
             ``in_process``, the policy travels to the channel process); a
             max_staleness or batch_size that is not an int; a work_stealing that is
-            not None or a bool.
+            not None, a bool or an int (0 / 1).
         WorkerFailedError: its process failed to start. CommTimeoutError.
     """
     check_name(name)
@@ -642,8 +651,10 @@ async def create_channel(comm: HasCore, name: str, *, maxsize: int = 0, policy: 
     address = server_address(name)
     if await core.lookup(address, wait=False, timeout=timeout) is not None:
         raise AddressInUseError(f"a channel named {name!r} already exists")
-    if work_stealing is not None and not isinstance(work_stealing, bool):
-        raise TypeError(f"work_stealing must be None or a bool, got {work_stealing!r}")
+    if work_stealing is not None:
+        if not isinstance(work_stealing, int):     # (a bool is an int; 0 / 1 as before)
+            raise TypeError(f"work_stealing must be None or a bool, got {work_stealing!r}")
+        work_stealing = bool(work_stealing)
     config = {"maxsize": maxsize, "policy": policy, "work_stealing": work_stealing,
               "max_staleness": max_staleness, "batch_size": batch_size}
     if in_process:

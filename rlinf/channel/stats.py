@@ -97,10 +97,12 @@ class ChannelStats:
         max_staleness, batch_size: the staleness bound and pacing configuration (None:
             off).
         stale_dropped: items dropped as older than ``version - max_staleness``.
-        admitted: admissions granted and counted (an admission that ended without a
-            put is not counted); with pacing at most ``(version + max_staleness + 1) *
-            batch_size``.
-        admissions_open: admissions granted whose block has not put or exited yet.
+        admitted: places taken by admissions (``admit(v, n=G)`` takes ``G``): granted,
+            less the places freed unused at a block's exit and the admitted items
+            dropped as stale; with pacing at most ``(max_staleness + 1) * batch_size``
+            beyond the admitted items handed out when the current version began.
+        admissions_open: admissions granted whose block has not put all its places
+            or exited yet.
         admissions_waiting: producers waiting in ``admit``.
     """
 

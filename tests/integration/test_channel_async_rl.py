@@ -95,11 +95,12 @@ async def test_admission_is_released_by_put_exit_cancel_and_timeout(driver):
         late.cancel()
         with pytest.raises(asyncio.CancelledError):
             await late
-        await ch.advance(1)                                     # a version more: B more places
-        for i in range(3):
+        assert await ch.get(timeout=5) == "a"                   # the trainer took 1 item ...
+        await ch.advance(1)                                     # ... and moved on: (k + 1) * B places
+        for i in range(2):                                      # after it, 1 of them taken by "a"
             async with ch.admit(1, timeout=5):
                 await ch.put(i, version=1)
-        assert (await ch.stats()).admitted == 4
+        assert (await ch.stats()).admitted == 3
         waiter = await _admitted(ch, 1)                         # full again: waits ...
         assert (await ch.stats()).admissions_waiting == 1
         await ch.close()
@@ -143,3 +144,86 @@ async def test_pacing_end_to_end_bounds_staleness_without_dropping(cluster, driv
         s = await ch.stats()
         assert worst <= k and s.stale_dropped == 0 and s.admitted == versions * b
         assert s.consumers[0].staleness_max <= k
+
+
+async def test_a_refreshed_rollout_is_put_with_the_version_its_grant_told(driver):
+    """A producer that waited in ``admit(0)`` while the trainer moved on is granted with
+    ``current = 1``, refreshes, and puts without ``version=``: the item carries 1 (the
+    version its admission counts it as made with), so it is trained, not dropped."""
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("refresh", max_staleness=0, batch_size=1, in_process=True)
+        async with ch.admit(0):
+            await ch.put("first")
+
+        async def second():
+            async with ch.admit(0, timeout=10) as admission:     # waits: version 0's place is taken
+                await ch.put("second")                          # (weights refreshed to admission.current)
+                return admission
+
+        task = asyncio.get_running_loop().create_task(second())
+        await asyncio.sleep(0)
+        assert (await ch.stats()).admissions_waiting == 1
+        assert await ch.get(timeout=5) == "first"
+        await ch.advance(1)
+        admission = await task
+        assert await ch.get(timeout=5) == "second"
+        assert (admission.version, admission.current, admission.made_with) == (0, 1, 1)
+        s = await ch.stats()
+        assert s.stale_dropped == 0 and s.consumers[0].staleness_histogram == (2,)
+
+
+async def test_a_group_admission_paces_and_versions_every_put(driver):
+    """``admit(v, n=G)``: G places, each put in the block versioned and counted; a put
+    beyond G raises; an exit after fewer puts frees the rest."""
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("group", max_staleness=0, batch_size=4, in_process=True)
+        with pytest.raises(ValueError):
+            ch.admit(0, n=5)                                    # more than (k + 1) * B: never fits
+        with pytest.raises(TypeError):
+            ch.admit(0, n=1.0)
+        async with ch.admit(0, n=3) as admission:
+            for i in range(3):
+                await ch.put(i)
+            assert admission.used and admission.puts == 3
+            with pytest.raises(ValueError, match="beyond"):
+                await ch.put("a 4th")
+        s = await ch.stats()
+        assert (s.admitted, s.admissions_open, s.put_count) == (3, 0, 3)
+        assert await ch.get_batch(max_items=3, timeout=5) == [0, 1, 2]
+        assert (await ch.stats()).consumers[0].staleness_histogram == (3,)
+        await ch.advance(1)
+        async with ch.admit(1, n=4, timeout=5):                 # 3 handed out + 4 places
+            await ch.put("only one")
+        s = await ch.stats()
+        assert (s.admitted, s.admissions_open) == (4, 0)       # the 3 not put were freed
+
+
+async def test_a_put_waiting_for_space_keeps_its_admission_until_it_is_sent(driver):
+    """With ``maxsize``, a put made in the block may still wait for space when the block
+    exits: the exit reaches the channel after it (the place stays taken meanwhile), and
+    a put withdrawn after a timeout gives its place back to the block."""
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("space", maxsize=1, max_staleness=0, batch_size=1, in_process=True)
+        await ch.put("filler")                                  # full, nobody consumes yet
+        async with ch.admit(0) as admission:
+            with pytest.raises(rlinf.CommTimeoutError):
+                await ch.put("withdrawn", timeout=0.2)
+            assert not admission.used and admission.puts == 0
+            late = ch.async_put("x")                            # still waiting at the exit
+        s = await ch.stats()
+        assert (s.admitted, s.admissions_open) == (1, 1)       # the exit waits for the put
+        assert await ch.get(timeout=5) == "filler"
+        await late
+        assert await ch.get(timeout=5) == "x"
+        s = await ch.stats()
+        assert (s.admitted, s.admissions_open, s.stale_dropped) == (1, 0, 0)
+        assert s.consumers[0].staleness_histogram == (1,)      # x carried the admission's version
+
+
+async def test_work_stealing_takes_a_bool_or_0_and_1(driver):
+    async with asyncio.timeout(30):
+        ch = await driver.create_channel("steal1", policy="round_robin", work_stealing=1, in_process=True)
+        await ch.put("x")
+        assert await ch.get(timeout=5) == "x"
+        with pytest.raises(TypeError):
+            await driver.create_channel("steal2", work_stealing="yes", in_process=True)

@@ -108,7 +108,7 @@ def test_performance_aware_balances_every_step_from_the_first(items):
 
 
 def test_speed_blind_policies_do_not_balance_the_same_workload():
-    """The same simulation tells balance apart: shortest queue ignores speed."""
+    """The same simulation tells balance apart: round robin ignores speed."""
     assert statistics.median(_steps("round_robin", 48, 4)) > 0.5
 
 
@@ -146,3 +146,59 @@ def test_a_declared_speed_places_items_before_any_measurement():
     queued = [len(t.core.handles[(n, 1)].assigned.get(None, ())) for n in ("a:0", "b:0")]
     assert queued == [1, 5] and not t.core.shared.get(None)
     assert ChannelStats.from_dict(t.core.stats()).consumer("b:0").speed is None   # stats: measured only
+
+
+def test_placing_again_keeps_each_consumers_put_order_without_stealing():
+    """a is sent item 1, then is fast: placing again moves items to it, but only ones
+    newer than what it was sent (b, sent item 2 first, never gets item 1's elders)."""
+    t = Harness(policy="performance_aware", work_stealing=False)
+    for name, speed in (("p:0", None), ("a:0", 1.0), ("b:0", 1.0)):
+        t.core.handle_ops(name, 1, [("hello", 1, "inc-" + name, "node", name, speed)])
+        t.drain(name)
+    t.get("a:0")
+    t.get("b:0")
+    t.put("p:0", *([1] * 7 + [7]))
+    got = {"a:0": [i for batch in t.items("a:0") for i in batch], "b:0": [i for batch in t.items("b:0") for i in batch]}
+    for _ in range(12):          # each in turn finishes its item fast and asks again: placed again each time
+        for name in ("a:0", "b:0"):
+            done = got[name][-1:]
+            if not done:
+                continue
+            t.now += 0.05
+            t.ops(name, ("took", done, False), ("done", done, 0.05 if name == "a:0" else 0.5),
+                  ("get", 900 + len(got[name]), None, 1, None, None))
+            got[name] += [i for batch in t.items(name) for i in batch]
+    assert sorted(got["a:0"] + got["b:0"]) == list(range(1, 9))
+    for name, ids in got.items():
+        assert ids == sorted(ids), (name, ids)
+
+
+class FailsWhenTold(PerformanceAware):
+    fail = False
+
+    def assign_batch(self, items, consumers):
+        if self.fail:
+            raise RuntimeError("told to fail")
+        return super().assign_batch(items, consumers)
+
+
+def test_a_failed_placement_again_serves_consumers_that_wait():
+    """Placing again pulls back what is not sent; when the policy then fails, those items
+    wait shared, and a consumer already waiting gets them at once."""
+    t = Harness(policy=FailsWhenTold(), work_stealing=False)
+    for name, speed in (("p:0", None), ("a:0", 1.0), ("b:0", 1.0)):
+        t.core.handle_ops(name, 1, [("hello", 1, "inc-" + name, "node", name, speed)])
+        t.drain(name)
+    t.get("a:0")
+    t.get("b:0")
+    t.put("p:0", 1, 1, 1)
+    sent = {name: [i for batch in t.items(name) for i in batch] for name in ("a:0", "b:0")}
+    owner = next(name for name in sent if t.core.handles[(name, 1)].assigned.get(None))
+    idle = "b:0" if owner == "a:0" else "a:0"
+    t.get(idle)                                     # nothing for it: it waits
+    assert t.items(idle) == []
+    t.core.policy.fail = True
+    t.now += 1.0
+    t.ops(owner, ("took", sent[owner], False), ("done", sent[owner], 1.0))   # placed again: fails
+    assert t.core.guard.errors == 1
+    assert t.items(idle) == [[3]]
