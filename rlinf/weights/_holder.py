@@ -15,12 +15,17 @@ dies) and serves:
 
 When the publisher's communicator closes, the holder closes with it: its buckets are
 unlinked (pullers still copying keep their mappings) and pullers waiting get
-``PeerLostError``.
+``PeerLostError``. When the directory leaves, the other holders free every version at
+once (the directory knew the readers): a same-node puller still copying one sees the
+bucket's stamp change if it is refilled (:mod:`._buckets`) and fails; a bucket whose
+bytes are still being sent to another node is reused only once the sends are done.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import logging
 from ..core.communicator import CoreCommunicator
 from ..core.interface import Core
@@ -76,6 +81,8 @@ class Holder:
         self.buckets = Buckets()
         self.versions: dict[int, Bucket] = {}              # version -> its bucket
         self.layouts: dict[int, Layout] = {}
+        self._sending: collections.Counter = collections.Counter()   # bucket name -> sends in flight
+        self._parked: dict[str, Bucket] = {}              # freed while sending: given back after
         self.directory = Directory(name) if shard == 0 else None
         self.node = ""
         self._calls: Calls | None = None
@@ -109,17 +116,35 @@ class Holder:
         return await self.buckets.take(nbytes)
 
     def drop_bucket(self, bucket: Bucket) -> None:
-        self.buckets.give(bucket)
+        """Give back ``bucket`` (holding no version), once no send reads it."""
+        if self._sending[bucket.name]:
+            self._parked[bucket.name] = bucket
+        else:
+            self.buckets.give(bucket)
+
+    def _sent(self, bucket: Bucket, future: asyncio.Future) -> None:
+        _ignore(future)
+        self._sending[bucket.name] -= 1
+        if self._sending[bucket.name] <= 0:
+            del self._sending[bucket.name]
+            parked = self._parked.pop(bucket.name, None)
+            if parked is not None:
+                self.buckets.give(parked)
 
     async def add(self, number: int, bucket: Bucket, layout: Layout) -> None:
         """Make ``bucket`` (filled) version ``number`` of this shard: with the directory
         here, at once; else by asking it.
 
+        Cancelled while the directory has not answered, the bucket stays this
+        version's until the answer comes: the directory may have registered it, and then
+        only its ``free`` gives the bucket back (a refusal or its departure does too).
+
         Raises:
             ValueError: the directory refused it (not newer, shard count differs).
             PeerLostError: the directory is gone.
         """
-        ref = ShardRef(self.address, self.node, bucket.name, layout.total, layout.key, layout.to_wire())
+        ref = ShardRef(self.address, self.node, bucket.name, layout.total, layout.key, layout.to_wire(),
+                       bucket.stamp)
         self.versions[number], self.layouts[number] = bucket, layout
         try:
             if self.directory is not None:
@@ -128,13 +153,30 @@ class Holder:
                 self._free(freed)
             else:
                 _, answer = self._calls.start(self.directory_address, "shard", number, self.shard, self.num_shards,
-                                              ref.holder, ref.node, ref.segment, ref.size, ref.layout_key, ref.layout)
-                await answer
-        except BaseException:
-            if self.versions.get(number) is bucket:
-                del self.versions[number], self.layouts[number]
-                self.buckets.give(bucket)
+                                              *dataclasses.astuple(ref))
+                try:
+                    await asyncio.shield(answer)
+                except asyncio.CancelledError:
+                    if not answer.done():
+                        answer.add_done_callback(lambda f: self._registered(number, bucket, f))
+                        raise
+                    if answer.cancelled() or answer.exception() is not None:
+                        self._unadd(number, bucket)
+                    raise
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError) or self.directory is not None:
+                self._unadd(number, bucket)
             raise
+
+    def _registered(self, number: int, bucket: Bucket, answer: asyncio.Future) -> None:
+        """The directory answered a registration its publisher stopped waiting for."""
+        if answer.cancelled() or answer.exception() is not None:
+            self._unadd(number, bucket)
+
+    def _unadd(self, number: int, bucket: Bucket) -> None:
+        if self.versions.get(number) is bucket:
+            del self.versions[number], self.layouts[number]
+            self.drop_bucket(bucket)
 
     # -- serving -----------------------------------------------------------------------
     async def _serve(self) -> None:
@@ -181,7 +223,9 @@ class Holder:
                 self._answer([grant], set(known))
         elif op == "relayed":
             number, segments = message[1:]
-            segments = None if segments is None else {int(k): (str(s), int(n)) for k, s, n in segments}
+            segments = None if segments is None else {int(k): (str(s), int(n), int(t)) for k, s, n, t in segments}
+            if segments is not None and number not in self.directory.versions:
+                self._send(src, ("free", number))           # freed meanwhile: so are its copies
             self._answer(self.directory.relayed(src, number, segments))
         elif op == "release":
             self._free(self.directory.release(src, *message[1:]))
@@ -211,7 +255,7 @@ class Holder:
             for k in sorted(g.version.shards):
                 wire = g.version.shards[k].to_wire(known is None or g.version.shards[k].layout_key not in known)
                 if g.via is not None and k in g.via.segments:       # the node's copy, at its relay
-                    wire[0], wire[1], (wire[2], wire[3]) = g.via.address, node, g.via.segments[k]
+                    wire[0], wire[1], (wire[2], wire[3], wire[6]) = g.via.address, node, g.via.segments[k]
                 shards.append(wire)
             self._send(g.src, ("grant", g.req, g.version.number, shards, "relay" if g.relay else ""))
 
@@ -230,7 +274,7 @@ class Holder:
         bucket = self.versions.pop(number, None)
         self.layouts.pop(number, None)
         if bucket is not None:
-            self.buckets.give(bucket)
+            self.drop_bucket(bucket)
 
     def _fetch(self, src: str, req: int, number: int, size: int) -> None:
         """Send version ``number``'s bytes to ``src``, a chunk of whole tensors of about
@@ -242,7 +286,10 @@ class Holder:
         if bucket is None:
             raise PeerLostError(f"version {number} of {self.name!r} is no longer held by {self.address}")
         for start, end, _, _ in chunks(layout, size):
-            self._send(src, ("chunk", req, start, bucket.array[start:end]))
+            sent = self._send(src, ("chunk", req, start, bucket.array[start:end]))
+            if sent is not None:           # the bucket is not reused before the bytes are out
+                self._sending[bucket.name] += 1
+                sent.add_done_callback(lambda f, b=bucket: self._sent(b, f))
 
     def _answer_lost(self, failed: list[tuple[str, int]], holder: str) -> None:
         error = PeerLostError(f"{holder}, the publisher of a shard of weight store {self.name!r}, is gone",
@@ -255,8 +302,8 @@ class Holder:
             self._calls.fail(address, PeerLostError(f"{address} is gone", peer=address))
         if self.directory is not None:
             if address.startswith("weights.") and address != self.address:
-                dropped, failed = self.directory.holder_gone(address)
-                self._free([v for v in dropped])
+                freed, failed = self.directory.holder_gone(address)
+                self._free(freed)
                 self._answer_lost(failed, address)
             grants, freed = self.directory.reader_gone(address)
             self._answer(grants)
