@@ -29,6 +29,7 @@ waiting for its node's relay counts as a reader.
 from __future__ import annotations
 
 import collections
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,10 +104,12 @@ class Grant:
 
 
 class Directory:
-    """See the module docstring. ``now``: the clock for the stats (wall time)."""
+    """See the module docstring. ``token``: this directory's, in its grants; a release
+    or relay report that does not carry it answers an earlier directory of the name."""
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.token = secrets.token_hex(8)
         self.versions: dict[int, Version] = {}
         self.latest: int | None = None
         self.num_shards: int | None = None

@@ -222,13 +222,17 @@ class Holder:
             if grant is not None:
                 self._answer([grant], set(known))
         elif op == "relayed":
-            number, segments = message[1:]
+            number, segments, token = message[1:]
             segments = None if segments is None else {int(k): (str(s), int(n), int(t)) for k, s, n, t in segments}
-            if segments is not None and number not in self.directory.versions:
+            stale = token != self.directory.token          # granted by an earlier directory
+            if segments is not None and (stale or number not in self.directory.versions):
                 self._send(src, ("free", number))           # freed meanwhile: so are its copies
-            self._answer(self.directory.relayed(src, number, segments))
+            if not stale:
+                self._answer(self.directory.relayed(src, number, segments))
         elif op == "release":
-            self._free(self.directory.release(src, *message[1:]))
+            number, path, nbytes, token = message[1:]
+            if token == self.directory.token:
+                self._free(self.directory.release(src, number, path, nbytes))
         elif op == "cancel":
             self.directory.cancel(src, message[1])
             self._free(self.directory.collect())
@@ -257,7 +261,8 @@ class Holder:
                 if g.via is not None and k in g.via.segments:       # the node's copy, at its relay
                     wire[0], wire[1], (wire[2], wire[3], wire[6]) = g.via.address, node, g.via.segments[k]
                 shards.append(wire)
-            self._send(g.src, ("grant", g.req, g.version.number, shards, "relay" if g.relay else ""))
+            self._send(g.src, ("grant", g.req, g.version.number, shards, "relay" if g.relay else "",
+                               self.directory.token))
 
     def _free(self, versions: list[Version]) -> None:
         for version in versions:

@@ -186,7 +186,7 @@ class WeightStore:
         timeout = core.timeout_of(timeout)
         try:
             async with asyncio.timeout(timeout):
-                number, refs, epoch, role = await self._acquire(newer_than)
+                number, refs, epoch, role, token = await self._acquire(newer_than)
                 held = True
                 try:
                     layouts = [ref[1] for ref in refs]
@@ -196,19 +196,20 @@ class WeightStore:
                     else:
                         tree, plans = None, match(layouts, targets)
                     held = False
-                    await self._copy(number, refs, plans, epoch, role)
+                    await self._copy(number, refs, plans, epoch, role, token)
                     return tree, number
                 finally:
                     if held:
-                        self._give_up(number, role)
+                        self._give_up(number, role, token)
         except TimeoutError:
             raise CommTimeoutError(f"no version of weight store {self.name!r}"
                                    f"{'' if newer_than is None else f' newer than {newer_than}'} "
                                    f"within {timeout} s") from None
 
-    async def _acquire(self, newer_than: int | None) -> tuple[int, list, int, str]:
-        """A grant of the directory: ``(version, refs, epoch, role)``. Asks again, with
-        no layout taken as known, if one it was sent without was evicted meanwhile."""
+    async def _acquire(self, newer_than: int | None) -> tuple[int, list, int, str, str]:
+        """A grant of the directory: ``(version, refs, epoch, role, token)`` (``token``:
+        the directory's, sent back with the release). Asks again, with no layout taken
+        as known, if one it was sent without was evicted meanwhile."""
         await self._find()
         epoch = self._epoch
         node = self._core.info.node_id if self._core.info is not None else ""
@@ -216,17 +217,18 @@ class WeightStore:
         while True:
             req, answer = self._calls.start(self._directory, "acquire", newer_than, known, node)
             try:
-                number, shards, role = await answer
+                number, shards, role, token = await answer
             except asyncio.CancelledError:
                 if self._calls.abandon(req):       # still waiting there: stop (a late grant is released)
                     self._send(self._directory, ("cancel", req))
                 elif answer.done() and not answer.cancelled() and answer.exception() is None:
-                    self._give_up(answer.result()[0], answer.result()[2])    # granted as it was cancelled
+                    number, _, role, token = answer.result()      # granted as it was cancelled
+                    self._give_up(number, role, token)
                 raise
             refs = self._refs(shards)
             if refs is not None:
-                return number, refs, epoch, role
-            self._give_up(number, role)
+                return number, refs, epoch, role, token
+            self._give_up(number, role, token)
             if not known:
                 raise RlinfError(f"weight store {self.name!r}: a grant of version {number} lacks a layout")
             known = []
@@ -251,7 +253,7 @@ class WeightStore:
         return [(holder, layout, node, segment, size, stamp)
                 for (holder, node, segment, size, _, _, stamp), layout in zip(shards, layouts)]
 
-    async def _copy(self, number: int, refs: list, plans: list, epoch: int, role: str) -> None:
+    async def _copy(self, number: int, refs: list, plans: list, epoch: int, role: str, token: str) -> None:
         """Copy version ``number`` per plan, then release it (once every copy ended, also
         when this is cancelled or fails midway). As its node's relay (``role``), first
         fetch the remote shards into buckets of this process, for the node's other pullers."""
@@ -298,11 +300,12 @@ class WeightStore:
             if role == "relay":
                 if done:
                     self._relay_held[number] = buckets
-                    self._send(self._directory, ("relayed", number, relayed))
+                    self._send(self._directory, ("relayed", number, relayed, token))
                 else:
-                    self._send(self._directory, ("relayed", number, None))
+                    self._send(self._directory, ("relayed", number, None, token))
                     _after(running, lambda: [self._relay_pool.give(b) for b in buckets])
-            _after(running, lambda: self._release(number, "net" if moved["net"] else "shm", sum(moved.values())))
+            _after(running, lambda: self._release(number, "net" if moved["net"] else "shm", sum(moved.values()),
+                                                  token))
         self._pulls += 1
         self._last_pull = time.time()
         self._bytes.update(moved)
@@ -340,14 +343,14 @@ class WeightStore:
                                 f"this pull read it (the store's directory left): the copy may be torn",
                                 peer=holder)
 
-    def _release(self, number: int, path: str, nbytes: int) -> None:
-        self._send(self._directory, ("release", number, path, nbytes))
+    def _release(self, number: int, path: str, nbytes: int, token: str) -> None:
+        self._send(self._directory, ("release", number, path, nbytes, token))
 
-    def _give_up(self, number: int, role: str) -> None:
+    def _give_up(self, number: int, role: str, token: str) -> None:
         """Release a version granted and not read (a relay says it will not relay)."""
         if role == "relay":
-            self._send(self._directory, ("relayed", number, None))
-        self._release(number, "", 0)
+            self._send(self._directory, ("relayed", number, None, token))
+        self._release(number, "", 0, token)
 
     def _relay_buckets(self) -> Buckets:
         if self._relay_pool is None:
@@ -428,7 +431,7 @@ class WeightStore:
             elif op == "free" and src == self._directory:
                 self._free_relayed(message[1])
             elif not self._calls.settle(message) and op == "grant":
-                self._give_up(message[2], message[4])     # granted after its pull gave up
+                self._give_up(message[2], message[4], message[5])     # granted after its pull gave up
 
     def _send(self, dst: str, message: tuple, *, must: bool = False) -> None:
         try:

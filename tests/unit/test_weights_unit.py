@@ -13,7 +13,7 @@ import torch
 from rlinf.util.copier import Copier
 from rlinf.weights._buckets import Buckets, read_stamp
 from rlinf.weights._directory import PENDING_KEPT, Directory, ShardRef
-from rlinf.weights._holder import chunks
+from rlinf.weights._holder import Holder, chunks
 from rlinf.weights._layout import Layout, flatten, fresh, match, pack, unpack
 from rlinf.weights.store import WeightStore
 
@@ -230,6 +230,8 @@ class _Core:
 
     address = "p:0"
     info = None
+    manager_address = "tcp://127.0.0.1:1"
+    token = "unit-test"
 
     def start_send(self, *args, **kwargs):
         future = asyncio.get_running_loop().create_future()
@@ -250,16 +252,28 @@ async def test_grants_of_more_shards_than_layouts_kept_are_read_every_time():
         answer = asyncio.get_running_loop().create_future()
         answer.set_result((1, [[f"weights.big:{k}", "", f"seg{k}", layout.total, layout.key,
                                 None if layout.key in known else layout.to_wire(), 0]
-                               for k, layout in enumerate(layouts)], ""))
+                               for k, layout in enumerate(layouts)], "", "token"))
         if evict:                                                  # another pull evicts one meanwhile
             ws._layouts.pop(evict.pop())
         return len(asked), answer
 
     ws._find, ws._calls.start = found, start
     for _ in range(3):
-        _, refs, _, _ = await ws._acquire(None)
+        _, refs, _, _, _ = await ws._acquire(None)
         assert [ref[1].key for ref in refs] == [layout.key for layout in layouts]
     assert asked == [0, 20, 20]                                    # layouts sent once, then known
     evict.append(layouts[3].key)
-    _, refs, _, _ = await ws._acquire(None)                         # asks again, taking none as known
+    _, refs, _, _, _ = await ws._acquire(None)                       # asks again, taking none as known
     assert [ref[1].key for ref in refs] == [layout.key for layout in layouts] and asked[-2:] == [20, 0]
+
+
+def test_releases_and_relay_reports_from_an_earlier_directory_are_ignored():
+    holder = Holder(_Core(), "w", 0, 1)                            # the directory's side, not started
+    d = holder.directory
+    d.add_shard(1, 0, 1, _ref(holder.address))
+    assert d.acquire("r:0", 1, None) is not None
+    d.add_shard(2, 0, 1, _ref(holder.address))
+    holder._handle("r:0", ("release", 1, "shm", 64, "an earlier directory's token"))
+    assert sorted(d.versions) == [1, 2] and d.versions[1].readers["r:0"] == 1   # not its grant
+    holder._handle("r:0", ("release", 1, "shm", 64, d.token))
+    assert sorted(d.versions) == [2]
