@@ -9,7 +9,9 @@ dies) and serves:
 
 * ``free`` (from the directory): a version's bucket may be reused;
 * ``fetch`` (from pullers on other nodes): the bytes of a version, in chunks of whole
-  tensors, over the normal messaging path (the bulk stream between nodes);
+  tensors, over the normal messaging path (the bulk stream between nodes), at most
+  ``window`` chunks ahead of the puller, which asks for ``more`` as it takes them (its
+  memory stays bounded) and says ``unfetch`` when it stops early (nothing more is sent);
 * when ``k == 0``, the directory (:mod:`._directory`): ``shard``, ``acquire``,
   ``release``, ``cancel``, ``relayed``, ``latest``, ``stats``.
 
@@ -35,7 +37,7 @@ from ._calls import Calls, error_message, tag_of
 from ._directory import Directory, Grant, ShardRef, Version
 from ._layout import Layout
 
-__all__ = ["Holder", "holder_address", "chunks", "CHUNK"]
+__all__ = ["Holder", "holder_address", "chunks", "CHUNK", "WINDOW"]
 
 log = logging.getLogger("rlinf.weights")
 
@@ -43,6 +45,9 @@ log = logging.getLogger("rlinf.weights")
 #: puller asks: small enough that copying one chunk overlaps the next one's transfer.
 CHUNK = 16 << 20
 MIN_CHUNK, MAX_CHUNK = 1 << 20, 1 << 30
+#: Chunks a fetch sends ahead of the puller (one on the wire, some queued, one copied).
+WINDOW = 4
+MAX_WINDOW = 64
 
 
 def holder_address(name: str, shard: int) -> str:
@@ -83,6 +88,7 @@ class Holder:
         self.layouts: dict[int, Layout] = {}
         self._sending: collections.Counter = collections.Counter()   # bucket name -> sends in flight
         self._parked: dict[str, Bucket] = {}              # freed while sending: given back after
+        self._fetching: dict[tuple[str, int], _Fetch] = {}  # (puller, req) -> what is left to send
         self.directory = Directory(name) if shard == 0 else None
         self.node = ""
         self._calls: Calls | None = None
@@ -205,6 +211,10 @@ class Holder:
             self._free_local(message[1])
         elif op == "fetch":
             self._fetch(src, *message[1:])
+        elif op == "more":
+            self._more(src, message[1], message[2])
+        elif op == "unfetch":
+            self._fetching.pop((src, message[1]), None)
         elif self.directory is None:
             raise ValueError(f"{self.address} is not the directory of {self.name!r} (got {op!r})")
         elif op == "shard":
@@ -280,21 +290,48 @@ class Holder:
         self.layouts.pop(number, None)
         if bucket is not None:
             self.drop_bucket(bucket)
+        for (src, req), fetch in list(self._fetching.items()):   # only when the directory left
+            if fetch.number == number:
+                del self._fetching[src, req]
+                self._send(src, error_message(req, PeerLostError(
+                    f"version {number} of {self.name!r} was freed at {self.address} during the fetch "
+                    f"(the store's directory left)", peer=self.address)))
 
-    def _fetch(self, src: str, req: int, number: int, size: int) -> None:
+    def _fetch(self, src: str, req: int, number: int, size: int, window: int) -> None:
         """Send version ``number``'s bytes to ``src``, a chunk of whole tensors of about
-        ``size`` bytes per message (the reader holds the version: the bucket stays as it
-        is meanwhile; it cut the same chunks from the layout)."""
+        ``size`` bytes per message, ``window`` chunks ahead of its ``more`` (the reader
+        holds the version: the bucket stays as it is meanwhile; it cut the same chunks
+        from the layout)."""
         if isinstance(size, bool) or not isinstance(size, int) or not MIN_CHUNK <= size <= MAX_CHUNK:
             raise ValueError(f"chunk size {size!r} out of [{MIN_CHUNK}, {MAX_CHUNK}]")
+        if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_WINDOW:
+            raise ValueError(f"fetch window {window!r} out of [1, {MAX_WINDOW}]")
         bucket, layout = self.versions.get(number), self.layouts.get(number)
         if bucket is None:
             raise PeerLostError(f"version {number} of {self.name!r} is no longer held by {self.address}")
-        for start, end, _, _ in chunks(layout, size):
+        self._fetching[src, req] = _Fetch(number, bucket, [c[:2] for c in chunks(layout, size)], window)
+        self._pump(src, req)
+
+    def _more(self, src: str, req: int, count: int) -> None:
+        fetch = self._fetching.get((src, req))
+        if fetch is not None and isinstance(count, int) and 0 < count <= MAX_WINDOW:
+            fetch.credit += count
+            self._pump(src, req)
+
+    def _pump(self, src: str, req: int) -> None:
+        """Send the chunks the puller has room for."""
+        fetch = self._fetching[src, req]
+        bucket = fetch.bucket
+        while fetch.credit > 0 and fetch.next < len(fetch.pieces):
+            start, end = fetch.pieces[fetch.next]
+            fetch.next += 1
+            fetch.credit -= 1
             sent = self._send(src, ("chunk", req, start, bucket.array[start:end]))
             if sent is not None:           # the bucket is not reused before the bytes are out
                 self._sending[bucket.name] += 1
-                sent.add_done_callback(lambda f, b=bucket: self._sent(b, f))
+                sent.add_done_callback(lambda f: self._sent(bucket, f))
+        if fetch.next == len(fetch.pieces):
+            del self._fetching[src, req]
 
     def _answer_lost(self, failed: list[tuple[str, int]], holder: str) -> None:
         error = PeerLostError(f"{holder}, the publisher of a shard of weight store {self.name!r}, is gone",
@@ -303,6 +340,8 @@ class Holder:
             self._send(src, error_message(req, error))
 
     def _on_gone(self, address: str, incarnation: str) -> None:
+        for key in [k for k in self._fetching if k[0] == address]:
+            del self._fetching[key]
         if self._calls is not None:
             self._calls.fail(address, PeerLostError(f"{address} is gone", peer=address))
         if self.directory is not None:
@@ -329,6 +368,16 @@ class Holder:
         finally:
             self.versions.clear()
             self.buckets.close()
+
+
+class _Fetch:
+    """A fetch in progress: the ``(start, end)`` of its chunks, the next to send, and how
+    many more the puller has room for."""
+
+    __slots__ = ("number", "bucket", "pieces", "next", "credit")
+
+    def __init__(self, number: int, bucket: Bucket, pieces: list[tuple[int, int]], credit: int) -> None:
+        self.number, self.bucket, self.pieces, self.next, self.credit = number, bucket, pieces, 0, credit
 
 
 def _ignore(future: asyncio.Future) -> None:

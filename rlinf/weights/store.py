@@ -25,7 +25,7 @@ from ..util.copier import Copier
 from ..util.futures import retrieve
 from ._buckets import Buckets, read_stamp
 from ._calls import Calls, tag_of
-from ._holder import CHUNK, Holder, chunks, holder_address
+from ._holder import CHUNK, WINDOW, Holder, chunks, holder_address
 from ._layout import Layout, flatten, fresh, match, pack, unpack
 from ._mapped import Mappings
 from .stats import WeightStats
@@ -313,17 +313,23 @@ class WeightStore:
     async def _fetch(self, holder: str, number: int, layout: Layout, targets: list, order: list,
                      running: list, into: np.ndarray | None = None) -> None:
         """The bytes of a version from a holder on another node, chunk by chunk, each
-        copied into its targets (or into the bucket ``into``) while the next arrives."""
+        copied into its targets (or into the bucket ``into``) while the next arrives; at
+        most :data:`WINDOW` chunks ahead (queued here or on their way), and none more
+        once this stops early."""
         by_leaf = dict(zip(order, targets))
         queue: asyncio.Queue = asyncio.Queue()
         req = self._calls.next_id()
         self._fetches[req] = (holder, queue)
+        pieces = chunks(layout, CHUNK)
+        done = False
         try:
-            self._send(holder, ("fetch", req, number, CHUNK), must=True)
-            for start, end, first, last in chunks(layout, CHUNK):
+            self._send(holder, ("fetch", req, number, CHUNK, WINDOW), must=True)
+            for k, (start, end, first, last) in enumerate(pieces):
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if k + WINDOW < len(pieces):     # room for one more
+                    self._send(holder, ("more", req, 1))
                 at, data = item
                 if at != start or not isinstance(data, np.ndarray) or data.nbytes != end - start:
                     raise RlinfError(f"weight store {self.name!r}: a chunk at {at} does not fit the layout")
@@ -334,8 +340,11 @@ class WeightStore:
                 part = [i for i in range(first, last) if i in by_leaf]
                 await self._run(unpack, layout, raw, [by_leaf[i] for i in part], part,
                                 self._copier, start, size=end - start, running=running)
+            done = True
         finally:
             self._fetches.pop(req, None)
+            if not done:
+                self._send(holder, ("unfetch", req))
 
     def _check_stamp(self, mapped: np.ndarray, stamp: int, number: int, holder: str) -> None:
         if read_stamp(mapped) != stamp:
@@ -430,7 +439,7 @@ class WeightStore:
                 self._fetches[message[1]][1].put_nowait(PeerLostError(str(message[3]), peer=src))
             elif op == "free" and src == self._directory:
                 self._free_relayed(message[1])
-            elif not self._calls.settle(message) and op == "grant":
+            elif not self._calls.settle(message) and op == "grant" and len(message) == 6:
                 self._give_up(message[2], message[4], message[5])     # granted after its pull gave up
 
     def _send(self, dst: str, message: tuple, *, must: bool = False) -> None:

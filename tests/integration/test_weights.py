@@ -315,6 +315,21 @@ async def _latest_is(ws, version: int) -> bool:
     return await ws.latest() == version
 
 
+def _pause_first_copy(ws) -> tuple[asyncio.Event, asyncio.Event]:
+    """Make the first copy of ``ws``'s pulls wait: ``entered`` is set when it would
+    start, and it starts once ``go`` is set."""
+    entered, go, run = asyncio.Event(), asyncio.Event(), ws._run
+
+    async def paused(fn, *args, size, running):
+        if not entered.is_set():
+            entered.set()
+            await go.wait()
+        await run(fn, *args, size=size, running=running)
+
+    ws._run = paused
+    return entered, go
+
+
 async def test_a_pull_whose_bucket_is_refilled_under_it_fails(cluster):
     """The directory leaves while a same-node pull copies a sharded version: shard 1's
     holder frees its versions and its next publish refills the bucket. The pull, which
@@ -328,17 +343,9 @@ async def test_a_pull_whose_bucket_is_refilled_under_it_fails(cluster):
             await w1.publish({"b": torch.ones(1000)}, 1, shard=1, num_shards=2)
             rs = await reader.weights("refill")
             rs._on_gone = lambda address, incarnation: None      # it hears of no departure
-            entered, go, run = asyncio.Event(), asyncio.Event(), rs._run
-
-            async def paused(fn, *args, size, running):
-                if not entered.is_set():                         # granted, about to copy shard 0
-                    entered.set()
-                    await go.wait()
-                await run(fn, *args, size=size, running=running)
-
-            rs._run = paused
+            entered, go = _pause_first_copy(rs)
             pull = asyncio.create_task(rs.get(timeout=30))
-            await entered.wait()
+            await entered.wait()                                 # granted, about to copy shard 0
             await s0.aclose()                                    # the directory leaves
             await until(lambda: not w1._holder.versions, what="shard 1's holder to free its versions")
             with pytest.raises(rlinf.PeerLostError):             # refills the bucket, finds no directory
@@ -359,3 +366,38 @@ async def test_a_shard_publish_without_its_directory_times_out(driver):
         with pytest.raises(rlinf.CommTimeoutError, match="not published within"):
             await ws.publish({"b": torch.ones(3)}, 1, shard=1, num_shards=2, timeout=0.5)
         assert loop.time() - start < 5
+
+
+async def test_a_fetch_from_another_node_runs_a_window_ahead_and_stops_when_cancelled(cluster, driver,
+                                                                                      monkeypatch):
+    async with asyncio.timeout(60):
+        from rlinf.weights import _holder, store
+
+        monkeypatch.setattr(store, "CHUNK", 1 << 20)                  # a chunk per tensor
+        ws = await driver.weights("window")
+        await ws.publish({f"t{i}": torch.full((1 << 18,), float(i)) for i in range(12)}, 1)
+        holder = ws._holder
+        monkeypatch.setenv("RLINF_NODE_ID", "node-far")
+        far = cluster.connect("far:0")
+        monkeypatch.delenv("RLINF_NODE_ID")
+        await far.start()
+        try:
+            rs = await far.weights("window")
+            run = rs._run
+            entered, _ = _pause_first_copy(rs)
+            pull = asyncio.create_task(rs.get(timeout=30))
+            await entered.wait()                                      # the first chunk is in
+            [fetch] = holder._fetching.values()                       # 4 ahead, 1 more per chunk taken
+            [(_, queue)] = rs._fetches.values()
+            await until(lambda: fetch.next == _holder.WINDOW + 1 and queue.qsize() == _holder.WINDOW,
+                        what="the window to arrive")
+            pull.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pull
+            await until(lambda: not holder._fetching, what="the holder to stop sending")
+            assert fetch.next == _holder.WINDOW + 1                    # nothing more was sent
+            rs._run = run
+            tree, v = await rs.get(timeout=30)
+            assert v == 1 and all(bool((tree[f"t{i}"] == i).all()) for i in range(12))
+        finally:
+            await far.aclose()
