@@ -374,31 +374,38 @@ class WeightStore:
                 self._relay_pool.give(bucket)
 
     # -- asking the directory ----------------------------------------------------------
-    async def latest(self) -> int | None:
+    async def latest(self, *, timeout: float | None = None) -> int | None:
         """The newest complete version, or None (none yet, or no such store yet).
 
-        Raises:
-            PeerLostError, ClosedError; CommTimeoutError after ``RLINF_TIMEOUT`` if set.
-        """
-        return await self._ask("latest", None)
+        Args:
+            timeout: seconds to wait for the directory's answer (None: ``RLINF_TIMEOUT``
+                if set, else forever).
 
-    async def stats(self) -> WeightStats:
+        Raises:
+            PeerLostError, ClosedError; CommTimeoutError after ``timeout``.
+        """
+        return await self._ask("latest", None, timeout)
+
+    async def stats(self, *, timeout: float | None = None) -> WeightStats:
         """A snapshot of the store (:class:`~rlinf.weights.stats.WeightStats`; readable
         when printed): versions held, sizes, subscribers, bytes moved per path, last
         publish and pull times, and this handle's own pulls.
 
+        Args:
+            timeout: as for :meth:`latest`.
+
         Raises:
-            PeerLostError, ClosedError; CommTimeoutError after ``RLINF_TIMEOUT`` if set.
+            PeerLostError, ClosedError; CommTimeoutError after ``timeout``.
         """
-        data = await self._ask("stats", {})
+        data = await self._ask("stats", {}, timeout)
         return WeightStats.from_dict(data, name=self.name, this_pulls=self._pulls,
                                      this_bytes_by_path=dict(self._bytes), this_last_pull=self._last_pull,
                                      this_published=self._published)
 
-    async def _ask(self, op: str, absent: Any) -> Any:
+    async def _ask(self, op: str, absent: Any, timeout: float | None) -> Any:
         core = self._core
         core.check_open()
-        timeout = core.timeout_of(None)
+        timeout = core.timeout_of(timeout)
         try:
             async with asyncio.timeout(timeout):
                 if not self._found and await core.lookup(self._directory, wait=False, timeout=timeout) is None:

@@ -401,3 +401,17 @@ async def test_a_fetch_from_another_node_runs_a_window_ahead_and_stops_when_canc
             assert v == 1 and all(bool((tree[f"t{i}"] == i).all()) for i in range(12))
         finally:
             await far.aclose()
+
+
+async def test_latest_and_stats_time_out_when_the_directory_does_not_answer(driver):
+    async with asyncio.timeout(30):
+        ws = await driver.weights("mute")
+        await ws.publish({"w": torch.ones(3)}, 1)
+        holder = ws._holder
+        handle = holder._handle
+        holder._handle = lambda src, message: None if message[0] in ("latest", "stats") else handle(src, message)
+        for ask in (ws.latest, ws.stats):
+            with pytest.raises(rlinf.CommTimeoutError, match="no answer"):
+                await ask(timeout=0.3)
+        holder._handle = handle
+        assert await ws.latest(timeout=10) == 1
