@@ -8,6 +8,13 @@ writing it (1 GiB: a few hundred ms), so it runs in a thread (:meth:`Buckets.tak
 coroutine), and buckets are kept for reuse: writing into pages already mapped runs
 several times faster than into fresh ones.
 
+Every fill of a bucket is *stamped*: a random 64-bit value in the file's last 8 bytes,
+written before the bucket is filled (:meth:`Buckets.take`) and carried with the
+version's reference. A puller reading another process's bucket checks the stamp after
+copying (:func:`read_stamp`): a different one means the bucket was reused meanwhile (its
+version was freed under it, as when the store's directory left), so the copy may be
+torn and the pull fails instead of returning it.
+
 Bookkeeping is on the event loop's thread; only the creation runs elsewhere.
 """
 
@@ -27,22 +34,36 @@ from ..errors import RlinfError
 from ..transports import leftovers
 from ..transports.shm import SHM_DIR
 
-__all__ = ["Bucket", "Buckets"]
+__all__ = ["Bucket", "Buckets", "read_stamp", "STAMP"]
 
 _MADV_POPULATE_WRITE = 23
 #: A free bucket up to this factor larger than asked is reused rather than a new one made.
 _SLACK = 1.25
 _KEEP_FREE = 2
+#: Bytes at the end of every bucket that hold its stamp.
+STAMP = 8
+
+
+def read_stamp(mapped: np.ndarray) -> int:
+    """The stamp of a bucket mapped whole as ``mapped`` (uint8, the file's full length)."""
+    return int(mapped[-STAMP:].view(np.uint64)[0])
 
 
 class Bucket:
-    """One shared-memory file: ``name`` (in ``/dev/shm``), ``size`` bytes, ``array`` (uint8)."""
+    """One shared-memory file: ``name`` (in ``/dev/shm``), ``size`` bytes, ``array`` (uint8,
+    the whole file), ``stamp`` (of its current fill, in the last :data:`STAMP` bytes)."""
 
-    __slots__ = ("name", "path", "size", "array", "_mm")
+    __slots__ = ("name", "path", "size", "array", "stamp", "_mm")
 
     def __init__(self, name: str, path: str, size: int, mm: mmap.mmap) -> None:
         self.name, self.path, self.size, self._mm = name, path, size, mm
         self.array = np.frombuffer(mm, np.uint8, size)
+        self.stamp = 0
+
+    def restamp(self) -> None:
+        """A new fill begins: a fresh stamp, written before any of the fill's bytes."""
+        self.stamp = (int.from_bytes(os.urandom(STAMP), "little") >> 1) | 1     # fits an int64 on the wire
+        self.array[-STAMP:].view(np.uint64)[0] = self.stamp
 
     def __repr__(self) -> str:
         return f"<Bucket {self.name} {self.size} bytes>"
@@ -99,19 +120,21 @@ class Buckets:
         return len(self._all)
 
     async def take(self, nbytes: int) -> Bucket:
-        """A bucket of at least ``nbytes``: a free one that fits, else a new one (made in
-        a thread; the free ones that do not fit are dropped first).
+        """A bucket of at least ``nbytes`` (plus its stamp), freshly stamped: a free one
+        that fits, else a new one (made in a thread; the free ones that do not fit are
+        dropped first).
 
         Raises:
             RlinfError: no room in ``/dev/shm`` for it. ClosedError-like RlinfError when closed.
         """
         if self.closed:
             raise RlinfError("the weight store's holder is closed")
-        size = max(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.PAGESIZE)
+        size = -(-(nbytes + STAMP) // mmap.PAGESIZE) * mmap.PAGESIZE
         fits = [b for b in self._free if size <= b.size <= size * _SLACK]
         if fits:
             bucket = min(fits, key=lambda b: b.size)
             self._free.remove(bucket)
+            bucket.restamp()
             return bucket
         for stale in self._free:        # another size: make room for the new one
             self._drop(stale)
@@ -131,6 +154,7 @@ class Buckets:
         if bucket is None:
             raise RlinfError("the weight store's holder is closed")
         self._free.remove(bucket)
+        bucket.restamp()
         return bucket
 
     def _adopt(self, made: asyncio.Future, name: str, path: str, size: int) -> Bucket | None:

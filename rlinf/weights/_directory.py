@@ -13,26 +13,38 @@ buckets of its own (:meth:`Directory.relayed` says when they are in), and the ve
 other pullers on that node wait for it and then read the relay's buckets, as they would
 a holder's. If the relay fails (or leaves), they fetch for themselves.
 
+**Memory.** A version is freed once nobody reads it and it is older than the newest
+complete one, or lost (a holder of one of its shards died), or can never be complete (a
+shard it lacks has published a later version), or is an incomplete one beyond the
+newest :data:`PENDING_KEPT` incomplete ones (a shard that stopped publishing does not
+make the others' memory grow without bound).
+
 Invariants: ``latest`` only grows (until a holder dies and takes its versions with it);
-a granted version is never freed before its reader released it (or left); a puller
+a granted version is never freed before its reader released it (or left), not even when
+a holder of one of its shards dies (the version is *lost*: no new grants, its waiting
+pullers fail, the surviving shards' buckets stay until the readers are done); a puller
 waiting for its node's relay counts as a reader.
 """
 
 from __future__ import annotations
 
 import collections
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Directory", "Grant", "ShardRef", "Version"]
+__all__ = ["Directory", "Grant", "ShardRef", "Version", "PENDING_KEPT"]
+
+#: Incomplete versions kept at most (the newest ones; older ones are freed).
+PENDING_KEPT = 4
 
 
 @dataclass
 class ShardRef:
     """Where one shard of one version lives: its holder (address, node), its bucket
-    (shared-memory segment name and size) and its layout (key, and the layout itself as
-    plain data)."""
+    (shared-memory segment name, size, and the stamp of this version's fill), and its
+    layout (key, and the layout itself as plain data)."""
 
     holder: str
     node: str
@@ -40,21 +52,22 @@ class ShardRef:
     size: int
     layout_key: str
     layout: list
+    stamp: int = 0
 
     def to_wire(self, with_layout: bool) -> list:
         return [self.holder, self.node, self.segment, self.size, self.layout_key,
-                self.layout if with_layout else None]
+                self.layout if with_layout else None, self.stamp]
 
 
 @dataclass
 class Relay:
     """The puller that brings a version's remote shards to its node: ``ready`` once they
-    are in its buckets (``segments``: shard -> (segment, size)); ``waiting``: the
+    are in its buckets (``segments``: shard -> (segment, size, stamp)); ``waiting``: the
     node's other pullers ``(src, req)``."""
 
     address: str
     ready: bool = False
-    segments: dict[int, tuple[str, int]] = field(default_factory=dict)
+    segments: dict[int, tuple[str, int, int]] = field(default_factory=dict)
     waiting: list[tuple[str, int]] = field(default_factory=list)
 
 
@@ -66,6 +79,7 @@ class Version:
     readers: collections.Counter = field(default_factory=collections.Counter)
     published: float = 0.0
     relays: dict[str, Relay] = field(default_factory=dict)      # node -> its relay
+    lost: str | None = None          # why it is lost (a holder of a shard died), or None
 
     @property
     def complete(self) -> bool:
@@ -90,15 +104,18 @@ class Grant:
 
 
 class Directory:
-    """See the module docstring. ``now``: the clock for the stats (wall time)."""
+    """See the module docstring. ``token``: this directory's, in its grants; a release
+    or relay report that does not carry it answers an earlier directory of the name."""
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.token = secrets.token_hex(8)
         self.versions: dict[int, Version] = {}
         self.latest: int | None = None
         self.num_shards: int | None = None
         self.lost: str | None = None      # why no version is complete after a holder died
         self._waiting: list[tuple[str, int, int | None, str]] = []    # (src, req, newer_than, node)
+        self._last: dict[int, int] = {}        # shard -> the version it published last
         self.subscribers: set[str] = set()
         self.publishes = 0
         self.grants = 0
@@ -116,7 +133,8 @@ class Directory:
 
         Raises:
             ValueError: the version is not newer than the newest complete one, the shard
-                is already in, or ``num_shards`` differs from the store's.
+                is already in, the version was lost, or ``num_shards`` differs from the
+                store's.
         """
         if self.num_shards is not None and num_shards != self.num_shards:
             raise ValueError(f"weight store {self.name!r} has {self.num_shards} shard(s), "
@@ -127,12 +145,16 @@ class Directory:
         entry = self.versions.get(number)
         if entry is None:
             entry = self.versions[number] = Version(number, num_shards)
+        if entry.lost is not None:
+            raise ValueError(f"version {number} of weight store {self.name!r} was lost ({entry.lost}): "
+                             f"publish a newer one")
         if shard in entry.shards:
             raise ValueError(f"shard {shard} of version {number} of {self.name!r} was already published")
         self.num_shards = num_shards
         entry.shards[shard] = ref
+        self._last[shard] = number
         if not entry.complete:
-            return [], []
+            return [], self.collect()
         entry.published = time.time()
         self.latest, self.lost = number, None
         self.publishes += 1
@@ -217,9 +239,7 @@ class Directory:
         entry = self.versions.get(number)
         if entry is None or entry.readers[src] <= 0:
             return []
-        entry.readers[src] -= 1
-        if entry.readers[src] == 0:
-            del entry.readers[src]
+        self._unread(entry, src)
         if path:
             self.bytes_by_path[path] += int(nbytes)
         return self.collect()
@@ -243,38 +263,58 @@ class Directory:
         return grants, self.collect()
 
     def holder_gone(self, holder: str) -> tuple[list[Version], list[tuple[str, int]]]:
-        """The holder ``holder`` died: its versions are gone (the rest of their shards
-        are freed). Returns the versions dropped and the ``(src, req)`` that must fail:
-        those waiting for a relay of a dropped version and, when no complete version is
-        left, every waiting pull (``lost`` says why)."""
-        dropped = [v for v in self.versions.values() if any(s.holder == holder for s in v.shards.values())]
+        """The holder ``holder`` died: its versions are lost (never granted again; the
+        rest of their shards are freed once their readers are done). Returns the
+        versions freed and the ``(src, req)`` that must fail: those waiting for a relay
+        of a lost version and, when no complete version is left, every waiting pull
+        (``lost`` says why)."""
+        why = f"the publisher of a shard of weight store {self.name!r} ({holder}) is gone"
+        hit = [v for v in self.versions.values() if any(s.holder == holder for s in v.shards.values())]
         failed: list[tuple[str, int]] = []
-        for entry in dropped:
-            del self.versions[entry.number]
-            failed += [w for relay in entry.relays.values() for w in relay.waiting]
-        complete = [n for n, v in self.versions.items() if v.complete]
-        self.latest = max(complete, default=None)
-        if self.latest is None and dropped:
-            self.lost = f"the publisher of a shard of weight store {self.name!r} ({holder}) is gone"
+        for entry in hit:
+            entry.lost = why
+            for relay in entry.relays.values():
+                for src, req in relay.waiting:        # they counted as readers: no more
+                    self._unread(entry, src)
+                    failed.append((src, req))
+                relay.waiting = []
+        self.latest = max((n for n, v in self.versions.items() if v.complete and v.lost is None), default=None)
+        if self.latest is None and hit:
+            self.lost = why
             failed += [(src, req) for src, req, _, _ in self._waiting]
             self._waiting = []
-        return dropped, failed
+        return self.collect(), failed
 
     def collect(self) -> list[Version]:
-        """Versions older than the newest complete one that nobody reads: freed now."""
-        if self.latest is None:
-            return []
-        free = [v for n, v in self.versions.items() if n < self.latest and not v.readers]
+        """The versions nobody reads that are lost, older than the newest complete one,
+        never to be complete, or incomplete beyond the newest :data:`PENDING_KEPT`:
+        freed now (see the module docstring)."""
+        free = [v for v in self.versions.values() if not v.readers and self._useless(v)]
+        pending = sorted(n for n, v in self.versions.items()
+                         if not v.complete and v.lost is None and v not in free)
+        free += [self.versions[n] for n in pending[:-PENDING_KEPT]]
         for entry in free:
             del self.versions[entry.number]
         return free
+
+    def _useless(self, entry: Version) -> bool:
+        if entry.lost is not None or (self.latest is not None and entry.number < self.latest):
+            return True
+        return not entry.complete and any(self._last.get(k, entry.number) > entry.number
+                                          for k in range(entry.num_shards) if k not in entry.shards)
+
+    def _unread(self, entry: Version, src: str) -> None:
+        entry.readers[src] -= 1
+        if entry.readers[src] <= 0:
+            del entry.readers[src]
 
     def snapshot(self) -> dict[str, Any]:
         """Plain data for :class:`rlinf.weights.stats.WeightStats`."""
         return {
             "name": self.name, "latest": self.latest, "num_shards": self.num_shards,
             "versions": {n: {"complete": v.complete, "bytes": v.nbytes, "readers": sum(v.readers.values()),
-                             "shards": len(v.shards)} for n, v in sorted(self.versions.items())},
+                             "shards": len(v.shards), "lost": v.lost is not None}
+                         for n, v in sorted(self.versions.items())},
             "subscribers": sorted(self.subscribers), "waiting": len(self._waiting),
             "publishes": self.publishes, "pulls": self.grants, "bytes_by_path": dict(self.bytes_by_path),
             "last_publish": self.last_publish, "last_pull": self.last_pull,

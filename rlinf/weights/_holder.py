@@ -9,18 +9,25 @@ dies) and serves:
 
 * ``free`` (from the directory): a version's bucket may be reused;
 * ``fetch`` (from pullers on other nodes): the bytes of a version, in chunks of whole
-  tensors, over the normal messaging path (the bulk stream between nodes);
+  tensors, over the normal messaging path (the bulk stream between nodes), at most
+  ``window`` chunks ahead of the puller, which asks for ``more`` as it takes them (its
+  memory stays bounded) and says ``unfetch`` when it stops early (nothing more is sent);
 * when ``k == 0``, the directory (:mod:`._directory`): ``shard``, ``acquire``,
   ``release``, ``cancel``, ``relayed``, ``latest``, ``stats``.
 
 When the publisher's communicator closes, the holder closes with it: its buckets are
 unlinked (pullers still copying keep their mappings) and pullers waiting get
-``PeerLostError``.
+``PeerLostError``. When the directory leaves, the other holders free every version at
+once (the directory knew the readers): a same-node puller still copying one sees the
+bucket's stamp change if it is refilled (:mod:`._buckets`) and fails; a bucket whose
+bytes are still being sent to another node is reused only once the sends are done.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import logging
 from ..core.communicator import CoreCommunicator
 from ..core.interface import Core
@@ -30,7 +37,7 @@ from ._calls import Calls, error_message, tag_of
 from ._directory import Directory, Grant, ShardRef, Version
 from ._layout import Layout
 
-__all__ = ["Holder", "holder_address", "chunks", "CHUNK"]
+__all__ = ["Holder", "holder_address", "chunks", "CHUNK", "WINDOW"]
 
 log = logging.getLogger("rlinf.weights")
 
@@ -38,6 +45,9 @@ log = logging.getLogger("rlinf.weights")
 #: puller asks: small enough that copying one chunk overlaps the next one's transfer.
 CHUNK = 16 << 20
 MIN_CHUNK, MAX_CHUNK = 1 << 20, 1 << 30
+#: Chunks a fetch sends ahead of the puller (one on the wire, some queued, one copied).
+WINDOW = 4
+MAX_WINDOW = 64
 
 
 def holder_address(name: str, shard: int) -> str:
@@ -76,6 +86,9 @@ class Holder:
         self.buckets = Buckets()
         self.versions: dict[int, Bucket] = {}              # version -> its bucket
         self.layouts: dict[int, Layout] = {}
+        self._sending: collections.Counter = collections.Counter()   # bucket name -> sends in flight
+        self._parked: dict[str, Bucket] = {}              # freed while sending: given back after
+        self._fetching: dict[tuple[str, int], _Fetch] = {}  # (puller, req) -> what is left to send
         self.directory = Directory(name) if shard == 0 else None
         self.node = ""
         self._calls: Calls | None = None
@@ -109,17 +122,35 @@ class Holder:
         return await self.buckets.take(nbytes)
 
     def drop_bucket(self, bucket: Bucket) -> None:
-        self.buckets.give(bucket)
+        """Give back ``bucket`` (holding no version), once no send reads it."""
+        if self._sending[bucket.name]:
+            self._parked[bucket.name] = bucket
+        else:
+            self.buckets.give(bucket)
+
+    def _sent(self, bucket: Bucket, future: asyncio.Future) -> None:
+        _ignore(future)
+        self._sending[bucket.name] -= 1
+        if self._sending[bucket.name] <= 0:
+            del self._sending[bucket.name]
+            parked = self._parked.pop(bucket.name, None)
+            if parked is not None:
+                self.buckets.give(parked)
 
     async def add(self, number: int, bucket: Bucket, layout: Layout) -> None:
         """Make ``bucket`` (filled) version ``number`` of this shard: with the directory
         here, at once; else by asking it.
 
+        Cancelled while the directory has not answered, the bucket stays this
+        version's until the answer comes: the directory may have registered it, and then
+        only its ``free`` gives the bucket back (a refusal or its departure does too).
+
         Raises:
             ValueError: the directory refused it (not newer, shard count differs).
             PeerLostError: the directory is gone.
         """
-        ref = ShardRef(self.address, self.node, bucket.name, layout.total, layout.key, layout.to_wire())
+        ref = ShardRef(self.address, self.node, bucket.name, layout.total, layout.key, layout.to_wire(),
+                       bucket.stamp)
         self.versions[number], self.layouts[number] = bucket, layout
         try:
             if self.directory is not None:
@@ -128,13 +159,30 @@ class Holder:
                 self._free(freed)
             else:
                 _, answer = self._calls.start(self.directory_address, "shard", number, self.shard, self.num_shards,
-                                              ref.holder, ref.node, ref.segment, ref.size, ref.layout_key, ref.layout)
-                await answer
-        except BaseException:
-            if self.versions.get(number) is bucket:
-                del self.versions[number], self.layouts[number]
-                self.buckets.give(bucket)
+                                              *dataclasses.astuple(ref))
+                try:
+                    await asyncio.shield(answer)
+                except asyncio.CancelledError:
+                    if not answer.done():
+                        answer.add_done_callback(lambda f: self._registered(number, bucket, f))
+                        raise
+                    if answer.cancelled() or answer.exception() is not None:
+                        self._unadd(number, bucket)
+                    raise
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError) or self.directory is not None:
+                self._unadd(number, bucket)
             raise
+
+    def _registered(self, number: int, bucket: Bucket, answer: asyncio.Future) -> None:
+        """The directory answered a registration its publisher stopped waiting for."""
+        if answer.cancelled() or answer.exception() is not None:
+            self._unadd(number, bucket)
+
+    def _unadd(self, number: int, bucket: Bucket) -> None:
+        if self.versions.get(number) is bucket:
+            del self.versions[number], self.layouts[number]
+            self.drop_bucket(bucket)
 
     # -- serving -----------------------------------------------------------------------
     async def _serve(self) -> None:
@@ -163,6 +211,10 @@ class Holder:
             self._free_local(message[1])
         elif op == "fetch":
             self._fetch(src, *message[1:])
+        elif op == "more":
+            self._more(src, message[1], message[2])
+        elif op == "unfetch":
+            self._fetching.pop((src, message[1]), None)
         elif self.directory is None:
             raise ValueError(f"{self.address} is not the directory of {self.name!r} (got {op!r})")
         elif op == "shard":
@@ -180,11 +232,17 @@ class Holder:
             if grant is not None:
                 self._answer([grant], set(known))
         elif op == "relayed":
-            number, segments = message[1:]
-            segments = None if segments is None else {int(k): (str(s), int(n)) for k, s, n in segments}
-            self._answer(self.directory.relayed(src, number, segments))
+            number, segments, token = message[1:]
+            segments = None if segments is None else {int(k): (str(s), int(n), int(t)) for k, s, n, t in segments}
+            stale = token != self.directory.token          # granted by an earlier directory
+            if segments is not None and (stale or number not in self.directory.versions):
+                self._send(src, ("free", number))           # freed meanwhile: so are its copies
+            if not stale:
+                self._answer(self.directory.relayed(src, number, segments))
         elif op == "release":
-            self._free(self.directory.release(src, *message[1:]))
+            number, path, nbytes, token = message[1:]
+            if token == self.directory.token:
+                self._free(self.directory.release(src, number, path, nbytes))
         elif op == "cancel":
             self.directory.cancel(src, message[1])
             self._free(self.directory.collect())
@@ -211,9 +269,10 @@ class Holder:
             for k in sorted(g.version.shards):
                 wire = g.version.shards[k].to_wire(known is None or g.version.shards[k].layout_key not in known)
                 if g.via is not None and k in g.via.segments:       # the node's copy, at its relay
-                    wire[0], wire[1], (wire[2], wire[3]) = g.via.address, node, g.via.segments[k]
+                    wire[0], wire[1], (wire[2], wire[3], wire[6]) = g.via.address, node, g.via.segments[k]
                 shards.append(wire)
-            self._send(g.src, ("grant", g.req, g.version.number, shards, "relay" if g.relay else ""))
+            self._send(g.src, ("grant", g.req, g.version.number, shards, "relay" if g.relay else "",
+                               self.directory.token))
 
     def _free(self, versions: list[Version]) -> None:
         for version in versions:
@@ -230,19 +289,49 @@ class Holder:
         bucket = self.versions.pop(number, None)
         self.layouts.pop(number, None)
         if bucket is not None:
-            self.buckets.give(bucket)
+            self.drop_bucket(bucket)
+        for (src, req), fetch in list(self._fetching.items()):   # only when the directory left
+            if fetch.number == number:
+                del self._fetching[src, req]
+                self._send(src, error_message(req, PeerLostError(
+                    f"version {number} of {self.name!r} was freed at {self.address} during the fetch "
+                    f"(the store's directory left)", peer=self.address)))
 
-    def _fetch(self, src: str, req: int, number: int, size: int) -> None:
+    def _fetch(self, src: str, req: int, number: int, size: int, window: int) -> None:
         """Send version ``number``'s bytes to ``src``, a chunk of whole tensors of about
-        ``size`` bytes per message (the reader holds the version: the bucket stays as it
-        is meanwhile; it cut the same chunks from the layout)."""
+        ``size`` bytes per message, ``window`` chunks ahead of its ``more`` (the reader
+        holds the version: the bucket stays as it is meanwhile; it cut the same chunks
+        from the layout)."""
         if isinstance(size, bool) or not isinstance(size, int) or not MIN_CHUNK <= size <= MAX_CHUNK:
             raise ValueError(f"chunk size {size!r} out of [{MIN_CHUNK}, {MAX_CHUNK}]")
+        if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_WINDOW:
+            raise ValueError(f"fetch window {window!r} out of [1, {MAX_WINDOW}]")
         bucket, layout = self.versions.get(number), self.layouts.get(number)
         if bucket is None:
             raise PeerLostError(f"version {number} of {self.name!r} is no longer held by {self.address}")
-        for start, end, _, _ in chunks(layout, size):
-            self._send(src, ("chunk", req, start, bucket.array[start:end]))
+        self._fetching[src, req] = _Fetch(number, bucket, [c[:2] for c in chunks(layout, size)], window)
+        self._pump(src, req)
+
+    def _more(self, src: str, req: int, count: int) -> None:
+        fetch = self._fetching.get((src, req))
+        if fetch is not None and isinstance(count, int) and 0 < count <= MAX_WINDOW:
+            fetch.credit += count
+            self._pump(src, req)
+
+    def _pump(self, src: str, req: int) -> None:
+        """Send the chunks the puller has room for."""
+        fetch = self._fetching[src, req]
+        bucket = fetch.bucket
+        while fetch.credit > 0 and fetch.next < len(fetch.pieces):
+            start, end = fetch.pieces[fetch.next]
+            fetch.next += 1
+            fetch.credit -= 1
+            sent = self._send(src, ("chunk", req, start, bucket.array[start:end]))
+            if sent is not None:           # the bucket is not reused before the bytes are out
+                self._sending[bucket.name] += 1
+                sent.add_done_callback(lambda f: self._sent(bucket, f))
+        if fetch.next == len(fetch.pieces):
+            del self._fetching[src, req]
 
     def _answer_lost(self, failed: list[tuple[str, int]], holder: str) -> None:
         error = PeerLostError(f"{holder}, the publisher of a shard of weight store {self.name!r}, is gone",
@@ -251,12 +340,14 @@ class Holder:
             self._send(src, error_message(req, error))
 
     def _on_gone(self, address: str, incarnation: str) -> None:
+        for key in [k for k in self._fetching if k[0] == address]:
+            del self._fetching[key]
         if self._calls is not None:
             self._calls.fail(address, PeerLostError(f"{address} is gone", peer=address))
         if self.directory is not None:
             if address.startswith("weights.") and address != self.address:
-                dropped, failed = self.directory.holder_gone(address)
-                self._free([v for v in dropped])
+                freed, failed = self.directory.holder_gone(address)
+                self._free(freed)
                 self._answer_lost(failed, address)
             grants, freed = self.directory.reader_gone(address)
             self._answer(grants)
@@ -277,6 +368,16 @@ class Holder:
         finally:
             self.versions.clear()
             self.buckets.close()
+
+
+class _Fetch:
+    """A fetch in progress: the ``(start, end)`` of its chunks, the next to send, and how
+    many more the puller has room for."""
+
+    __slots__ = ("number", "bucket", "pieces", "next", "credit")
+
+    def __init__(self, number: int, bucket: Bucket, pieces: list[tuple[int, int]], credit: int) -> None:
+        self.number, self.bucket, self.pieces, self.next, self.credit = number, bucket, pieces, 0, credit
 
 
 def _ignore(future: asyncio.Future) -> None:

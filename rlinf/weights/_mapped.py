@@ -37,7 +37,8 @@ class Mappings:
         return len(self._maps)
 
     def get(self, segment: str, size: int) -> np.ndarray:
-        """The first ``size`` bytes of the holder's file ``segment``, as a uint8 array.
+        """The holder's file ``segment``, all of it, as a uint8 array (at least ``size``
+        bytes: its data, then its stamp, :func:`~rlinf.weights._buckets.read_stamp`).
 
         Raises:
             FileNotFoundError / OSError: the file is gone (its holder died) or is
@@ -49,7 +50,7 @@ class Mappings:
         array = self._maps.get(segment)
         if array is not None and array.size >= size:
             self._maps.move_to_end(segment)
-            return array[:size]
+            return array
         fd = os.open(os.path.join(self._dir, segment), os.O_RDONLY | os.O_CLOEXEC)
         try:
             length = os.fstat(fd).st_size
@@ -66,7 +67,7 @@ class Mappings:
         self._maps[segment] = array
         while len(self._maps) > self.keep:
             self._maps.popitem(last=False)
-        return array[:size]
+        return array
 
     def close(self) -> None:
         """Drop every mapping (each is unmapped once no array over it is referenced)."""

@@ -19,8 +19,10 @@ class WeightStats:
     Attributes:
         name: the store. latest: the newest complete version (None: none yet).
         num_shards: shards per version (None: none published yet).
-        versions: version -> ``{"complete", "bytes", "readers", "shards"}``, for each
-            version held now (the newest, those being read, one being published).
+        versions: version -> ``{"complete", "bytes", "readers", "shards", "lost"}``, for
+            each version held now (the newest, those being read, those being
+            published; ``lost``: a holder of one of its shards died, it is kept only
+            for the pulls still reading it).
         subscribers: addresses of the handles that pulled (and have not left).
         waiting: pulls waiting for a newer version now.
         publishes, pulls: complete versions published, pulls granted (store-wide).
@@ -67,6 +69,7 @@ class WeightStats:
 
         held = "; ".join(f"v{n}: {_size(v['bytes'])}, {v['readers']} reading"
                          + ("" if v["complete"] else f", {v['shards']}/{self.num_shards} shards")
+                         + (", lost" if v.get("lost") else "")
                          for n, v in self.versions.items()) or "none"
         return "\n".join([
             f"weight store {self.name!r}: latest version {self.latest}, {self.num_shards or '-'} shard(s)",

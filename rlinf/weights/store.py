@@ -23,9 +23,9 @@ from ..core.interface import Core, HasCore
 from ..errors import ClosedError, CommTimeoutError, DecodeError, PeerLostError, RlinfError
 from ..util.copier import Copier
 from ..util.futures import retrieve
-from ._buckets import Buckets
+from ._buckets import Buckets, read_stamp
 from ._calls import Calls, tag_of
-from ._holder import CHUNK, Holder, chunks, holder_address
+from ._holder import CHUNK, WINDOW, Holder, chunks, holder_address
 from ._layout import Layout, flatten, fresh, match, pack, unpack
 from ._mapped import Mappings
 from .stats import WeightStats
@@ -74,7 +74,7 @@ class WeightStore:
 
     # -- publishing --------------------------------------------------------------------
     async def publish(self, tree: Any, version: int, *, shard: int | None = None,
-                      num_shards: int | None = None) -> None:
+                      num_shards: int | None = None, timeout: float | None = None) -> None:
         """Capture ``tree`` as ``version`` (or as shard ``shard`` of ``num_shards`` of it).
 
         Args:
@@ -83,10 +83,14 @@ class WeightStore:
             version: an int, larger than every version published before.
             shard, num_shards: for sharded publishers (each rank its part): both or
                 neither, the same ``num_shards`` every time, ``0 <= shard < num_shards``.
+            timeout: seconds for all of it (None: ``RLINF_TIMEOUT`` if set, else
+                forever): the first publish of shard k > 0 waits for shard 0's
+                publisher to appear, and every one for the directory to register it.
 
         Returns once the data is captured: the caller may change its tensors then. An
         unsharded version is visible (``latest()``, pulls) when this returns; a sharded
-        one once every shard returned.
+        one once every shard returned. A publish that timed out or was cancelled while
+        the directory registered it may still be registered: publish a newer version.
 
         Raises:
             ValueError: ``version`` not newer, bad ``shard``/``num_shards``, or another
@@ -94,12 +98,22 @@ class WeightStore:
             TypeError: a leaf that is not a tensor or array.
             RlinfError: no shared memory left for the version.
             PeerLostError: (sharded) the directory, shard 0's publisher, is gone.
+            CommTimeoutError: not done within ``timeout``.
         """
         self._core.check_open()
         if isinstance(version, bool) or not isinstance(version, int):
             raise TypeError(f"version must be an int, got {version!r}")
         shard, num_shards = _check_shard(shard, num_shards)
         layout, leaves = Layout.of(tree)
+        timeout = self._core.timeout_of(timeout)
+        try:
+            async with asyncio.timeout(timeout):
+                await self._publish(layout, leaves, version, shard, num_shards)
+        except TimeoutError:
+            raise CommTimeoutError(f"weight store {self.name!r}: version {version} (shard {shard} of "
+                                   f"{num_shards}) not published within {timeout} s") from None
+
+    async def _publish(self, layout: Layout, leaves: list, version: int, shard: int, num_shards: int) -> None:
         async with self._publish_lock:
             if self._published is not None and version <= self._published:
                 raise ValueError(f"version {version} is not newer than version {self._published}, "
@@ -124,7 +138,11 @@ class WeightStore:
                                  f"not {shard} of {num_shards}")
             return holder
         holder = Holder(self._core, self.name, shard, num_shards)
-        await holder.start()
+        try:
+            await holder.start()
+        except BaseException:          # refused, timed out or cancelled: leave the cluster again
+            asyncio.get_running_loop().create_task(holder.aclose()).add_done_callback(retrieve)
+            raise
         self._holder = holder
         self._core.add_closer(holder.aclose)
         return holder
@@ -168,7 +186,7 @@ class WeightStore:
         timeout = core.timeout_of(timeout)
         try:
             async with asyncio.timeout(timeout):
-                number, refs, epoch, role = await self._acquire(newer_than)
+                number, refs, epoch, role, token = await self._acquire(newer_than)
                 held = True
                 try:
                     layouts = [ref[1] for ref in refs]
@@ -178,44 +196,64 @@ class WeightStore:
                     else:
                         tree, plans = None, match(layouts, targets)
                     held = False
-                    await self._copy(number, refs, plans, epoch, role)
+                    await self._copy(number, refs, plans, epoch, role, token)
                     return tree, number
                 finally:
                     if held:
-                        self._give_up(number, role)
+                        self._give_up(number, role, token)
         except TimeoutError:
             raise CommTimeoutError(f"no version of weight store {self.name!r}"
                                    f"{'' if newer_than is None else f' newer than {newer_than}'} "
                                    f"within {timeout} s") from None
 
-    async def _acquire(self, newer_than: int | None) -> tuple[int, list, int, str]:
+    async def _acquire(self, newer_than: int | None) -> tuple[int, list, int, str, str]:
+        """A grant of the directory: ``(version, refs, epoch, role, token)`` (``token``:
+        the directory's, sent back with the release). Asks again, with no layout taken
+        as known, if one it was sent without was evicted meanwhile."""
         await self._find()
         epoch = self._epoch
         node = self._core.info.node_id if self._core.info is not None else ""
-        req, answer = self._calls.start(self._directory, "acquire", newer_than, list(self._layouts), node)
-        try:
-            number, shards, role = await answer
-        except asyncio.CancelledError:
-            if self._calls.abandon(req):           # still waiting there: stop (a late grant is released)
-                self._send(self._directory, ("cancel", req))
-            raise
-        refs = []
-        for holder, node, segment, size, key, wire in shards:
+        known = list(self._layouts)
+        while True:
+            req, answer = self._calls.start(self._directory, "acquire", newer_than, known, node)
+            try:
+                number, shards, role, token = await answer
+            except asyncio.CancelledError:
+                if self._calls.abandon(req):       # still waiting there: stop (a late grant is released)
+                    self._send(self._directory, ("cancel", req))
+                elif answer.done() and not answer.cancelled() and answer.exception() is None:
+                    number, _, role, token = answer.result()      # granted as it was cancelled
+                    self._give_up(number, role, token)
+                raise
+            refs = self._refs(shards)
+            if refs is not None:
+                return number, refs, epoch, role, token
+            self._give_up(number, role, token)
+            if not known:
+                raise RlinfError(f"weight store {self.name!r}: a grant of version {number} lacks a layout")
+            known = []
+
+    def _refs(self, shards: list) -> list | None:
+        """The granted shards with their layouts (None: one's layout is not known here).
+        Every layout of the grant is kept (at least as many as shards), then the oldest
+        others are evicted."""
+        layouts = []
+        for holder, node, segment, size, key, wire, stamp in shards:
             layout = self._layouts.get(key)
             if layout is None:
                 if wire is None:
-                    self._give_up(number, role)
-                    raise RlinfError(f"weight store {self.name!r}: layout {key} unknown here")
+                    return None
                 layout = self._layouts[key] = Layout.from_wire(wire)
-                while len(self._layouts) > _LAYOUTS_KEPT:
-                    self._layouts.popitem(last=False)
-            else:
-                self._layouts.move_to_end(key)
-            refs.append((holder, layout, node, segment, size))
-        self._mappings.keep = max(self._mappings.keep, 3 * len(refs) + 1)
-        return number, refs, epoch, role
+            layouts.append(layout)
+        for _, _, _, _, key, _, _ in shards:
+            self._layouts.move_to_end(key)
+        while len(self._layouts) > max(_LAYOUTS_KEPT, 2 * len(shards)):
+            self._layouts.popitem(last=False)
+        self._mappings.keep = max(self._mappings.keep, 3 * len(shards) + 1)
+        return [(holder, layout, node, segment, size, stamp)
+                for (holder, node, segment, size, _, _, stamp), layout in zip(shards, layouts)]
 
-    async def _copy(self, number: int, refs: list, plans: list, epoch: int, role: str) -> None:
+    async def _copy(self, number: int, refs: list, plans: list, epoch: int, role: str, token: str) -> None:
         """Copy version ``number`` per plan, then release it (once every copy ended, also
         when this is cancelled or fails midway). As its node's relay (``role``), first
         fetch the remote shards into buckets of this process, for the node's other pullers."""
@@ -226,26 +264,31 @@ class WeightStore:
         buckets: list = []
         done = False
         try:
-            for k, ((holder, layout, node, segment, size), (targets, order)) in enumerate(zip(refs, plans)):
+            for k, ((holder, layout, node, segment, size, stamp), (targets, order)) in enumerate(zip(refs, plans)):
                 if not layout.total:
                     continue
-                bucket = None
+                bucket = mapped = None
                 if node == mine:
                     try:
-                        bucket = self._mappings.get(segment, layout.total)
+                        mapped = self._mappings.get(segment, layout.total)
                     except OSError:          # not shareable after all, or gone: ask the holder
                         if not holder.startswith("weights."):
                             raise PeerLostError(f"this node's copy of version {number} of {self.name!r} "
                                                 f"({holder}'s) is gone", peer=holder) from None
+                    else:
+                        self._check_stamp(mapped, stamp, number, holder)
+                        bucket = mapped[:layout.total]
                 if bucket is None and role == "relay":
                     own = await self._relay_buckets().take(layout.total)
                     buckets.append(own)
                     await self._fetch(holder, number, layout, targets, order, running, into=own.array)
-                    relayed.append([k, own.name, layout.total])
+                    relayed.append([k, own.name, layout.total, own.stamp])
                     bucket = own.array
                 if bucket is not None:
                     await self._run(unpack, layout, bucket, targets, order, self._copier,
                                     size=layout.total, running=running)
+                    if mapped is not None:     # refilled while it was copied: the copy may be torn
+                        self._check_stamp(mapped, stamp, number, holder)
                 else:
                     await self._fetch(holder, number, layout, targets, order, running)
                 moved["shm" if node == mine else "net"] += layout.total
@@ -257,11 +300,12 @@ class WeightStore:
             if role == "relay":
                 if done:
                     self._relay_held[number] = buckets
-                    self._send(self._directory, ("relayed", number, relayed))
+                    self._send(self._directory, ("relayed", number, relayed, token))
                 else:
-                    self._send(self._directory, ("relayed", number, None))
+                    self._send(self._directory, ("relayed", number, None, token))
                     _after(running, lambda: [self._relay_pool.give(b) for b in buckets])
-            _after(running, lambda: self._release(number, "net" if moved["net"] else "shm", sum(moved.values())))
+            _after(running, lambda: self._release(number, "net" if moved["net"] else "shm", sum(moved.values()),
+                                                  token))
         self._pulls += 1
         self._last_pull = time.time()
         self._bytes.update(moved)
@@ -269,17 +313,23 @@ class WeightStore:
     async def _fetch(self, holder: str, number: int, layout: Layout, targets: list, order: list,
                      running: list, into: np.ndarray | None = None) -> None:
         """The bytes of a version from a holder on another node, chunk by chunk, each
-        copied into its targets (or into the bucket ``into``) while the next arrives."""
+        copied into its targets (or into the bucket ``into``) while the next arrives; at
+        most :data:`WINDOW` chunks ahead (queued here or on their way), and none more
+        once this stops early."""
         by_leaf = dict(zip(order, targets))
         queue: asyncio.Queue = asyncio.Queue()
         req = self._calls.next_id()
         self._fetches[req] = (holder, queue)
+        pieces = chunks(layout, CHUNK)
+        done = False
         try:
-            self._send(holder, ("fetch", req, number, CHUNK), must=True)
-            for start, end, first, last in chunks(layout, CHUNK):
+            self._send(holder, ("fetch", req, number, CHUNK, WINDOW), must=True)
+            for k, (start, end, first, last) in enumerate(pieces):
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if k + WINDOW < len(pieces):     # room for one more
+                    self._send(holder, ("more", req, 1))
                 at, data = item
                 if at != start or not isinstance(data, np.ndarray) or data.nbytes != end - start:
                     raise RlinfError(f"weight store {self.name!r}: a chunk at {at} does not fit the layout")
@@ -290,17 +340,26 @@ class WeightStore:
                 part = [i for i in range(first, last) if i in by_leaf]
                 await self._run(unpack, layout, raw, [by_leaf[i] for i in part], part,
                                 self._copier, start, size=end - start, running=running)
+            done = True
         finally:
             self._fetches.pop(req, None)
+            if not done:
+                self._send(holder, ("unfetch", req))
 
-    def _release(self, number: int, path: str, nbytes: int) -> None:
-        self._send(self._directory, ("release", number, path, nbytes))
+    def _check_stamp(self, mapped: np.ndarray, stamp: int, number: int, holder: str) -> None:
+        if read_stamp(mapped) != stamp:
+            raise PeerLostError(f"version {number} of weight store {self.name!r} was freed at {holder} while "
+                                f"this pull read it (the store's directory left): the copy may be torn",
+                                peer=holder)
 
-    def _give_up(self, number: int, role: str) -> None:
+    def _release(self, number: int, path: str, nbytes: int, token: str) -> None:
+        self._send(self._directory, ("release", number, path, nbytes, token))
+
+    def _give_up(self, number: int, role: str, token: str) -> None:
         """Release a version granted and not read (a relay says it will not relay)."""
         if role == "relay":
-            self._send(self._directory, ("relayed", number, None))
-        self._release(number, "", 0)
+            self._send(self._directory, ("relayed", number, None, token))
+        self._release(number, "", 0, token)
 
     def _relay_buckets(self) -> Buckets:
         if self._relay_pool is None:
@@ -315,31 +374,38 @@ class WeightStore:
                 self._relay_pool.give(bucket)
 
     # -- asking the directory ----------------------------------------------------------
-    async def latest(self) -> int | None:
+    async def latest(self, *, timeout: float | None = None) -> int | None:
         """The newest complete version, or None (none yet, or no such store yet).
 
-        Raises:
-            PeerLostError, ClosedError; CommTimeoutError after ``RLINF_TIMEOUT`` if set.
-        """
-        return await self._ask("latest", None)
+        Args:
+            timeout: seconds to wait for the directory's answer (None: ``RLINF_TIMEOUT``
+                if set, else forever).
 
-    async def stats(self) -> WeightStats:
+        Raises:
+            PeerLostError, ClosedError; CommTimeoutError after ``timeout``.
+        """
+        return await self._ask("latest", None, timeout)
+
+    async def stats(self, *, timeout: float | None = None) -> WeightStats:
         """A snapshot of the store (:class:`~rlinf.weights.stats.WeightStats`; readable
         when printed): versions held, sizes, subscribers, bytes moved per path, last
         publish and pull times, and this handle's own pulls.
 
+        Args:
+            timeout: as for :meth:`latest`.
+
         Raises:
-            PeerLostError, ClosedError; CommTimeoutError after ``RLINF_TIMEOUT`` if set.
+            PeerLostError, ClosedError; CommTimeoutError after ``timeout``.
         """
-        data = await self._ask("stats", {})
+        data = await self._ask("stats", {}, timeout)
         return WeightStats.from_dict(data, name=self.name, this_pulls=self._pulls,
                                      this_bytes_by_path=dict(self._bytes), this_last_pull=self._last_pull,
                                      this_published=self._published)
 
-    async def _ask(self, op: str, absent: Any) -> Any:
+    async def _ask(self, op: str, absent: Any, timeout: float | None) -> Any:
         core = self._core
         core.check_open()
-        timeout = core.timeout_of(None)
+        timeout = core.timeout_of(timeout)
         try:
             async with asyncio.timeout(timeout):
                 if not self._found and await core.lookup(self._directory, wait=False, timeout=timeout) is None:
@@ -380,8 +446,8 @@ class WeightStore:
                 self._fetches[message[1]][1].put_nowait(PeerLostError(str(message[3]), peer=src))
             elif op == "free" and src == self._directory:
                 self._free_relayed(message[1])
-            elif not self._calls.settle(message) and op == "grant":
-                self._give_up(message[2], message[4])     # granted after its pull gave up
+            elif not self._calls.settle(message) and op == "grant" and len(message) == 6:
+                self._give_up(message[2], message[4], message[5])     # granted after its pull gave up
 
     def _send(self, dst: str, message: tuple, *, must: bool = False) -> None:
         try:

@@ -251,3 +251,167 @@ async def test_pullers_on_another_node_get_the_bytes_over_the_network_once(clust
         assert stats.bytes_by_path == {"net": size, "shm": 3 * size}, stats
         assert sorted(sum((list(r[3]) for r in results), [])).count("net") == 1
         assert list(stats.versions) == [4] and stats.versions[4]["readers"] == 0
+
+
+async def test_a_pull_cancelled_as_its_grant_arrives_holds_nothing(cluster, driver):
+    async with asyncio.timeout(60):
+        ws = await driver.weights("late-cancel")
+        await ws.publish({"w": torch.ones(3)}, 1)
+        reader = await cluster.connect("reader:0").start()
+        try:
+            rs = await reader.weights("late-cancel")
+            settle, box = rs._calls.settle, {}
+
+            def settle_then_cancel(message):          # the cancel lands in the grant's loop tick
+                settled = settle(message)
+                if message[0] == "grant":
+                    box["pull"].cancel()
+                return settled
+
+            rs._calls.settle = settle_then_cancel
+            box["pull"] = asyncio.create_task(rs.pull({"w": torch.zeros(3)}))
+            with pytest.raises(asyncio.CancelledError):
+                await box["pull"]
+            rs._calls.settle = settle
+            for v in (2, 3):
+                await ws.publish({"w": torch.full((3,), float(v))}, v)
+            await until(lambda: _held(ws, [3]), what="version 1 to be given back")
+        finally:
+            await reader.aclose()
+
+
+async def _held(ws, versions: list[int]) -> bool:
+    return list((await ws.stats()).versions) == versions
+
+
+async def test_a_cancelled_shard_publish_keeps_its_bucket_while_the_directory_serves_it(cluster, driver):
+    """Shard 1's publish is cancelled after the directory registered it (the answer is
+    late): its bucket must stay version 1's, not be refilled by shard 1's next publish."""
+    async with asyncio.timeout(60):
+        w0 = await driver.weights("sh-cancel")
+        other = await cluster.connect("shard1:0").start()
+        try:
+            w1 = await other.weights("sh-cancel")
+            await w0.publish({"a": torch.full((1 << 16,), 1.0)}, 1, shard=0, num_shards=2)
+            await w1.publish({"b": torch.full((1 << 16,), 0.0)}, 0, shard=1, num_shards=2)   # makes its holder
+            calls = w1._holder._calls
+            settle = calls.settle
+            calls.settle = lambda message: True                  # the directory's answer is late
+            publish = asyncio.create_task(w1.publish({"b": torch.full((1 << 16,), 1.0)}, 1, shard=1, num_shards=2))
+            await until(lambda: _latest_is(w0, 1), what="version 1 to be visible")
+            publish.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await publish
+            calls.settle = settle
+            for v in (2, 3):                                    # shard 1 goes on alone
+                await w1.publish({"b": torch.full((1 << 16,), float(v))}, v, shard=1, num_shards=2)
+            tree, v = await w0.get(timeout=10)
+            assert v == 1 and bool((tree["a"] == 1).all()) and bool((tree["b"] == 1).all())
+        finally:
+            await other.aclose()
+
+
+async def _latest_is(ws, version: int) -> bool:
+    return await ws.latest() == version
+
+
+def _pause_first_copy(ws) -> tuple[asyncio.Event, asyncio.Event]:
+    """Make the first copy of ``ws``'s pulls wait: ``entered`` is set when it would
+    start, and it starts once ``go`` is set."""
+    entered, go, run = asyncio.Event(), asyncio.Event(), ws._run
+
+    async def paused(fn, *args, size, running):
+        if not entered.is_set():
+            entered.set()
+            await go.wait()
+        await run(fn, *args, size=size, running=running)
+
+    ws._run = paused
+    return entered, go
+
+
+async def test_a_pull_whose_bucket_is_refilled_under_it_fails(cluster):
+    """The directory leaves while a same-node pull copies a sharded version: shard 1's
+    holder frees its versions and its next publish refills the bucket. The pull, which
+    has not heard of the departure, sees the bucket's stamp change and fails rather
+    than return a torn tree."""
+    async with asyncio.timeout(60):
+        s0, s1, reader = [await cluster.connect(f"{n}:0").start() for n in ("s0", "s1", "reader")]
+        try:
+            w0, w1 = await s0.weights("refill"), await s1.weights("refill")
+            await w0.publish({"a": torch.ones(1000)}, 1, shard=0, num_shards=2)
+            await w1.publish({"b": torch.ones(1000)}, 1, shard=1, num_shards=2)
+            rs = await reader.weights("refill")
+            rs._on_gone = lambda address, incarnation: None      # it hears of no departure
+            entered, go = _pause_first_copy(rs)
+            pull = asyncio.create_task(rs.get(timeout=30))
+            await entered.wait()                                 # granted, about to copy shard 0
+            await s0.aclose()                                    # the directory leaves
+            await until(lambda: not w1._holder.versions, what="shard 1's holder to free its versions")
+            with pytest.raises(rlinf.PeerLostError):             # refills the bucket, finds no directory
+                await w1.publish({"b": torch.full((1000,), 2.0)}, 2, shard=1, num_shards=2)
+            go.set()
+            with pytest.raises(rlinf.PeerLostError, match="torn"):
+                await pull
+        finally:
+            for comm in (reader, s1, s0):
+                await comm.aclose()
+
+
+async def test_a_shard_publish_without_its_directory_times_out(driver):
+    async with asyncio.timeout(30):
+        ws = await driver.weights("no-directory")
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(rlinf.CommTimeoutError, match="not published within"):
+            await ws.publish({"b": torch.ones(3)}, 1, shard=1, num_shards=2, timeout=0.5)
+        assert loop.time() - start < 5
+
+
+async def test_a_fetch_from_another_node_runs_a_window_ahead_and_stops_when_cancelled(cluster, driver,
+                                                                                      monkeypatch):
+    async with asyncio.timeout(60):
+        from rlinf.weights import _holder, store
+
+        monkeypatch.setattr(store, "CHUNK", 1 << 20)                  # a chunk per tensor
+        ws = await driver.weights("window")
+        await ws.publish({f"t{i}": torch.full((1 << 18,), float(i)) for i in range(12)}, 1)
+        holder = ws._holder
+        monkeypatch.setenv("RLINF_NODE_ID", "node-far")
+        far = cluster.connect("far:0")
+        monkeypatch.delenv("RLINF_NODE_ID")
+        await far.start()
+        try:
+            rs = await far.weights("window")
+            run = rs._run
+            entered, _ = _pause_first_copy(rs)
+            pull = asyncio.create_task(rs.get(timeout=30))
+            await entered.wait()                                      # the first chunk is in
+            [fetch] = holder._fetching.values()                       # 4 ahead, 1 more per chunk taken
+            [(_, queue)] = rs._fetches.values()
+            await until(lambda: fetch.next == _holder.WINDOW + 1 and queue.qsize() == _holder.WINDOW,
+                        what="the window to arrive")
+            pull.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pull
+            await until(lambda: not holder._fetching, what="the holder to stop sending")
+            assert fetch.next == _holder.WINDOW + 1                    # nothing more was sent
+            rs._run = run
+            tree, v = await rs.get(timeout=30)
+            assert v == 1 and all(bool((tree[f"t{i}"] == i).all()) for i in range(12))
+        finally:
+            await far.aclose()
+
+
+async def test_latest_and_stats_time_out_when_the_directory_does_not_answer(driver):
+    async with asyncio.timeout(30):
+        ws = await driver.weights("mute")
+        await ws.publish({"w": torch.ones(3)}, 1)
+        holder = ws._holder
+        handle = holder._handle
+        holder._handle = lambda src, message: None if message[0] in ("latest", "stats") else handle(src, message)
+        for ask in (ws.latest, ws.stats):
+            with pytest.raises(rlinf.CommTimeoutError, match="no answer"):
+                await ask(timeout=0.3)
+        holder._handle = handle
+        assert await ws.latest(timeout=10) == 1

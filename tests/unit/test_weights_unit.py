@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from rlinf.util.copier import Copier
-from rlinf.weights._buckets import Buckets
-from rlinf.weights._directory import Directory, ShardRef
-from rlinf.weights._holder import chunks
+from rlinf.weights._buckets import Buckets, read_stamp
+from rlinf.weights._directory import PENDING_KEPT, Directory, ShardRef
+from rlinf.weights._holder import Holder, chunks
 from rlinf.weights._layout import Layout, flatten, fresh, match, pack, unpack
+from rlinf.weights.store import WeightStore
 
 
 def _ref(holder: str = "weights.w:0") -> ShardRef:
@@ -168,3 +169,111 @@ def test_a_failed_or_departed_relay_lets_its_node_fetch_for_itself():
     d.acquire("b:4", 5, None, "node-b")                            # relay again: b:4
     d.acquire("b:5", 6, None, "node-b")
     assert d.cancel("b:5", 6) and d.versions[1].readers["b:5"] == 0
+
+
+def test_a_holder_gone_keeps_a_version_still_read_but_grants_it_no_more():
+    d = Directory("w")
+    d.add_shard(1, 0, 2, _ref("weights.w:0"))
+    d.add_shard(1, 1, 2, _ref("weights.w:1"))
+    assert d.acquire("r:0", 1, None).version.number == 1          # r:0 copies shard 0 from weights.w:0
+    freed, failed = d.holder_gone("weights.w:1")
+    assert freed == [] and failed == [] and d.latest is None       # shard 0's bucket stays while read
+    assert d.versions[1].lost and d.snapshot()["versions"][1]["lost"]
+    with pytest.raises(LookupError, match="weights.w:1"):
+        d.acquire("r:1", 2, None)                                   # no new grants of it
+    with pytest.raises(ValueError, match="lost"):
+        d.add_shard(1, 1, 2, _ref("weights.w:1"))                  # a restarted shard 1 publishes anew
+    assert [v.number for v in d.release("r:0", 1, "shm", 64)] == [1]     # freed when read no more
+
+
+def test_a_holder_gone_fails_the_pullers_waiting_for_a_relay_of_its_version():
+    d = Directory("w")
+    d.add_shard(1, 0, 1, _far("weights.w:0"))
+    d.add_shard(2, 0, 1, _far("weights.w:0"))
+    d.acquire("b:0", 1, None, "node-b")                             # relays 2
+    assert d.acquire("b:1", 2, None, "node-b") is None              # waits for it
+    freed, failed = d.holder_gone("weights.w:0")
+    assert failed == [("b:1", 2)] and freed == []                   # b:0 still reads (and relays) 2
+    assert dict(d.versions[2].readers) == {"b:0": 1}
+    assert [v.number for v in d.reader_gone("b:0")[1]] == [2]
+
+
+def test_incomplete_versions_are_bounded_while_a_shard_is_missing():
+    d = Directory("w")
+    freed = []
+    for n in range(1, 20):                                          # shard 1 publishes nothing
+        freed += d.add_shard(n, 0, 2, _ref("weights.w:0"))[1]
+    assert sorted(d.versions) == list(range(20 - PENDING_KEPT, 20))
+    assert [v.number for v in freed] == list(range(1, 20 - PENDING_KEPT))
+    # shard 1 resumes at 18: the versions it skipped can never be complete
+    grants, freed = d.add_shard(18, 1, 2, _ref("weights.w:1"))
+    assert d.latest == 18 and sorted(d.versions) == [18, 19]
+    assert sorted(v.number for v in freed) == list(range(20 - PENDING_KEPT, 18))
+    _, freed = d.add_shard(21, 1, 2, _ref("weights.w:1"))           # 19 lacks shard 1, which is at 21
+    assert [v.number for v in freed] == [19] and sorted(d.versions) == [18, 21]
+    _, freed = d.add_shard(20, 0, 2, _ref("weights.w:0"))           # so does 20: freed at once
+    assert [v.number for v in freed] == [20] and sorted(d.versions) == [18, 21]
+
+
+async def test_every_fill_of_a_bucket_has_a_new_stamp_at_its_end(tmp_path):
+    buckets = Buckets(str(tmp_path))
+    a = await buckets.take(4096)                                   # room for the stamp after the data
+    assert a.size >= 4096 + 8 and read_stamp(a.array) == a.stamp != 0
+    first = a.stamp
+    buckets.give(a)
+    assert (await buckets.take(4096)) is a and a.stamp != first and read_stamp(a.array) == a.stamp
+    buckets.close()
+
+
+class _Core:
+    """Just enough of a core for a handle that talks to nothing."""
+
+    address = "p:0"
+    info = None
+    manager_address = "tcp://127.0.0.1:1"
+    token = "unit-test"
+
+    def start_send(self, *args, **kwargs):
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return future
+
+
+async def test_grants_of_more_shards_than_layouts_kept_are_read_every_time():
+    ws = WeightStore(_Core(), "big")
+    layouts = [Layout.of({f"s{k}": torch.zeros(4)})[0] for k in range(20)]
+    asked, evict = [], []
+
+    async def found():
+        return None
+
+    def start(dst, op, newer_than, known, node):
+        asked.append(len(known))
+        answer = asyncio.get_running_loop().create_future()
+        answer.set_result((1, [[f"weights.big:{k}", "", f"seg{k}", layout.total, layout.key,
+                                None if layout.key in known else layout.to_wire(), 0]
+                               for k, layout in enumerate(layouts)], "", "token"))
+        if evict:                                                  # another pull evicts one meanwhile
+            ws._layouts.pop(evict.pop())
+        return len(asked), answer
+
+    ws._find, ws._calls.start = found, start
+    for _ in range(3):
+        _, refs, _, _, _ = await ws._acquire(None)
+        assert [ref[1].key for ref in refs] == [layout.key for layout in layouts]
+    assert asked == [0, 20, 20]                                    # layouts sent once, then known
+    evict.append(layouts[3].key)
+    _, refs, _, _, _ = await ws._acquire(None)                       # asks again, taking none as known
+    assert [ref[1].key for ref in refs] == [layout.key for layout in layouts] and asked[-2:] == [20, 0]
+
+
+def test_releases_and_relay_reports_from_an_earlier_directory_are_ignored():
+    holder = Holder(_Core(), "w", 0, 1)                            # the directory's side, not started
+    d = holder.directory
+    d.add_shard(1, 0, 1, _ref(holder.address))
+    assert d.acquire("r:0", 1, None) is not None
+    d.add_shard(2, 0, 1, _ref(holder.address))
+    holder._handle("r:0", ("release", 1, "shm", 64, "an earlier directory's token"))
+    assert sorted(d.versions) == [1, 2] and d.versions[1].readers["r:0"] == 1   # not its grant
+    holder._handle("r:0", ("release", 1, "shm", 64, d.token))
+    assert sorted(d.versions) == [2]
