@@ -613,5 +613,6 @@ class StreamTransport(Transport):
             transport.abort()
             raise
         link = StreamLink(loop, transport, protocol, endpoint)
+        link.kind = self.name         # "tcp_stream" over TCP (what stats count the messages under)
         link._sealer = sealers[0] if sealers else None
         return link
