@@ -209,9 +209,10 @@ def main() -> int:
                     runs[name].append(_raw(nodes, how, args.rtts, args.messages))
                 else:
                     got = _rlinf(nodes, how, args.rtts, args.messages)
-                    links.add(f"{name}: {got.pop('link')}")
-                    runs[name].append(got)
-    rows = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+                    links.add(f"{name}: {got['link'].split(':')[0]}")
+                    runs[name].append({k: got[k] for k in ("p50_us", "p99_us", "rate")})
+    rows = {name: {k: statistics.median(r[k] for r in rs) for k in ("p50_us", "p99_us", "rate")}
+            for name, rs in runs.items()}
     echo, curve = rows["raw uvloop TCP echo"], rows["raw zmq.asyncio TCP, CURVE"]
     print(f"two namespaces over a bridge; medians of {args.repeats} runs ({args.rtts} round trips, "
           f"{args.messages} x 1 KiB each)")
