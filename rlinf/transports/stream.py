@@ -79,8 +79,9 @@ _IOV_MAX = 1024
 #: few frame sets for the reader's next turn).
 _SOCKET_BUFFER = 4 << 20
 _HANDSHAKE_TIMEOUT = 10.0
-#: Connections in their handshake at once; more are closed as they come.
-_MAX_HANDSHAKES = 64
+#: Connections in their handshake at once; more are closed as they come (a TCP listener
+#: is open to the network; many workers may dial one at the same moment at start-up).
+_MAX_HANDSHAKES = 1024
 #: Frame sets delivered per read before the rest waits for the next loop turn.
 _READ_BUDGET = 512
 #: Receive blocks: recycled memory the kernel reads into; below glibc's mmap threshold

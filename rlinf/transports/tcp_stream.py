@@ -18,7 +18,7 @@ both ends offer, under per-connection, per-direction keys, as for the bulk links
 Ends that share no cipher refuse the connection (:class:`TransportUnavailableError`
 at the dialler, which then uses ZeroMQ with CURVE): nothing meant to be sealed goes in
 clear. Handshake failures, junk, records that fail their tag and oversized frame sets
-close that connection only; at most 64 connections may be in their handshake at once.
+close that connection only; at most 1024 connections may be in their handshake at once.
 
 Protocol: as :mod:`.stream`, with ``terms`` (2 bytes) after each end's nonce, covered by
 both MACs. Frame sets are ``u32 count | u64 size * count | frames``, in sealed records
