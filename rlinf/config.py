@@ -297,7 +297,7 @@ class Settings:
         "(smaller ones travel inline).")
     disable_transports: frozenset[str] = _knob(
         "RLINF_DISABLE_TRANSPORTS", "names", frozenset(),
-        "Transports never chosen, such as `shm`, `bulk`, `stream`, `cuda_ipc` or `nccl` "
+        "Transports never chosen, such as `shm`, `bulk`, `stream`, `tcp_stream`, `cuda_ipc` or `nccl` "
         "(`zmq` and `staged` cannot be disabled).")
     # shared memory
     shm_cap: int | None = _knob(
@@ -368,7 +368,7 @@ class Settings:
     # security
     tcp_encryption: bool = _knob(
         "RLINF_TCP_ENCRYPTION", "bool", True,
-        "TCP data links are encrypted (CURVE for ZeroMQ, AEGIS-256 for bulk streams); "
+        "TCP data links are encrypted (CURVE for ZeroMQ, AEGIS-256 for bulk and TCP stream links); "
         "off: authenticated only.")
     # where this process is
     host: str | None = _knob(

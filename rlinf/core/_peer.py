@@ -19,7 +19,8 @@ import logging
 from typing import Iterator
 
 from ..control import client as control, devices
-from ..errors import AuthenticationError, ClosedError, CommTimeoutError, PeerLostError, RlinfError
+from ..errors import (AuthenticationError, ClosedError, CommTimeoutError, PeerLostError, RlinfError,
+                      TransportUnavailableError)
 from ..info import WorkerInfo, parse_address
 from ..transports import tcp_bulk
 from ..transports.shm import PullSession, ShmSession
@@ -177,7 +178,7 @@ class PeerSessions:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._me: WorkerInfo | None = None
         self._zmq: ZmqTransport | None = None
-        self._stream: StreamTransport | None = None
+        self._streams: dict[str, StreamTransport | None] = {}     # by scheme: stream, tcp_stream
         self._bulk: tcp_bulk.BulkTransport | None = None
         self._control: control.ControlClient | None = None
         self._shm: ShmSession | None = None
@@ -185,9 +186,10 @@ class PeerSessions:
 
     def start(self, loop: asyncio.AbstractEventLoop, me: WorkerInfo, *, zmq: ZmqTransport,
               stream: StreamTransport | None, bulk: tcp_bulk.BulkTransport | None, control_client: control.ControlClient,
-              shm: ShmSession | None, pull: PullSession | None) -> None:
+              shm: ShmSession | None, pull: PullSession | None, tcp_stream: StreamTransport | None = None) -> None:
         """What dialling and departures need, once the communicator has it."""
-        self._loop, self._me, self._zmq, self._stream, self._bulk = loop, me, zmq, stream, bulk
+        self._loop, self._me, self._zmq, self._bulk = loop, me, zmq, bulk
+        self._streams = {routing.STREAM: stream, routing.TCP_STREAM: tcp_stream}
         self._control, self._shm, self._pull = control_client, shm, pull
         self._watch = loop.create_task(self._resend_timers())
 
@@ -273,9 +275,9 @@ class PeerSessions:
             if routing.select_transport(self._me, info, probe, config=self._config).transport == routing.BULK:
                 outbox.bulk = functools.partial(self._bulk.connect, info.endpoints[tcp_bulk.SCHEME],
                                                 identity=self.identity)
-        if scheme == routing.STREAM and self._stream is not None:
+        if self._streams.get(scheme) is not None:
             outbox.info = info
-            session.task = self._loop.create_task(self._dial_stream(session, info))
+            session.task = self._loop.create_task(self._dial_stream(session, info, scheme))
             return
         session.task = None
         outbox.attach(self._zmq_link(info, scheme), info)
@@ -286,19 +288,20 @@ class PeerSessions:
             endpoint = info.endpoints["tcp"]
         return self._zmq.connect_now(endpoint, identity=self.identity)
 
-    async def _dial_stream(self, session: PeerSession, info: WorkerInfo) -> None:
-        """Open the stream link of ``session``; a stream that cannot be opened (a peer
-        that refuses or stopped listening) is not an error: ZeroMQ carries the messages."""
+    async def _dial_stream(self, session: PeerSession, info: WorkerInfo, scheme: str) -> None:
+        """Open the stream link of ``session`` (a Unix one on this node, TCP to another);
+        a stream that cannot be opened (a peer that refuses, stopped listening or shares
+        no cipher with us) is not an error: ZeroMQ carries the messages."""
         try:
-            link = await self._stream.connect(info.endpoints[routing.STREAM], identity=self.identity)
-        except (PeerLostError, AuthenticationError) as exc:
+            link = await self._streams[scheme].connect(info.endpoints[scheme], identity=self.identity)
+        except (PeerLostError, AuthenticationError, TransportUnavailableError) as exc:
             if control.process_gone_here(info):   # it died: what waits for the link must fail, not go to ZeroMQ
                 session.task = None
                 session.fail(PeerLostError(f"{session.address} was lost", peer=session.address))
                 return
             log.warning("rlinf %s: no stream to %s (%s); using ZeroMQ", self._address, session.address, exc)
             try:
-                link = self._zmq_link(info, "ipc")
+                link = self._zmq_link(info, "ipc" if scheme == routing.STREAM else "tcp")
             except RlinfError as fallback_failed:
                 self._cannot_connect(session, fallback_failed)
                 return

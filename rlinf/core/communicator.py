@@ -42,6 +42,7 @@ from ..transports import leftovers, shm, tcp_bulk
 from ..transports.cuda import ipc as cuda_ipc
 from ..transports.shm import PullSession
 from ..transports.stream import StreamTransport
+from ..transports.tcp_stream import TcpStreamTransport
 from ..transports.zeromq import ZmqTransport
 from ..util.bounded import Recent
 from . import routing, wire
@@ -141,13 +142,14 @@ class CoreCommunicator:
         # what start() brings up (None until then, or when it cannot run here)
         self._zap: ZapHandler | None = None
         self._transport: ZmqTransport | None = None
-        self._listener = self._bulk_listener = self._stream_listener = None
+        self._listener = self._bulk_listener = self._stream_listener = self._tcp_stream_listener = None
         self._inbound: FrameReader | None = None
         self._control: control.ControlClient | None = None
         self._shm: shm.ShmSession | None = None
         self._pull: PullSession | None = None      # single-copy pulls by copy-out receivers
         self._bulk: tcp_bulk.BulkTransport | None = None   # large payloads from/to other nodes
         self._stream: StreamTransport | None = None        # frame sets from/to this node's processes
+        self._tcp_stream: TcpStreamTransport | None = None  # and from/to other nodes' processes
         self._recycler = shm.Recycler(settings.shm_cap)   # receive-side private memory (chunk reassembly, copy-outs)
         self._gpu = GpuPaths(address, self._roster, self._routing, self._new_cuda_session)
         # the parts: per-peer sessions, the send and receive paths, membership
@@ -245,6 +247,8 @@ class CoreCommunicator:
             self._listener.set_handler(self._receive.on_frames)
             if routing.STREAM not in self._routing.disabled and StreamTransport.available():
                 transports += await self._start_stream(endpoints)
+            if routing.TCP_STREAM not in self._routing.disabled and "tcp" in endpoints:
+                transports += await self._start_stream(endpoints, (bind, advertise))
             gpus = devices.discover_devices(no_torch=settings.no_torch, visible=self._visible_devices)
             if gpus and routing.CUDA_IPC not in self._routing.disabled and cuda_ipc.available():
                 transports += (routing.CUDA_IPC,)
@@ -288,26 +292,36 @@ class CoreCommunicator:
         endpoints.update(self._bulk_listener.endpoints)
         return (routing.BULK,)
 
-    async def _start_stream(self, endpoints: dict[str, str]) -> tuple[str, ...]:
-        """Listen for stream links (frame sets from this node's processes); the
-        transports this adds to what we advertise (none when it cannot run here)."""
+    async def _start_stream(self, endpoints: dict[str, str], tcp: tuple[str, str] | None = None) -> tuple[str, ...]:
+        """Listen for stream links: from this node's processes (a Unix socket), or with
+        ``tcp`` (bind and advertised hosts) from other nodes' (TCP, sealed when TCP
+        encryption is on); the transports this adds to what we advertise (none when it
+        cannot run here: ZeroMQ carries those messages)."""
         try:
-            self._stream = StreamTransport(self._keys.bulk_key, recycler=self._recycler)
-            self._stream_listener = await self._stream.listen()
+            if tcp is None:
+                transport = StreamTransport(self._keys.bulk_key, recycler=self._recycler)
+            else:
+                transport = TcpStreamTransport(self._keys.bulk_key, host=tcp[0], advertise_host=tcp[1],
+                                               recycler=self._recycler, encrypt=self._settings.tcp_encryption)
+            listener = await transport.listen()
         except TransportUnavailableError as exc:
-            log.warning("rlinf %s: no stream transport (%s); this node's messages go through ZeroMQ ipc",
-                        self.address, exc)
-            self._stream = None
+            log.warning("rlinf %s: no %s transport (%s); those messages go through ZeroMQ",
+                        self.address, "stream" if tcp is None else "TCP stream", exc)
             return ()
-        self._stream_listener.set_handler(self._receive.on_frames)
-        endpoints.update(self._stream_listener.endpoints)
-        return (routing.STREAM,)
+        listener.set_handler(self._receive.on_frames)
+        endpoints.update(listener.endpoints)
+        if tcp is None:
+            self._stream, self._stream_listener = transport, listener
+            return (routing.STREAM,)
+        self._tcp_stream, self._tcp_stream_listener = transport, listener
+        return (routing.TCP_STREAM,)
 
     def _start_parts(self) -> None:
         """Hand the sending parts what start() brought up (before the manager can send
         them an event; the receiving parts started before the listeners had handlers)."""
         self._sessions.start(self._loop, self.info, zmq=self._transport, stream=self._stream, bulk=self._bulk,
-                             control_client=self._control, shm=self._shm, pull=self._pull)
+                             control_client=self._control, shm=self._shm, pull=self._pull,
+                             tcp_stream=self._tcp_stream)
         self._send.start(self._loop, self._shm, self._pull)
 
     def _new_cuda_session(self) -> cuda_ipc.CudaIpcSession:
@@ -433,7 +447,8 @@ class CoreCommunicator:
                     await asyncio.wait(flushing, timeout=_GRACEFUL_LINGER_MS / 1000 + 0.5)
                 except asyncio.CancelledError as exc:
                     cancelled = exc
-            for part in (self._transport, self._listener, self._bulk_listener, self._stream_listener, self._zap,
+            for part in (self._transport, self._listener, self._bulk_listener, self._stream_listener,
+                         self._tcp_stream_listener, self._zap,
                          self._shm, self._gpu.session):
                 if part is not None:
                     part.close()

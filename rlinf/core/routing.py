@@ -13,7 +13,7 @@ buf    same node  large  preference
 cpu    yes        yes    shm, zmq
 cpu    yes        no     zmq (ipc://)
 cpu    no         yes    bulk, zmq (tcp://)
-cpu    no         no     zmq (tcp://)
+cpu    no         no     zmq (tcp_stream, else tcp://)
 cuda   yes        any    cuda_ipc, nccl, staged
 cuda   no         any    nccl, staged
 =====  =========  =====  ===============================
@@ -39,6 +39,7 @@ from ..info import WorkerInfo
 __all__ = [
     "INLINE",
     "STREAM",
+    "TCP_STREAM",
     "SHM",
     "PULL",
     "BULK",
@@ -64,6 +65,11 @@ STREAM = "stream"
 """The link that carries frame sets between processes of one node: a Unix stream socket
 written and read by the event loops (``rlinf/transports/stream.py``); disabled, ZeroMQ
 ``ipc://`` carries them."""
+TCP_STREAM = "tcp_stream"
+"""The link that carries frame sets to processes of other nodes: a TCP connection the
+event loops write and read (``rlinf/transports/tcp_stream.py``), sealed when TCP
+encryption is on; disabled, or where the two ends share no cipher, ZeroMQ ``tcp://``
+carries them (CURVE when encryption is on)."""
 SHM = "shm"
 """Same-node shared memory; only a descriptor goes through ZeroMQ."""
 PULL = "pull"
@@ -80,7 +86,7 @@ STAGED = "staged"
 """A GPU buffer copied to host memory (``Tensor.cpu()``), then sent as a CPU buffer (inline
 or through shared memory); the receiver moves it to its current device."""
 
-TRANSPORTS: tuple[str, ...] = (INLINE, SHM, BULK, CUDA_IPC, NCCL, STAGED, STREAM)
+TRANSPORTS: tuple[str, ...] = (INLINE, SHM, BULK, CUDA_IPC, NCCL, STAGED, STREAM, TCP_STREAM)
 ALWAYS_AVAILABLE: frozenset[str] = frozenset({INLINE, STAGED})
 """Transports every process has; they are the last resort of each row and cannot be disabled."""
 
@@ -197,8 +203,9 @@ class Route:
 
     Attributes:
         transport: one of :data:`TRANSPORTS`.
-        scheme: ``"ipc"`` or ``"tcp"``: the ZeroMQ link that carries the message (and
-            the buffer, for ``zmq`` and ``staged``).
+        scheme: the data link that carries the message (and the buffer, for ``zmq``
+            and ``staged``): ``"stream"``, ``"ipc"``, ``"tcp_stream"`` or ``"tcp"``
+            (see :func:`select_scheme`).
         fallback: the row's first choice could not be used; the caller warns once per peer.
         reason: short human text, e.g. ``"cpu, same node, 40.0 MiB >= shm threshold 256.0 KiB"``.
     """
@@ -215,19 +222,22 @@ def select_scheme(src: WorkerInfo, dst: WorkerInfo, *, config: RoutingConfig | N
     Args:
         src: the sender.
         dst: the receiver.
-        config: its ``disabled`` set may hold :data:`STREAM`.
+        config: its ``disabled`` set may hold :data:`STREAM` and :data:`TCP_STREAM`.
 
     Returns:
         ``"stream"`` when both share a node and both have a stream endpoint (and it is
         not disabled), else ``"ipc"`` when they share a node and ``dst`` has an ``ipc``
-        endpoint, else ``"tcp"``.
+        endpoint; between nodes ``"tcp_stream"`` when both have a TCP stream endpoint
+        (and it is not disabled); else ``"tcp"``.
     """
+    cfg = _DEFAULT_CONFIG if config is None else config
     if src.node_id == dst.node_id:
-        cfg = _DEFAULT_CONFIG if config is None else config
         if STREAM in dst.endpoints and STREAM in src.endpoints and STREAM not in cfg.disabled:
             return STREAM
         if "ipc" in dst.endpoints:
             return "ipc"
+    elif TCP_STREAM in dst.endpoints and TCP_STREAM in src.endpoints and TCP_STREAM not in cfg.disabled:
+        return TCP_STREAM
     return "tcp"
 
 

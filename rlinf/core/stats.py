@@ -52,7 +52,7 @@ class PeerStats:
 
 @dataclass(frozen=True, slots=True)
 class TransportStats:
-    """What we sent per path: "zmq", "stream", "bulk" (bytes written to that socket) and
+    """What we sent per path: "zmq", "stream", "tcp_stream", "bulk" (bytes written to that socket) and
     "shm", "pull", "cuda_ipc" (payload bytes moved through memory)."""
 
     msgs: int = 0

@@ -79,6 +79,16 @@ class _Cipher:
         self.decrypt = getattr(lib, f"{prefix}_decrypt_detached")
         for fn in (self.encrypt, self.decrypt):
             fn.restype = ctypes.c_int
+        # the same two functions typed for raw addresses (a call ~1 µs instead of ~10:
+        # the small records of stream links); their own objects, so typing them does not
+        # change how the ones above convert their arguments
+        p, n, key = ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_char_p
+        self.encrypt_at = lib[f"{prefix}_encrypt_detached"]
+        self.encrypt_at.argtypes = [p, p, p, p, n, p, n, p, key, key]
+        self.decrypt_at = lib[f"{prefix}_decrypt_detached"]
+        self.decrypt_at.argtypes = [p, p, p, n, p, p, n, key, key]
+        for fn in (self.encrypt_at, self.decrypt_at):
+            fn.restype = ctypes.c_int
         self.key_bytes = getattr(lib, f"{prefix}_keybytes")()
         self.nonce_bytes = getattr(lib, f"{prefix}_npubbytes")()
         self.tag_bytes = getattr(lib, f"{prefix}_abytes")()
@@ -165,6 +175,22 @@ class Sealer:
             raise RuntimeError("encryption failed")
         return tag.raw
 
+    def seal_at(self, address: int, n: int) -> None:
+        """Encrypt the ``n`` bytes at ``address`` in place and write the tag right after
+        them (the caller keeps that memory alive and writable)."""
+        if self._cipher.encrypt_at(address, address + n, None, address, n, None, 0, None, self._nonce(), self._key):
+            raise RuntimeError("encryption failed")
+
+    def open_at(self, address: int, n: int, into: int) -> None:
+        """Decrypt the ``n`` bytes at ``address``, whose tag follows them, into the
+        memory at ``into`` (may be ``address``; the caller keeps both alive).
+
+        Raises:
+            AuthenticationFailed: the record is not the next one this key sealed.
+        """
+        if self._cipher.decrypt_at(into, None, address, n, address + n, None, 0, self._nonce(), self._key):
+            raise AuthenticationFailed("a sealed record failed authentication")
+
     def open(self, buf: memoryview, tag: bytes) -> None:
         """Decrypt ``buf`` in place, checking ``tag``.
 
@@ -175,4 +201,4 @@ class Sealer:
         rc = self._cipher.decrypt(address, None, address, ctypes.c_ulonglong(buf.nbytes), tag,
                                   None, ctypes.c_ulonglong(0), self._nonce(), self._key)
         if rc != 0:
-            raise AuthenticationFailed("a bulk record failed authentication")
+            raise AuthenticationFailed("a sealed record failed authentication")

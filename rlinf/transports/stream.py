@@ -52,7 +52,9 @@ import struct
 from typing import Any, Callable, Sequence
 
 from ..errors import AuthenticationError, ClosedError, PeerLostError, TransportUnavailableError
+from . import _agree
 from ._proof import MAC, NONCE, mac, nonce, same
+from ._records import Opener, seal
 from .base import Inbox, Link, Listener, Received, Transport, WouldBlock
 from .descriptors import MAX_FRAMES, MAX_HEADER, max_frame_set
 from .shm import Recycler
@@ -77,6 +79,9 @@ _IOV_MAX = 1024
 #: few frame sets for the reader's next turn).
 _SOCKET_BUFFER = 4 << 20
 _HANDSHAKE_TIMEOUT = 10.0
+#: Connections in their handshake at once; more are closed as they come (a TCP listener
+#: is open to the network; many workers may dial one at the same moment at start-up).
+_MAX_HANDSHAKES = 1024
 #: Frame sets delivered per read before the rest waits for the next loop turn.
 _READ_BUDGET = 512
 #: Receive blocks: recycled memory the kernel reads into; below glibc's mmap threshold
@@ -135,20 +140,26 @@ class _Server(asyncio.BufferedProtocol):
         self._need = 0                      # bytes the frame set at ``start`` needs to be parsed on (0: unknown)
         self._transport: asyncio.Transport | None = None
         self._identity: bytes | None = None       # set once the client proved itself
-        self._hello: tuple[bytes, bytes, bytes] | None = None
+        self._hello: tuple[bytes, ...] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._paused = False
+        self._opener: Opener | None = None        # set once a sealed stream is agreed
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport       # type: ignore[assignment]
         _tune(transport, socket.SO_RCVBUF)
-        self._listener._conns.add(self)
+        listener = self._listener
+        listener._conns.add(self)
+        if sum(c._timer is not None for c in listener._conns) >= _MAX_HANDSHAKES:
+            self._reject("too many connections in their handshake")
+            return
         self._timer = asyncio.get_running_loop().call_later(_HANDSHAKE_TIMEOUT, self._reject, "handshake timed out")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._listener._conns.discard(self)
         if self._timer is not None:
             self._timer.cancel()
+            self._timer = None
 
     def _reject(self, why: str) -> None:
         self._listener.rejected += 1
@@ -161,6 +172,8 @@ class _Server(asyncio.BufferedProtocol):
 
     # -- reading ---------------------------------------------------------------------
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self._opener is not None:
+            return self._opener.buffer()
         # (a frame set's own size was made room for by _frames, where a failure is handled)
         self._make_room(max(self._need, self._end - self._start + _MIN_READ))
         return self._block[self._end:]
@@ -175,16 +188,40 @@ class _Server(asyncio.BufferedProtocol):
             self._block, self._start, self._end = fresh, 0, end - start
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._opener is not None:
+            self._deliver(nbytes)
+            return
         self._end += nbytes
         if self._identity is None and not self._handshake():
             return
+        if self._opener is not None:        # what came after the proof is sealed (a client sends
+            rest, self._end = self._block[self._start:self._end], self._start   # nothing before the ack)
+            if len(rest) > len(self._opener.buffer()):
+                self._reject("a flood after the handshake")
+                return
+            self._opener.buffer()[:len(rest)] = rest
+            self._deliver(len(rest))
+            return
         self._deliver()
 
-    def _deliver(self) -> None:
-        """:meth:`_frames`, closing the connection on a malformed frame set."""
+    def _room(self, n: int) -> memoryview:
+        """Where the next ``n`` opened bytes go: after the unparsed ones."""
+        self._make_room(self._end - self._start + n)
+        self._end += n
+        return self._block[self._end - n:self._end]
+
+    def _deliver(self, sealed: int | None = None) -> None:
+        """:meth:`_frames` (on a sealed stream: after ``sealed`` more raw bytes came, for
+        each record they complete), closing the connection on a malformed frame set or
+        record."""
         try:
-            self._frames()
-        except ValueError as exc:
+            if sealed is None or self._opener is None:
+                self._frames()
+                return
+            self._opener.arrived(sealed)
+            while not self._paused and self._opener.open_next(self._room):
+                self._frames()
+        except (ValueError, MemoryError) as exc:
             self._need = 0            # (nothing more is read for it)
             self._listener.dropped += 1
             log.warning("rlinf: closed a stream connection from %r: %s", self._identity, exc)
@@ -200,28 +237,40 @@ class _Server(asyncio.BufferedProtocol):
 
     def _handshake(self) -> bool:
         """Advance the handshake with what arrived; True once the client is proven."""
-        key, head = self._listener._key, len(_MAGIC) + NONCE + 2
+        listener = self._listener
+        key, magic, terms = listener._key, listener._magic, listener._terms
+        head = len(magic) + NONCE + len(terms) + 2
         if self._hello is None:
             if self._end - self._start < head:
                 return False
             (n,) = struct.unpack_from("<H", self._block, self._start + head - 2)
-            if bytes(self._block[self._start:self._start + len(_MAGIC)]) != _MAGIC or n > _MAX_IDENTITY:
+            if bytes(self._block[self._start:self._start + len(magic)]) != magic or n > _MAX_IDENTITY:
                 self._reject("not an rlinf stream client")
                 return False
             hello = self._take(head + n)
             if hello is None:
                 return False
-            client_nonce, identity = hello[len(_MAGIC):head - 2], hello[head:]
+            client_nonce = hello[len(magic):len(magic) + NONCE]
+            client_terms, identity = hello[len(magic) + NONCE:head - 2], hello[head:]
             server_nonce = nonce()
-            self._hello = (client_nonce, server_nonce, identity)
-            self._transport.write(server_nonce + mac(key, b"s", _MAGIC, client_nonce, server_nonce, identity))
+            self._hello = (client_nonce, client_terms, server_nonce, identity)
+            self._transport.write(server_nonce + terms + mac(key, b"s", magic, client_nonce, client_terms,
+                                                             server_nonce, terms, identity))
         proof = self._take(MAC)
         if proof is None:
             return False
-        client_nonce, server_nonce, identity = self._hello
-        if not same(proof, mac(key, b"c", _MAGIC, server_nonce, client_nonce, identity)):
+        client_nonce, client_terms, server_nonce, identity = self._hello
+        if not same(proof, mac(key, b"c", magic, server_nonce, terms, client_nonce, client_terms, identity)):
             self._reject("the client does not hold the cluster token")
             return False
+        if terms:
+            try:
+                sealers = _agree.agree(key, (client_nonce, client_terms), (server_nonce, terms), identity,
+                                       outgoing="s2c")
+            except PermissionError as exc:
+                self._reject(str(exc))
+                return False
+            self._opener = Opener(sealers[1]) if sealers else None
         self._identity, self._hello = identity, None
         self._timer.cancel()
         self._timer = None
@@ -276,14 +325,19 @@ class _Server(asyncio.BufferedProtocol):
         self._paused = False
         if self._transport is not None and not self._transport.is_closing():
             self._transport.resume_reading()
-            self._deliver()
+            self._deliver(0)
 
 
 class StreamListener(Listener):
-    """A Unix stream server in a private directory; see the module docstring."""
+    """A Unix stream server in a private directory; see the module docstring.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, key: bytes, directory: str, recycler: Recycler) -> None:
-        self.endpoints = {SCHEME: f"unix://{directory}/s"}
+    (:mod:`.tcp_stream` serves TCP with it: ``directory`` None, its own ``magic``, and
+    ``terms`` that may ask for sealing.)"""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, key: bytes, directory: str | None, recycler: Recycler,
+                 *, magic: bytes = _MAGIC, terms: bytes = b"") -> None:
+        self.endpoints = {SCHEME: f"unix://{directory}/s"} if directory is not None else {}
+        self._magic, self._terms = magic, terms
         self._recycler = recycler
         self._loop = loop
         self._key = key
@@ -311,7 +365,8 @@ class StreamListener(Listener):
         for conn in list(self._conns):
             conn.close()
         self._inbox.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class _Client(asyncio.Protocol):
@@ -379,6 +434,7 @@ class StreamLink(Link):
         self._paused = False
         self._writable: asyncio.Future | None = None
         self._closed: BaseException | None = None
+        self._sealer = None           # the outgoing direction's, on a sealed TCP stream
         sock = transport.get_extra_info("socket")
         self._fd = sock.fileno() if sock is not None else -1
         protocol.link = self
@@ -401,7 +457,9 @@ class StreamLink(Link):
         if self._paused:
             raise WouldBlock(f"link to {self.endpoint} is full")
         table, views = _pack_table(frames)
-        if len(views) <= 2 and views[-1].nbytes <= 1 << 16:
+        if self._sealer is not None:
+            self._write(seal(self._sealer, (table, *views)))
+        elif len(views) <= 2 and views[-1].nbytes <= 1 << 16:
             self._write(b"".join((table, *views)))      # one write: one syscall
         else:
             self._write_views([table, *views])
@@ -480,10 +538,15 @@ class StreamTransport(Transport):
     """
 
     name = "stream"
+    _magic = _MAGIC
 
     def __init__(self, key: bytes, *, recycler: Recycler | None = None) -> None:
         self._key = key
         self._recycler = recycler if recycler is not None else Recycler()
+
+    def _terms(self) -> bytes:
+        """This end's handshake terms: none on one node (nothing leaves the machine)."""
+        return b""
 
     @classmethod
     def available(cls) -> bool:
@@ -506,28 +569,42 @@ class StreamTransport(Transport):
             raise TransportUnavailableError(f"cannot listen on a Unix socket: {exc}") from exc
         return listener
 
+    async def _open(self, loop: asyncio.AbstractEventLoop, endpoint: str) -> tuple[asyncio.Transport, _Client]:
+        """The connection to ``endpoint``, before the handshake (``OSError``/``ValueError``)."""
+        return await loop.create_unix_connection(lambda: _Client(loop), _path(endpoint))
+
     async def connect(self, endpoint: str, *, identity: bytes) -> StreamLink:
         """Connect and authenticate.
 
         Raises:
             PeerLostError: nothing listens there, or the connection broke.
             AuthenticationError: the listener does not hold the cluster key.
+            TransportUnavailableError: encryption is asked for and the ends share no cipher.
         """
         loop = asyncio.get_running_loop()
         try:
-            path = _path(endpoint)
-            transport, protocol = await loop.create_unix_connection(lambda: _Client(loop), path)
+            transport, protocol = await self._open(loop, endpoint)
         except (OSError, ValueError) as exc:
             raise PeerLostError(f"cannot connect to {endpoint}: {exc}") from exc
+        magic, terms = self._magic, self._terms()
         try:
             async with asyncio.timeout(_HANDSHAKE_TIMEOUT):
                 client_nonce = nonce()
-                transport.write(_MAGIC + client_nonce + struct.pack("<H", len(identity)) + identity)
-                answer = await protocol.read(NONCE + MAC)
-                server_nonce, proof = answer[:NONCE], answer[NONCE:]
-                if not same(proof, mac(self._key, b"s", _MAGIC, client_nonce, server_nonce, identity)):
+                transport.write(magic + client_nonce + terms + struct.pack("<H", len(identity)) + identity)
+                answer = await protocol.read(NONCE + len(terms) + MAC)
+                server_nonce, server_terms, proof = answer[:NONCE], answer[NONCE:-MAC], answer[-MAC:]
+                if not same(proof, mac(self._key, b"s", magic, client_nonce, terms, server_nonce, server_terms,
+                                       identity)):
                     raise AuthenticationError(f"stream endpoint {endpoint} does not hold the cluster token")
-                transport.write(mac(self._key, b"c", _MAGIC, server_nonce, client_nonce, identity))
+                sealers = None
+                if terms:
+                    try:
+                        sealers = _agree.agree(self._key, (client_nonce, terms), (server_nonce, server_terms),
+                                               identity, outgoing="c2s")
+                    except PermissionError as exc:
+                        raise TransportUnavailableError(f"stream endpoint {endpoint}: {exc}") from None
+                transport.write(mac(self._key, b"c", magic, server_nonce, server_terms, client_nonce, terms,
+                                    identity))
                 if await protocol.read(1) != _ACK:
                     raise PeerLostError(f"bad handshake acknowledgement from {endpoint}")
         except TimeoutError:
@@ -536,4 +613,7 @@ class StreamTransport(Transport):
         except BaseException:
             transport.abort()
             raise
-        return StreamLink(loop, transport, protocol, endpoint)
+        link = StreamLink(loop, transport, protocol, endpoint)
+        link.kind = self.name         # "tcp_stream" over TCP (what stats count the messages under)
+        link._sealer = sealers[0] if sealers else None
+        return link

@@ -56,7 +56,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from ..errors import AuthenticationError, ClosedError, PeerLostError, TransportUnavailableError, WouldBlock
-from . import _aead
+from . import _aead, _agree
 from ._proof import MAC as _MAC, NONCE as _NONCE, mac as _mac, nonce as _new_nonce, same as _same
 from .base import Inbox, Link, Listener, Received, Transport
 from .descriptors import MAX_FRAMES, MAX_HEADER, max_frame_set
@@ -111,23 +111,21 @@ def _tune(sock: socket.socket) -> None:
 
 def _parse(endpoint: str) -> tuple[str, int]:
     if not endpoint.startswith("tcp://"):
-        raise ValueError(f"a bulk endpoint is tcp://host:port, got {endpoint!r}")
+        raise ValueError(f"a TCP endpoint is tcp://host:port, got {endpoint!r}")
     host, _, port = endpoint[len("tcp://"):].rpartition(":")
     if not host or not port.isdigit():
-        raise ValueError(f"a bulk endpoint is tcp://host:port, got {endpoint!r}")
+        raise ValueError(f"a TCP endpoint is tcp://host:port, got {endpoint!r}")
     return host.strip("[]"), int(port)
 
 
 class _Stream:
     """One end of a bulk connection after the handshake: frame sets and acknowledgements,
-    sealed when ``keys`` (``(outgoing, incoming)`` 32-byte keys) are given."""
+    sealed when ``sealers`` (``(outgoing, incoming)``) are given."""
 
-    def __init__(self, sock: socket.socket, keys: tuple[bytes, bytes] | None, cipher: str | None = None) -> None:
+    def __init__(self, sock: socket.socket, sealers: tuple[_aead.Sealer, _aead.Sealer] | None) -> None:
         self.sock = sock
-        self.out = self.into = None
+        self.out, self.into = sealers or (None, None)
         self._scratch: memoryview | None = None
-        if keys is not None:
-            self.out, self.into = _aead.Sealer(keys[0], cipher), _aead.Sealer(keys[1], cipher)
 
     @property
     def encrypted(self) -> bool:
@@ -220,26 +218,14 @@ class _Stream:
             self.into.open(_EMPTY, _recv_exact(self.sock, self.into.tag_bytes))
 
 
-def _terms(encrypt: bool) -> bytes:
-    """This end's two handshake bytes: whether it asks for encryption, the ciphers it offers."""
-    return bytes((int(encrypt), _aead.offered()))
-
-
 def _stream(sock: socket.socket, key: bytes, client: tuple[bytes, bytes], server: tuple[bytes, bytes],
             identity: bytes, *, outgoing: str) -> _Stream:
-    """The stream both ends agreed on. ``client`` and ``server`` are each end's
-    ``(nonce, terms)``; ``outgoing`` is this end's direction (``"c2s"`` or ``"s2c"``).
+    """The stream both ends agreed on (:func:`._agree.agree`).
 
     Raises:
         PermissionError: encryption is asked for and the two ends share no cipher.
     """
-    if not (client[1][0] or server[1][0]):
-        return _Stream(sock, None)
-    cipher = _aead.choose(client[1][1], server[1][1])
-    if cipher is None:
-        raise PermissionError("encryption was asked for and the two ends share no cipher")
-    keys = [_mac(key, b"k-" + way, client[0], server[0], identity, cipher.encode()) for way in (b"c2s", b"s2c")]
-    return _Stream(sock, tuple(keys if outgoing == "c2s" else keys[::-1]), cipher)
+    return _Stream(sock, _agree.agree(key, client, server, identity, outgoing=outgoing))
 
 
 class _Deadline:
@@ -345,7 +331,7 @@ class BulkListener(Listener):
         if n > _MAX_IDENTITY or client_terms[0] > 1:
             raise PermissionError("malformed hello")
         identity = _recv_exact(conn, n)
-        nonce, terms = _new_nonce(), _terms(self._encrypt)
+        nonce, terms = _new_nonce(), _agree.terms(self._encrypt)
         conn.sendall(nonce + terms + _mac(self._key, b"s", client_nonce, client_terms, nonce, terms, identity))
         proof = _recv_exact(conn, _MAC)
         if not _same(proof, _mac(self._key, b"c", nonce, terms, client_nonce, client_terms, identity)):
@@ -625,7 +611,7 @@ class BulkTransport(Transport):
             raise PeerLostError(f"cannot reach bulk endpoint {host}:{port}: {exc}") from exc
         try:
             _tune(sock)
-            nonce, terms = _new_nonce(), _terms(self._encrypt)
+            nonce, terms = _new_nonce(), _agree.terms(self._encrypt)
             sock.sendall(_MAGIC + nonce + terms + struct.pack("!H", len(identity)) + identity)
             reply = _recv_exact(sock, _NONCE + 2 + _MAC)
             server_nonce, server_terms, proof = reply[:_NONCE], reply[_NONCE:_NONCE + 2], reply[_NONCE + 2:]

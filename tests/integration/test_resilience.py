@@ -162,7 +162,7 @@ async def test_insider_garbage_codec_payload_raises_decode_error(driver, cluster
 @pytest.mark.parametrize("encrypt", ["1", "0"])
 async def test_large_payloads_to_another_node_take_the_bulk_stream_in_order(cluster, monkeypatch, encrypt):
     """Across "nodes", payloads >= 1 MiB go over the bulk TCP stream (sealed by default),
-    small ones over ZeroMQ; interleaved on one tag, they arrive in call order, intact,
+    small ones over the TCP stream link; interleaved on one tag, they arrive in call order, intact,
     both ways."""
     monkeypatch.setenv("RLINF_TCP_ENCRYPTION", encrypt)
     async with asyncio.timeout(90):
@@ -182,7 +182,7 @@ async def test_large_payloads_to_another_node_take_the_bulk_stream_in_order(clus
                 assert back["i"] == obj["i"]
                 assert_same(obj, back)
             stats = near.stats().transports
-            assert stats["bulk"].msgs == 3 and stats["zmq"].msgs >= 3, stats
+            assert stats["bulk"].msgs == 3 and stats["tcp_stream"].msgs >= 3, stats
             assert await group.join() == [6]
 
 

@@ -52,7 +52,8 @@ async def echo(comm, ctl):
 
 async def route_probe(comm, ctl, targets: list[str], nbytes: int = 2 * MiB):
     """Round trips with each of ``targets`` (echo agents): a small message, then a large
-    one; which transports the large send used (from ``comm.stats()``), and the roster."""
+    one; which transports the large send used (from ``comm.stats()``), which link carries
+    the messages to each, and the roster."""
     routes = {}
     for i, dst in enumerate(targets):
         await comm.send({"small": i}, dst, timeout=30)
@@ -63,10 +64,13 @@ async def route_probe(comm, ctl, targets: list[str], nbytes: int = 2 * MiB):
         back = await comm.recv(dst, timeout=30)
         assert back["big"] == i and intact(i, back["data"], nbytes), f"{dst} sent back something else"
         routes[dst] = sorted(k for k in after if after[k] > before.get(k, 0))
+    # which link carries the small messages to each: the link class and its endpoint
+    link = {dst: (lambda ln: [type(ln).__name__, ln.endpoint])(comm._sessions.get(dst).outbox.link)
+            for dst in targets}
     roster = await _roster(comm)
     for dst in targets:
         await comm.send("stop", dst, timeout=30)
-    return {"routes": routes, "roster": roster}
+    return {"routes": routes, "roster": roster, "links": link}
 
 
 async def ping_pong(comm, ctl, peer: str, sizes: list[int], rounds: int):

@@ -1,6 +1,6 @@
 """rlinf across emulated machines when nothing goes wrong: workers on three nodes find
 each other through a standalone manager, pick shared memory within a node and TCP
-between nodes, and carry point-to-point, collective and channel traffic intact."""
+between nodes (the stream link for small messages, bulk streams for large ones), and carry point-to-point, collective and channel traffic intact."""
 
 from __future__ import annotations
 
@@ -36,6 +36,13 @@ def test_registration_and_routing_across_nodes(nodes):
     assert "shm" in routes["a:1"] and "bulk" not in routes["a:1"], routes
     for a in ("b:0", "c:0"):
         assert "bulk" in routes[a] and "shm" not in routes[a], routes
+    # the other messages: the stream link, over a Unix socket within the node and over
+    # TCP (sealed: encryption is on by default) to the advertised endpoint between nodes
+    links = out["links"]
+    assert links["a:1"][0] == "StreamLink" and links["a:1"][1].startswith("unix://"), links
+    for a in ("b:0", "c:0"):
+        assert links[a] == ["StreamLink", roster[a]["endpoints"]["tcp_stream"]], links
+        assert links[a][1].startswith(f"tcp://{n[where[a]].address}:"), links
 
 
 def test_p2p_round_trips_between_nodes(nodes):

@@ -2,7 +2,7 @@
 
 Every transport in ``rlinf/transports/`` joins the ``pair`` fixture's parameters and so
 runs the whole suite in ``test_conformance.py`` and ``test_link_contract.py``: the
-links the communicator uses (ZeroMQ ``ipc://`` and ``tcp://``, stream, bulk TCP, set up
+links the communicator uses (ZeroMQ ``ipc://`` and ``tcp://``, stream, TCP stream, bulk TCP, set up
 with the cluster's keys as it does) and the shared-memory link. GPU transports join with the ``cuda``
 marker (see ``_TRANSPORTS``); they are skipped where no GPU exists.
 """
@@ -22,6 +22,7 @@ from rlinf.transports.base import Link, Listener
 from rlinf.transports.shm import ShmTransport, available as shm_available
 from rlinf.transports.stream import StreamTransport
 from rlinf.transports.tcp_bulk import BulkTransport
+from rlinf.transports.tcp_stream import TcpStreamTransport
 from rlinf.transports.zeromq import ZmqTransport
 
 
@@ -117,6 +118,12 @@ async def _stream_pair(name: str) -> Pair:
     return await _keyed_pair(name, StreamTransport(key), StreamTransport(key), "stream")
 
 
+async def _tcp_stream_pair(name: str, encrypt: bool) -> Pair:
+    key = ClusterKeys(secrets.token_hex(16)).bulk_key
+    return await _keyed_pair(name, TcpStreamTransport(key, encrypt=encrypt), TcpStreamTransport(key, encrypt=encrypt),
+                             "tcp_stream")
+
+
 async def _cuda_pair(name: str) -> Pair:
     # GPU transports (CUDA IPC, NCCL) join the suite here once they exist.
     pytest.skip(f"the {name} transport is not implemented yet")
@@ -130,6 +137,8 @@ _TRANSPORTS = [
     pytest.param("bulk-tcp", id="bulk-tcp"),               # sealed (AEGIS-256, else AES-GCM / ChaCha20-Poly1305)
     pytest.param("bulk-tcp-plain", id="bulk-tcp-plain"),
     pytest.param("stream", id="stream"),
+    pytest.param("tcp-stream", id="tcp-stream"),            # sealed, as bulk-tcp
+    pytest.param("tcp-stream-plain", id="tcp-stream-plain"),
     pytest.param("cuda_ipc", id="cuda_ipc", marks=pytest.mark.cuda),
 ]
 
@@ -148,6 +157,8 @@ async def pair(request) -> Pair:
             p = await _bulk_pair(name, encrypt=name == "bulk-tcp")
         elif name == "stream":
             p = await _stream_pair(name)
+        elif name.startswith("tcp-stream"):
+            p = await _tcp_stream_pair(name, encrypt=name == "tcp-stream")
         else:
             p = await _cuda_pair(name)
     try:

@@ -291,6 +291,27 @@ def test_select_scheme_prefers_the_stream_on_one_node(src_endpoints, dst, disabl
     assert select_transport(src, dst, CPU_SMALL, config=config).scheme == expected
 
 
+_TCP_STREAMING = {**_STREAMING, "tcp_stream": "tcp://10.0.0.1:2"}
+
+
+@pytest.mark.parametrize(
+    ("src_endpoints", "dst", "disabled", "expected"),
+    [
+        (_TCP_STREAMING, worker("b:0", node="node-b", endpoints=_TCP_STREAMING), (), "tcp_stream"),
+        (_TCP_STREAMING, worker("b:0", node="node-b", endpoints=_TCP_STREAMING), ("tcp_stream",), "tcp"),
+        (_STREAMING, worker("b:0", node="node-b", endpoints=_TCP_STREAMING), (), "tcp"),
+        (_TCP_STREAMING, worker("b:0", node="node-b", endpoints=_STREAMING), (), "tcp"),
+        (_TCP_STREAMING, worker("b:0", endpoints=_TCP_STREAMING), (), "stream"),      # one node: Unix
+    ],
+    ids=["both", "disabled", "sender-without", "receiver-without", "same-node"],
+)
+def test_select_scheme_prefers_the_tcp_stream_between_nodes(src_endpoints, dst, disabled, expected):
+    src = worker("a:0", endpoints=src_endpoints)
+    config = RoutingConfig(disabled=frozenset(disabled))
+    assert select_scheme(src, dst, config=config) == expected
+    assert select_transport(src, dst, CPU_SMALL, config=config).scheme == expected
+
+
 # ----------------------------------------------------------------- raw buffers
 
 
