@@ -247,7 +247,7 @@ class CoreCommunicator:
             self._listener.set_handler(self._receive.on_frames)
             if routing.STREAM not in self._routing.disabled and StreamTransport.available():
                 transports += await self._start_stream(endpoints)
-            if routing.TCP_STREAM not in self._routing.disabled and "tcp" in endpoints:
+            if settings.tcp_stream and routing.TCP_STREAM not in self._routing.disabled and "tcp" in endpoints:
                 transports += await self._start_stream(endpoints, (bind, advertise))
             gpus = devices.discover_devices(no_torch=settings.no_torch, visible=self._visible_devices)
             if gpus and routing.CUDA_IPC not in self._routing.disabled and cuda_ipc.available():

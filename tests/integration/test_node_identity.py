@@ -76,14 +76,14 @@ async def _run_pair(cluster, tmp_path, *, private_shm: bool) -> list[dict]:
 
 
 async def test_two_nodes_with_one_hostname_get_different_ids_and_talk_over_tcp(cluster, tmp_path):
-    """Private /dev/shm and /tmp: different node ids, so TCP (bulk for 40 MiB, the TCP
-    stream link for the rest), and every message arrives within seconds."""
+    """Private /dev/shm and /tmp: different node ids, so TCP (bulk for 40 MiB), and every
+    message arrives within seconds."""
     first, second = await _run_pair(cluster, tmp_path, private_shm=True)
     a, b = (WorkerInfo.from_wire(r["info"]) for r in (first, second))
     assert a.host == b.host == os.uname().nodename
     assert a.node_id != b.node_id
     assert first["route"] == second["route"] == "bulk"
-    assert first["link"] == second["link"] == "StreamLink tcp"      # the TCP stream link (sealed)
+    assert first["link"] == second["link"] == "ZmqLink tcp"
     assert second["big"] and second["small"] and first["big_back"] and (first["done"], second["fin"]) == ("done", "fin")
     assert first["seconds"] < 10 and second["seconds"] < 10
 
