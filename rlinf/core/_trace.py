@@ -204,13 +204,13 @@ class Recorder:
 
     def now(self) -> int:
         """The clock of this trace (``time.time_ns()``), for :meth:`span`'s ``start``."""
-        return time.time_ns()
+        return _time_ns()
 
     def span(self, lane: str, name: str, start: int, **args: Any) -> None:
         """An operation of ``lane`` (``"collective"`` or ``"channel"``) that began at
         ``start`` (:meth:`now`) and ends now; ``args``: plain values shown with it."""
         self._last = None
-        self._add([_COLLECTIVE if lane == "collective" else _CHANNEL, start, time.time_ns() - start, name, args])
+        self._add([_COLLECTIVE if lane == "collective" else _CHANNEL, start, _time_ns() - start, name, args])
 
     def _add(self, event: list) -> None:
         events = self._events
@@ -304,7 +304,7 @@ class Recorder:
 
 
 def _ended(event: list, _future: asyncio.Future) -> None:
-    event[2] = time.time_ns() - event[1]
+    event[2] = _time_ns() - event[1]
 
 
 def _forget_idle(last: dict[tuple, list]) -> None:

@@ -5,8 +5,10 @@ events sorted, processes and lanes named)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import pathlib
+import time
 import types
 
 import pytest
@@ -14,7 +16,7 @@ import pytest
 from rlinf import trace
 from rlinf.config import Settings
 from rlinf.control.clock import ClockSync
-from rlinf.core import routing, wire
+from rlinf.core import _trace, routing, wire
 from rlinf.core._outmsg import OutMessage
 from rlinf.core._trace import LANES, Recorder
 from rlinf.core.communicator import CoreCommunicator
@@ -40,7 +42,10 @@ def _user(tag, nbytes: int, transport: str = routing.INLINE, future=None) -> Out
     return OutMessage(wire.plain_entry(wire.USER, tag, b"hdr", None), [], nbytes, future, False, transport=transport)
 
 
-def test_the_recorder_writes_chrome_trace_events(tmp_path):
+def test_the_recorder_writes_chrome_trace_events(tmp_path, monkeypatch):
+    ticks = itertools.count(time.time_ns(), 1_000)      # 1 us per reading: a burst stays a burst under load
+    monkeypatch.setattr(_trace, "_time_ns", lambda: next(ticks))
+
     async def scenario() -> Recorder:
         recorder = Recorder(str(tmp_path / "t"), "a:0", "inc-a-0123456789", clock=lambda: (0.002, 0.0005))
         recorder.start(asyncio.get_running_loop())
