@@ -18,7 +18,16 @@ from typing import Callable
 import numpy as np
 
 __all__ = ["Row", "nested_object", "median_time", "print_rows", "machine", "baseline_context", "text_table",
-           "round_trips"]
+           "round_trips", "free_port"]
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a torch.distributed baseline's rendezvous)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 async def round_trips(comm, peer: str, n: int) -> list[float]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -32,7 +31,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Row, baseline_context, print_rows, touch  # noqa: E402
+from _common import Row, baseline_context, free_port, print_rows, touch  # noqa: E402
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -151,16 +150,11 @@ def _gloo_member(rank: int, port: int, rounds: int, results) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _gloo(quick: bool) -> dict[str, float]:
     rounds = WARMUP + (3 if quick else 15)
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_gloo_member, args=(r, port, rounds, results)) for r in range(PROCS)]
     for p in procs:
         p.start()

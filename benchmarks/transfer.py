@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -52,7 +51,7 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _shm_floor  # noqa: E402
-from _common import Row, baseline_context, nested_object, print_rows, touch  # noqa: E402
+from _common import Row, baseline_context, free_port, nested_object, print_rows, touch  # noqa: E402
 
 import rlinf  # noqa: E402
 from rlinf.control.client import run as run_loop  # noqa: E402
@@ -247,12 +246,6 @@ def _torch_queue(total: int, reps: int, shared: bool) -> float:
 
 
 # ----------------------------------------------------------------------------- gloo
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gloo_rank1(port: int, total: int, n: int) -> None:
     import torch
     import torch.distributed as dist
@@ -272,7 +265,7 @@ def _gloo(total: int, reps: int) -> float:
     import torch
     import torch.distributed as dist
 
-    port = _free_port()
+    port = free_port()
     p = ctx.Process(target=_gloo_rank1, args=(port, total, reps + 1))
     p.start()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)

@@ -39,7 +39,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Row, baseline_context, print_rows  # noqa: E402
+from _common import Row, baseline_context, free_port, print_rows  # noqa: E402
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -251,15 +251,10 @@ def _gloo_member(rank: int, port: int, total: int, rounds: int, results) -> None
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _gloo(total: int, rounds: int) -> dict[str, float]:
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_gloo_member, args=(r, port, total, rounds, results)) for r in range(PULLERS + 1)]
     for p in procs:
         p.start()

@@ -14,6 +14,8 @@ from rlinf.util.copier import Copier
 from rlinf.weights._buckets import Buckets, read_stamp
 from rlinf.weights._directory import PENDING_KEPT, Directory, ShardRef
 from rlinf.weights._holder import Holder, chunks
+
+from ..integration.wait import until
 from rlinf.weights._layout import Layout, flatten, fresh, match, pack, unpack
 from rlinf.weights.store import WeightStore
 
@@ -130,11 +132,8 @@ async def test_a_bucket_made_for_a_cancelled_publish_is_kept(tmp_path):
     made = await buckets.take(64 << 20)                       # the one made meanwhile, or a new one
     assert made.size >= 64 << 20 and len(buckets) in (1, 2)
     buckets.close()
-    for _ in range(500):          # the cancelled one's file is unlinked once its thread is done
-        if not os.listdir(tmp_path):
-            break
-        await asyncio.sleep(0.01)
-    assert os.listdir(tmp_path) == []
+    # the cancelled one's file is unlinked once its thread is done
+    await until(lambda: not os.listdir(tmp_path), what="the cancelled bucket's file to go")
 
 
 def _far(holder: str = "weights.w:0") -> ShardRef:
