@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import msgpack
 
 from . import _decode, _encode
-from ._wire import (MAGIC, NATIVE, PREFIX, VERSION, Fail, Limits, TypeRegistry, buffer_nbytes, fmt_path,
+from ._wire import (INLINE_MAX, MAGIC, NATIVE, PREFIX, VERSION, Fail, Limits, TypeRegistry, buffer_nbytes, fmt_path,
                     is_device_buffer)
 from ..errors import DecodeError, EncodeError
 
@@ -120,9 +120,15 @@ class Codec:
                 str that is not UTF-8 text (a lone surrogate). Its
                 ``path`` names the place inside ``obj``, e.g. ``$["batch"]["obs"][3]``.
         """
-        st = _encode.Enc(self)
+        t = type(obj)
+        if t is bytes and INLINE_MAX < len(obj) <= self._limits.max_buffer_bytes:
+            return _BYTES_HEADER, [memoryview(obj)]      # what the general path makes of it
         try:
-            tree = obj if type(obj) in NATIVE else st.enc(obj, 0)
+            if t in NATIVE or t is bytes and len(obj) <= INLINE_MAX:
+                tree, bufs = obj, []      # nothing out of band: no per-call encoder state
+            else:
+                st = _encode.Enc(self)
+                tree, bufs = st.enc(obj, 0), st.bufs
             try:
                 packer = _local.packer
             except AttributeError:
@@ -139,9 +145,9 @@ class Codec:
         if len(body) + 4 > lim.max_header_bytes:
             raise EncodeError(f"a {len(body) + 4}-byte header exceeds Limits.max_header_bytes="
                               f"{lim.max_header_bytes}")
-        if len(st.bufs) > lim.max_buffers:
-            raise EncodeError(f"{len(st.bufs)} buffers exceed Limits.max_buffers={lim.max_buffers}")
-        return PREFIX + body, st.bufs
+        if len(bufs) > lim.max_buffers:
+            raise EncodeError(f"{len(bufs)} buffers exceed Limits.max_buffers={lim.max_buffers}")
+        return PREFIX + body, bufs
 
     def decode(self, header: Any, buffers: Sequence[Any]) -> Any:
         """Rebuild the object from a header and its buffers.
@@ -167,6 +173,10 @@ class Codec:
                 ``allow_pickle`` is False. Never any other exception.
         """
         lim = self._limits
+        if header == _BYTES_HEADER and type(buffers) is list and len(buffers) == 1:
+            buf = buffers[0]              # one bytes object out of band, as the general path
+            if type(buf) is memoryview and buf.nbytes <= lim.max_buffer_bytes:
+                return buf.tobytes()
         try:
             nbufs = len(buffers)
             if type(header) is bytes and len(header) < 65536:
@@ -214,6 +224,9 @@ class Codec:
 
 
 _DEFAULT = Codec()
+#: The header of a bytes object sent out of band (longer than INLINE_MAX): a message
+#: that is one such object skips the encoder's and decoder's per-call state.
+_BYTES_HEADER = PREFIX + msgpack.packb(_encode.OOB_BYTES)
 
 
 def encode(obj: Any) -> tuple[bytes, list]:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 _ExtType = W.ExtType
 _TAG_TUPLE, _TAG_DICT, _TAG_ODICT = ext(W.T_TUPLE), ext(W.T_DICT), ext(W.T_ODICT)
 _TAG_SET, _TAG_FROZENSET = ext(W.T_SET), ext(W.T_FROZENSET)
-_OOB_BYTES, _OOB_BYTEARRAY = ext(W.X_OOB, b"\x00"), ext(W.X_OOB, b"\x01")
+OOB_BYTES, _OOB_BYTEARRAY = ext(W.X_OOB, b"\x00"), ext(W.X_OOB, b"\x01")
 _INLINE_MAX = W.INLINE_MAX
 
 
@@ -171,7 +171,7 @@ def _enc_bytes(st: Enc, obj: bytes, depth: int) -> Any:
     if len(obj) > st.max_bytes:
         _check_size(st, len(obj))
     st.bufs.append(memoryview(obj))
-    return _OOB_BYTES
+    return OOB_BYTES
 
 
 def _enc_bytearray(st: Enc, obj: bytearray, depth: int) -> Any:
@@ -192,7 +192,7 @@ def _enc_memoryview(st: Enc, obj: memoryview, depth: int) -> Any:
     if mv.nbytes > st.max_bytes:
         _check_size(st, mv.nbytes)
     st.bufs.append(mv)
-    return _OOB_BYTES
+    return OOB_BYTES
 
 
 def _check_size(st: Enc, n: int) -> None:

@@ -132,6 +132,17 @@ class Credit:
             return False
         return self.room(nbytes)
 
+    def try_take(self, nbytes: int, tag: Any) -> bool:
+        """:meth:`open_to` and, if so, :meth:`take`: whether the message goes now (the
+        hot path of a send: one call)."""
+        if self.waiting:
+            if not self.open_to(nbytes, tag):
+                return False
+        elif not self.room(nbytes):
+            return False
+        self.take(nbytes)
+        return True
+
     def purge(self) -> int:
         """Drop the waiting messages at the head whose send was cancelled (timed out);
         the number still waiting."""

@@ -42,7 +42,7 @@ from typing import Any
 
 import msgpack
 
-from ._credit import lane_cost
+from ._credit import BULK_BYTES
 
 __all__ = ["ACK_DELAY", "GAP_DELAY", "RTO", "RTO_MAX", "TICK", "Kept", "SendLog", "Inflow", "new_epoch"]
 
@@ -218,18 +218,20 @@ class Inflow:
     # -- flow control ---------------------------------------------------------------------------
     def hold(self, nbytes: int) -> None:
         """A user message of ``nbytes`` from the sender waits in our mailbox."""
-        small, bulk = lane_cost(nbytes)
         self.held += 1
-        self.held_bytes += small
-        self.held_bulk += bulk
+        if nbytes >= BULK_BYTES:      # (lane_cost, inline: once per message received)
+            self.held_bulk += nbytes
+        else:
+            self.held_bytes += nbytes
 
     def release(self, nbytes: int) -> None:
         """A message :meth:`hold` counted left the mailbox (taken or dropped): tell the
         sender when that frees enough."""
-        small, bulk = lane_cost(nbytes)
         self.held -= 1
-        self.held_bytes -= small
-        self.held_bulk -= bulk
+        if nbytes >= BULK_BYTES:
+            self.held_bulk -= nbytes
+        else:
+            self.held_bytes -= nbytes
         if (self.reported - self.held >= self.step or self.reported_bytes - self.held_bytes - self.held_bulk
                 >= self.step_bytes) and self.notify is not None:
             self.notify()

@@ -35,7 +35,7 @@ from . import wire
 from ._credit import BULK_BYTES, DEFAULT_WINDOW, Credit, Window, lane_cost
 from ._delivery import Inflow, Kept, SendLog
 from ._overtake import Overtaking
-from ._outmsg import BATCH_BYTES, BATCH_COUNT, IN_FLIGHT, SMALL_MESSAGE, OutMessage, to_zmq, wire_bytes
+from ._outmsg import BATCH_BYTES, BATCH_COUNT, IN_FLIGHT, SMALL_MESSAGE, OutMessage, copy_failed, to_zmq, wire_bytes
 from ..errors import AuthenticationError, ClosedError, PeerLostError, TransportUnavailableError, WouldBlock
 from ..info import WorkerInfo
 from .routing import BULK
@@ -118,11 +118,9 @@ class Outbox:
         if self.error is not None:
             raise self.error
         if gated:
-            credit = self.credit
-            if not credit.open_to(msg.nbytes, msg.tag):
-                credit.wait(msg)
+            if not self.credit.try_take(msg.nbytes, msg.tag):
+                self.credit.wait(msg)
                 return False
-            credit.take(msg.nbytes)
             msg.counted = True
         if self.trace is not None:     # (here: a message admitted after waiting for credit comes back)
             self.trace.sent(self, msg)
@@ -221,7 +219,7 @@ class Outbox:
                 if head.copying.cancelled() or head.copying.exception() is not None:
                     queue.popleft()      # the copy failed: this message cannot go
                     self._dropped(head)
-                    self._drop(head, head.copying)
+                    copy_failed(head)
                     continue
             if self._way.active and not self._way.overtakes(head):
                 self._way.wait(queue.popleft())
@@ -264,18 +262,24 @@ class Outbox:
                                                (counted, counted_bytes, counted_bulk) if counted else None)
             if not sent:
                 return
-            sent = 0
+            sent = inline = inline_bytes = 0
             while sent < len(batch):
                 msg = queue.popleft()
                 if msg is batch[sent]:
                     sent += 1
-                    self._count(msg)
+                    if msg.transport == "zmq":     # (counted together: the hot path)
+                        inline += 1
+                        inline_bytes += msg.nbytes
+                    else:
+                        self._count(msg)
                     if not msg.large and msg.future is not None:
                         self._complete(msg)
                 else:     # cancelled while queued
                     self._dropped(msg)
                     if msg.discard is not None:
                         msg.discard()
+            if inline:
+                self._counters.sent(self.address, inline_bytes, link.kind, msgs=inline)
             if head.large:
                 self._spawn(self._await_release(link, tracker, head))
 
@@ -574,14 +578,6 @@ class Outbox:
         self._blocked = False
         link.close(None)
         self.redial(exc)
-
-    @staticmethod
-    def _drop(msg: OutMessage, copying: asyncio.Future) -> None:
-        exc = ClosedError("copy into shared memory was cancelled") if copying.cancelled() else copying.exception()
-        if msg.future is not None and not msg.future.done():
-            msg.future.set_exception(exc)
-        if msg.discard is not None:
-            msg.discard()
 
     def _hold(self, copying: asyncio.Future) -> None:
         """Resume flushing once ``copying`` (the head's copy into shared memory) is done."""

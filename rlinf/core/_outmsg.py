@@ -13,8 +13,10 @@ from typing import Callable
 
 from . import wire
 from ._credit import BULK_BYTES
+from ..errors import ClosedError
 
-__all__ = ["BATCH_BYTES", "BATCH_COUNT", "IN_FLIGHT", "OutMessage", "SMALL_MESSAGE", "to_zmq", "wire_bytes"]
+__all__ = ["BATCH_BYTES", "BATCH_COUNT", "IN_FLIGHT", "OutMessage", "SMALL_MESSAGE", "copy_failed", "to_zmq",
+           "wire_bytes"]
 
 #: Messages below this many payload bytes are copied and coalesced; from it on, they
 #: count in the bulk lane of the receiver's window (see :mod:`rlinf.core._credit`).
@@ -36,6 +38,17 @@ def to_zmq(msg: OutMessage) -> None:
     """Turn a message queued for the bulk stream into a large ZeroMQ message."""
     msg.frames, msg.entry[wire.LAYOUT], _ = wire.split_frames(msg.frames)
     msg.transport = "zmq"
+
+
+def copy_failed(msg: OutMessage) -> None:
+    """``msg``'s copy into shared memory failed or was cancelled: its send fails, its
+    slot goes back."""
+    copying = msg.copying
+    exc = ClosedError("copy into shared memory was cancelled") if copying.cancelled() else copying.exception()
+    if msg.future is not None and not msg.future.done():
+        msg.future.set_exception(exc)
+    if msg.discard is not None:
+        msg.discard()
 
 
 def wire_bytes(msg: OutMessage) -> int:

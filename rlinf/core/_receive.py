@@ -63,7 +63,9 @@ class ReceivePath:
         self._mailbox = mailbox
         self._counters = counters
         self._dead = dead
-        self._views = views
+        #: a message that came through shared memory is decoded over owned copies
+        #: (``shm_views=False``): :meth:`finish` must run, not :meth:`decode` alone
+        self.copies = not views
         self._sessions = sessions
         self._valid = sessions.valid
         self._guard = guard
@@ -191,18 +193,22 @@ class ReceivePath:
         """The entries of one frame set from ``inflow``'s sender, in order: to the
         mailbox (a user message, int tag, counts against its window there) or their handlers."""
         src, incarnation = inflow.address, inflow.incarnation
+        deliver, trace = self._mailbox.deliver, self.trace
+        inline = inline_bytes = 0         # user messages that came through the socket, counted once
         for entry, buffers, nbytes, in_shm, error, ready, pulling in self._inbound.entries(
                 src, entries, frames, packed, incarnation):
             if entry.kind == wire.USER:
                 if in_shm or pulling is not None:     # the payload came through memory
                     self._counters.received(src, len(entry.codec_header), nbytes)
                 else:
-                    self._counters.received(src, nbytes + len(entry.codec_header))
-                if self.trace is not None:
-                    self.trace.received(src, incarnation, entry, nbytes)
-                self._mailbox.deliver(Message(src, incarnation, entry.tag, entry.codec_header, buffers,
-                                              nbytes=nbytes, shm=in_shm, error=error, ready=ready, pulling=pulling,
-                                              credit=inflow if type(entry.tag) is int else None))
+                    inline += 1
+                    inline_bytes += nbytes + len(entry.codec_header)
+                if trace is not None:
+                    trace.received(src, incarnation, entry, nbytes)
+                # (positional: src, incarnation, tag, codec_header, buffers, seq, nbytes, shm, error,
+                # ready, pulling, credit)
+                deliver(Message(src, incarnation, entry.tag, entry.codec_header, buffers, 0, nbytes, in_shm, error,
+                                ready, pulling, inflow if type(entry.tag) is int else None))
             elif pulling is not None:
                 log.warning("rlinf %s: dropped system message %r with pulled buffers", self._address, entry.tag)
             elif error is not None:
@@ -222,6 +228,8 @@ class ReceivePath:
                     handler(src, self._codec.decode(entry.codec_header, buffers))
                 except Exception:   # a subsystem bug must not kill the reader
                     log.exception("rlinf %s: system handler %r failed", self._address, entry.tag)
+        if inline:
+            self._counters.received(src, inline_bytes, msgs=inline)
 
     def _void(self, src: str, incarnation: str, codec_header: bytes) -> None:
         """A message ``src`` sent but could not send again (see ``wire.void_entry``):
@@ -272,7 +280,7 @@ class ReceivePath:
     async def finish(self, msg: Message) -> Any:
         """``msg``, decoded: over its buffers, or over owned copies when it came through
         shared memory and this communicator takes copies (``shm_views=False``)."""
-        if msg.shm and not self._views:
+        if msg.shm and self.copies:
             return await self._decode_owned(msg)
         return self.decode(msg)
 

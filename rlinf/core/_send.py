@@ -142,10 +142,10 @@ class SendPath:
         for b in buffers:
             nbytes += b.nbytes if type(b) is memoryview else memoryview(b).nbytes
         gated = type(tag) is int and kind == wire.USER
-        if gated and not need_future and not outbox.credit.open_to(nbytes + len(codec_header), tag):
-            need_future = True       # it waits for credit: the sender awaits that
         if nbytes >= self._config.shm_threshold and nbytes and self._shm is not None \
                 and outbox.info is not None and self._sessions.shm_route(session):
+            if gated and not need_future and not outbox.credit.open_to(nbytes + len(codec_header), tag):
+                need_future = True       # it waits for credit: the sender awaits that
             sizes = [memoryview(b).nbytes for b in buffers]
             relayed = self._shm.relay.plan(buffers, sizes, outbox.address)
             if relayed is None and gpu is None and kind == wire.USER and self._pull is not None \
@@ -160,8 +160,10 @@ class SendPath:
             if relayed is not None:
                 self._shm.relay.cancel(outbox.address, relayed[1])
         if nbytes < SMALL_MESSAGE:
-            # copy now (the caller may reuse its buffers); coalesced into one frame later
-            frames, counts, large = [bytes(b) for b in buffers], None, False
+            # copy now (the caller may reuse its buffers; a bytes object it cannot change);
+            # coalesced into one frame later
+            frames, counts, large = [b if type(b) is memoryview and type(b.obj) is bytes else bytes(b)
+                                     for b in buffers], None, False
         elif gpu is None and nbytes >= self._config.bulk_threshold and (
                 outbox.bulk is not None or outbox.info is None and self._sessions.has_bulk):
             # another node, by the bulk stream: one frame per buffer, read into place there

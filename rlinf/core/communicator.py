@@ -586,7 +586,9 @@ class CoreCommunicator:
         msg = receive.get_nowait(src, tag)
         if msg is None:
             msg = await receive.park(src, tag, timeout)
-        return await receive.finish(msg)
+        if msg.shm and receive.copies:
+            return await receive.finish(msg)
+        return receive.decode(msg)     # (inline: no coroutine of its own per message)
 
     async def recv_any(self, *, tag: int = 0, timeout: float | None = None) -> tuple[Any, str]:
         """Receive the oldest message with ``tag`` from any source: ``(obj, src)``

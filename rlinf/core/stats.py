@@ -148,14 +148,14 @@ class Counters:
         self.resent_frames = 0
         self.duplicate_frames = 0
 
-    def sent(self, peer: str, nbytes: int, transport: str = "zmq", shared: int = 0) -> None:
-        """A message to ``peer`` went: ``nbytes`` through a socket, ``shared`` through
-        memory; ``transport`` is the path its payload took."""
+    def sent(self, peer: str, nbytes: int, transport: str = "zmq", shared: int = 0, msgs: int = 1) -> None:
+        """A message to ``peer`` went (``msgs`` of them): ``nbytes`` through a socket,
+        ``shared`` through memory; ``transport`` is the path their payload took."""
         p = self.peers[peer]
-        p.msgs_out += 1
+        p.msgs_out += msgs
         p.bytes_out += nbytes
         t = self.transports[transport]
-        t[0] += 1
+        t[0] += msgs
         if shared:
             p.shared_out += shared
             t[1] += shared
@@ -174,10 +174,11 @@ class Counters:
         """A frame set that had arrived before arrived again (and was dropped)."""
         self.duplicate_frames += 1
 
-    def received(self, peer: str, nbytes: int, shared: int = 0) -> None:
-        """A message from ``peer`` arrived: ``nbytes`` through a socket, ``shared`` through memory."""
+    def received(self, peer: str, nbytes: int, shared: int = 0, msgs: int = 1) -> None:
+        """A message from ``peer`` arrived (``msgs`` of them): ``nbytes`` through a socket,
+        ``shared`` through memory."""
         p = self.peers[peer]
-        p.msgs_in += 1
+        p.msgs_in += msgs
         p.bytes_in += nbytes
         p.shared_in += shared
 

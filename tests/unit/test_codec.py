@@ -213,6 +213,28 @@ def test_large_bytes_travel_out_of_band():
     assert small_bufs == [] and b"q" * 100 in small_header
 
 
+def test_a_lone_bytes_message_is_encoded_as_inside_a_container():
+    """The shortcut for a message that is one bytes object (the encoder and decoder skip
+    their per-call state) gives what the general path gives, and decodes the same."""
+    for n in (W.INLINE_MAX, W.INLINE_MAX + 1, 4096, 3 << 20):
+        data = bytes(range(256)) * (n // 256) + b"t" * (n % 256)
+        header, buffers = encode(data)
+        if n <= W.INLINE_MAX:     # inside the header
+            assert header == W.PREFIX + msgpack.packb(data, use_bin_type=True) and buffers == []
+        else:                     # out of band, its place marked as the encoder marks it anywhere
+            assert header == W.PREFIX + msgpack.packb(msgpack.ExtType(W.X_OOB, b"\x00"))
+            assert [bytes(b) for b in buffers] == [data]
+            assert encode([data])[0][4:] == b"\x91" + header[4:]      # the same inside a list
+        assert decode(header, buffers) == data and type(decode(header, buffers)) is bytes
+        assert decode(header, [bytes(b) for b in buffers]) == data        # not views: the general path
+    limited = Codec(limits=Limits(max_buffer_bytes=4096))
+    with pytest.raises(EncodeError):
+        limited.encode(b"x" * 5000)
+    header, buffers = encode(b"x" * 5000)
+    with pytest.raises(Exception, match="exceed|limit"):
+        limited.decode(header, buffers)
+
+
 def test_containers_preserve_types_and_order():
     obj = {
         "z": 1, "a": [1, [2, (3, 4)], ()], 5: "int key", 2.5: "float key", None: "none key",

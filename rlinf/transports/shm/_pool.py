@@ -173,6 +173,10 @@ class ShmPool:
         """Slots a reader still holds."""
         return len(self._busy)
 
+    def holding(self, reader: str) -> bool:
+        """Whether ``reader`` holds any of our slots now."""
+        return reader in self._held
+
     def held(self, reader: str) -> tuple[int, int]:
         """``(slots, bytes)`` that ``reader`` holds now: sent to it and not yet released."""
         held = self._held.get(reader)

@@ -118,6 +118,10 @@ class ShmSession:
 
     def behind(self, reader: str) -> bool:
         """Whether a send to ``reader`` should wait for :meth:`room` (cheap: one lookup)."""
+        if not self.pool.holding(reader):    # (the common case, first: every send asks)
+            if self._holding:
+                self._holding.discard(reader)
+            return False
         slots, nbytes = self.pool.held(reader)
         if slots >= WINDOW_SLOTS or nbytes >= WINDOW_BYTES:
             return reader not in self._holding
