@@ -18,7 +18,9 @@ Q3: 4 consumer processes with speeds 1, 1, 2, 4 (weight units per second, scaled
 Q3b (``--only q3b``): the same per step, first step included, with 48 items per step
     (0.5 s) and 256 (0.5 s, where a fast consumer's items take ~1 ms, and 2 s), for fifo, RLinf's least-loaded dispatch (:class:`LeastLoaded`, fewest pending
     items) and performance_aware; step time against the LPT oracle (longest item first
-    to the consumer that finishes it first, knowing every weight and speed).
+    to the consumer that finishes it first, knowing every weight and speed). Then 256 in
+    0.5 s again with ``prefetch=1`` (what docs/channel.md advises for items that short:
+    the next item is on its way while one is worked on, instead of a round trip each).
 
 ``--quick`` (what ``rlinf bench --quick`` and the test suite run) sends fewer items,
 times fewer Q2 items and Q3 steps (3 steps of 128 items, ~0.2 s), makes Q2's object of
@@ -380,9 +382,10 @@ def _run_q3(quick: bool) -> list[Row]:
 
 def _run_q3b(quick: bool) -> list[Row]:
     rows = []
-    for items, seconds in ((48, 0.5), (256, 0.5), (256, 2.0)):
-        q3 = run_loop(_q3_rlinf(3 if quick else 10, items, 20240601, seconds, ("fifo", LeastLoaded, "performance_aware")))
-        items = f"{items} in {seconds:g} s"
+    for items, seconds, prefetch in ((48, 0.5, 0), (256, 0.5, 0), (256, 2.0, 0), (256, 0.5, 1)):
+        q3 = run_loop(_q3_rlinf(3 if quick else 10, items, 20240601, seconds, ("fifo", LeastLoaded, "performance_aware"),
+                                prefetch))
+        items = f"{items} in {seconds:g} s" + (f", prefetch={prefetch}" if prefetch else "")
         for policy, r in q3.items():
             vs = [t / o for t, o in zip(r["step_times"], r["oracle"])]
             print(f"Q3b {items}/step {policy}: steps {[f'{x:.0%}' for x in r['imbalances']]}, step time "

@@ -47,6 +47,11 @@ _unpackb = msgpack.unpackb
 _local = threading.local()  # one msgpack Packer per thread: building one costs ~1 us
 
 
+#: The header of a bytes object sent out of band (longer than INLINE_MAX): a message
+#: that is one such object skips the encoder's and decoder's per-call state.
+_BYTES_HEADER = PREFIX + msgpack.packb(_encode.OOB_BYTES)
+
+
 def _new_packer() -> msgpack.Packer:
     _local.packer = msgpack.Packer(use_bin_type=True, default=_encode.pack_default)
     return _local.packer
@@ -67,7 +72,7 @@ class Codec:
     """
 
     __slots__ = ("_allow_pickle", "_limits", "_dispatch", "_reg_types", "_reg_dec", "_classes",
-                 "_tcache")
+                 "_tcache", "_lone_bytes")
 
     def __init__(self, *, allow_pickle: bool = True, registry: TypeRegistry | None = None,
                  limits: Limits | None = None) -> None:
@@ -87,6 +92,9 @@ class Codec:
         init(self, "_dispatch", dispatch)  # type -> handler; a cache filled on first sight
         init(self, "_classes", {})  # decode side: class path -> class / tag (a cache)
         init(self, "_tcache", {})  # decode side: torch descriptor -> validated (shape, ...)
+        # a message that is one bytes object takes the shortcut (no per-call state) unless
+        # bytes has an encoder of the registry's, or the limits refuse even its header
+        init(self, "_lone_bytes", bytes not in reg_types and self._limits.max_header_bytes >= len(_BYTES_HEADER))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Codec is immutable")
@@ -121,10 +129,11 @@ class Codec:
                 ``path`` names the place inside ``obj``, e.g. ``$["batch"]["obs"][3]``.
         """
         t = type(obj)
-        if t is bytes and INLINE_MAX < len(obj) <= self._limits.max_buffer_bytes:
+        lone = t is bytes and self._lone_bytes
+        if lone and INLINE_MAX < len(obj) <= self._limits.max_buffer_bytes:
             return _BYTES_HEADER, [memoryview(obj)]      # what the general path makes of it
         try:
-            if t in NATIVE or t is bytes and len(obj) <= INLINE_MAX:
+            if t in NATIVE or lone and len(obj) <= INLINE_MAX:
                 tree, bufs = obj, []      # nothing out of band: no per-call encoder state
             else:
                 st = _encode.Enc(self)
@@ -173,7 +182,8 @@ class Codec:
                 ``allow_pickle`` is False. Never any other exception.
         """
         lim = self._limits
-        if header == _BYTES_HEADER and type(buffers) is list and len(buffers) == 1:
+        if type(header) is bytes and header == _BYTES_HEADER and self._lone_bytes and type(buffers) is list \
+                and len(buffers) == 1:
             buf = buffers[0]              # one bytes object out of band, as the general path
             if type(buf) is memoryview and buf.nbytes <= lim.max_buffer_bytes:
                 return buf.tobytes()
@@ -224,9 +234,6 @@ class Codec:
 
 
 _DEFAULT = Codec()
-#: The header of a bytes object sent out of band (longer than INLINE_MAX): a message
-#: that is one such object skips the encoder's and decoder's per-call state.
-_BYTES_HEADER = PREFIX + msgpack.packb(_encode.OOB_BYTES)
 
 
 def encode(obj: Any) -> tuple[bytes, list]:

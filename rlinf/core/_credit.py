@@ -84,9 +84,9 @@ class Credit:
     the order of their tag: one may overtake another only when their tags differ (a
     small message passes a bulk one waiting for room in the bulk lane).
 
-    Buffer lifetimes: a waiting message keeps its frames (copies for small messages;
-    the caller's buffers for a large one, whose send has not completed) until it is
-    sent, times out or fails.
+    Buffer lifetimes: a waiting message keeps its frames (for a small message, copies or
+    whole bytes objects, which nobody can change; the caller's buffers for a large one,
+    whose send has not completed) until it is sent, times out or fails.
     """
 
     __slots__ = ("window", "in_flight", "in_flight_bytes", "in_flight_bulk", "held", "held_bytes", "held_bulk",

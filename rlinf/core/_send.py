@@ -160,10 +160,10 @@ class SendPath:
             if relayed is not None:
                 self._shm.relay.cancel(outbox.address, relayed[1])
         if nbytes < SMALL_MESSAGE:
-            # copy now (the caller may reuse its buffers; a bytes object it cannot change);
+            # copy now (the caller may reuse its buffers; a whole bytes object it cannot change);
             # coalesced into one frame later
-            frames, counts, large = [b if type(b) is memoryview and type(b.obj) is bytes else bytes(b)
-                                     for b in buffers], None, False
+            frames, counts, large = [b if type(b) is memoryview and type(b.obj) is bytes and b.nbytes == len(b.obj)
+                                     else bytes(b) for b in buffers], None, False
         elif gpu is None and nbytes >= self._config.bulk_threshold and (
                 outbox.bulk is not None or outbox.info is None and self._sessions.has_bulk):
             # another node, by the bulk stream: one frame per buffer, read into place there

@@ -30,7 +30,7 @@ from hypothesis.extra import numpy as hnp
 
 from rlinf.codec import Codec, Limits, TypeRegistry, buffer_nbytes, decode, encode, is_device_buffer
 from rlinf.codec import _wire as W
-from rlinf.errors import EncodeError
+from rlinf.errors import DecodeError, EncodeError
 
 # --------------------------------------------------------------------------------------
 # module-level types (classes must be importable by name to round-trip)
@@ -231,8 +231,30 @@ def test_a_lone_bytes_message_is_encoded_as_inside_a_container():
     with pytest.raises(EncodeError):
         limited.encode(b"x" * 5000)
     header, buffers = encode(b"x" * 5000)
-    with pytest.raises(Exception, match="exceed|limit"):
+    with pytest.raises(DecodeError, match="exceed|limit"):
         limited.decode(header, buffers)
+
+
+def test_a_lone_bytes_message_keeps_every_rule_of_the_general_path():
+    """The shortcut of a message that is one bytes object: any bytes-like header still
+    decodes (or raises DecodeError), a registered bytes encoder still applies, a header
+    limit below its header still refuses it."""
+    header, buffers = encode(b"y" * 2000)
+    for like in (bytearray(header), memoryview(header), np.frombuffer(header, np.uint8)):
+        assert decode(like, buffers) == b"y" * 2000
+        assert decode(type(like)(encode({"a": 1})[0]) if not isinstance(like, np.ndarray)
+                      else np.frombuffer(encode({"a": 1})[0], np.uint8), []) == {"a": 1}
+    reg = TypeRegistry()
+    reg.register(bytes, lambda b: bytearray(b[::-1]), lambda b: bytes(b)[::-1], name="reversed")
+    for data in (b"abc", b"q" * 5000):
+        mine, mine_bufs = Codec(registry=reg).encode(data)
+        assert b"reversed" in mine and Codec(registry=reg).decode(mine, mine_bufs) == data
+    tiny = Codec(limits=Limits(max_header_bytes=4))
+    for data in (b"abc", b"q" * 5000):
+        with pytest.raises(EncodeError, match="max_header_bytes"):
+            tiny.encode(data)
+    with pytest.raises(DecodeError, match="max_header_bytes"):
+        tiny.decode(header, buffers)
 
 
 def test_containers_preserve_types_and_order():
