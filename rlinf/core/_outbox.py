@@ -9,8 +9,9 @@ to 64 KiB or 4096 of them) into one frame set — one ZeroMQ send instead of man
 a burst, such as many sends in one loop iteration, is coalesced. Each large message
 goes on its own, its buffers cut into frames of at most 16 MiB and sent zero-copy.
 
-Buffer lifetimes: a small message's buffers are copied when it is queued, so its send
-completes at once; a large message's buffers are referenced until the transport
+Buffer lifetimes: a small message's buffers are copied when it is queued (a whole bytes
+object, which nobody can change, is referenced instead), so its send completes at
+once; a large message's buffers are referenced until the transport
 releases them, and its send completes only then. A message whose buffers went into a
 shared-memory slot travels as a small one (only its descriptor is on the wire); when
 its copy into the slot runs in an executor (``copying``), the outbox holds it, and every
