@@ -186,7 +186,7 @@ async def produce_on_command(comm, ctl: str, dst: str, nbytes: int):
 def pull_state(comm) -> dict:
     """What a test needs to know about a communicator's pulls."""
     pull = comm._lifecycle.pull
-    return {"offered": pull.offered, "pulled": pull.pulled, "held": len(pull._held), "sources": len(pull._sources)}
+    return {"offered": pull.offered, "pulled": pull.pulled, "held": len(pull._held), "sources": pull.report()["sources"]}
 
 
 async def pulled_by(comm, peer: str) -> None:
