@@ -23,7 +23,7 @@ from ..errors import (AuthenticationError, ClosedError, CommTimeoutError, PeerLo
                       TransportUnavailableError)
 from ..info import WorkerInfo, parse_address
 from ..transports import tcp_bulk
-from ..transports.shm import PullSession, ShmSession
+from ..transports.shm import PullPeer, PullSession, ShmPeer, ShmSession
 from ..transports.stream import StreamTransport
 from ..transports.zeromq import ZmqTransport
 from ..util.bounded import Recent
@@ -89,13 +89,20 @@ class PeerSession:
     lost that comes back resumes it), and linked to the outbox, whose frame sets carry
     its acknowledgement.
 
-    Not here yet: the per-peer bookkeeping the shared-memory, pull and CUDA IPC sessions
-    keep by address (slots it holds, releases we owe it, mappings of its slots), and the
-    mailbox's lost-state. :meth:`PeerSessions.peer_gone` is the one place they learn
-    that a peer incarnation is gone. The credit window of flow control goes here.
+    What the transports keep about the peer: ``shm`` (a
+    :class:`~rlinf.transports.shm.ShmPeer`: slots of ours it holds, releases we owe it,
+    its segments we map) and ``pull`` (a :class:`~rlinf.transports.shm.PullPeer`: the
+    pull agreement with this incarnation, its process, its reads), attached once the
+    incarnation is known. They are :class:`~rlinf.transports.base.PeerState` objects
+    with a lifecycle of their own: closing the session (a broken link, a restart seen
+    first as a join) leaves them be, because the peer may live and hold our slots; they
+    close once, when the incarnation is gone (:meth:`PeerSessions.peer_gone`, the one
+    place the transports learn of it). Not here yet: the CUDA IPC state
+    (:class:`~rlinf.core._gpu_paths.GpuPaths`, by address) and the mailbox's lost-state.
     """
 
-    __slots__ = ("address", "outbox", "shm_route", "task", "closed", "redials", "unregistered", "no_wait")
+    __slots__ = ("address", "outbox", "shm_route", "task", "closed", "redials", "unregistered", "no_wait",
+                 "shm", "pull")
 
     def __init__(self, address: str, outbox: Outbox) -> None:
         self.address = address
@@ -106,6 +113,8 @@ class PeerSession:
         self.redials = 0                      # links dialled again after one broke
         self.unregistered = False             # the manager said no worker holds the address
         self.no_wait: list[asyncio.Future] = []   # sends that must not wait for it to register
+        self.shm: ShmPeer | None = None       # what the transports keep about it (see above)
+        self.pull: PullPeer | None = None
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "failed" if self.error else "open"
@@ -242,6 +251,10 @@ class PeerSessions:
         A new session to an incarnation we had one with before resumes its log."""
         outbox = session.outbox
         outbox.credit.window = Window.from_meta(info.meta, self.window)
+        if self._shm is not None:
+            session.shm = self._shm.peer(info.address)
+        if self._pull is not None:
+            session.pull = self._pull.peer(info.address, info.incarnation)
         identity = f"{info.address}|{info.incarnation}".encode()
         outbox.inflow = self.inflows.get(identity)
         if outbox.log.next == 0:
@@ -566,7 +579,7 @@ class PeerSessions:
         roster knew of that incarnation, if anything; ``error`` is None when a newer
         incarnation joined meanwhile (then only the pulls of the old one end)."""
         if self._pull is not None:
-            self._pull.gone(address, incarnation)
+            self._pull.peer(address, incarnation).close()
         if error is None:
             return
         session = self._sessions.get(address)
@@ -574,7 +587,7 @@ class PeerSessions:
             info = session.info
         gone_here = info is not None and info.incarnation == incarnation and control.process_gone_here(info)
         if self._shm is not None:
-            self._shm.peer_gone(address, alive=not gone_here)
+            self._shm.peer(address).close(process_gone=gone_here)
         self._gpu.gone(address, incarnation, left=kind == "left", process_gone=gone_here)
         if session is not None and (session.info is None or session.info.incarnation == incarnation):
             session.close(error)

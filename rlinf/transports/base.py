@@ -40,7 +40,10 @@ descriptor travels on a link. The session layer drives them through their sessio
 objects (:class:`rlinf.transports.shm.ShmSession` and
 :class:`~rlinf.transports.shm.PullSession`, :class:`rlinf.transports.cuda.ipc.CudaIpcSession`),
 whose modules state their contracts and buffer lifetimes; :class:`~rlinf.transports.shm.ShmTransport`
-packages the same pieces as a link for the conformance suite.
+packages the same pieces as a link for the conformance suite. What such a session keeps
+about one peer is one object, a :class:`PeerState` it hands out (``session.peer(...)``):
+the core's per-peer session holds it, and the core closes it once, when that peer is
+gone (the transports never learn of departures on their own).
 """
 
 from __future__ import annotations
@@ -49,16 +52,34 @@ import abc
 import asyncio
 import collections
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 from ..errors import ClosedError, TransportUnavailableError, WouldBlock
 
-__all__ = ["Received", "Link", "Listener", "Transport", "Inbox", "Tracker", "WouldBlock"]
+__all__ = ["Received", "Link", "Listener", "Transport", "Inbox", "Tracker", "WouldBlock", "PeerState"]
 
 
 #: What :meth:`Link.try_send` returns for a tracked frame set: opaque, only to be
 #: passed to the same link's :meth:`Link.released`.
 Tracker = Any
+
+
+class PeerState(Protocol):
+    """What a transport's session keeps about one peer (shared memory: by address;
+    pulls: by incarnation), handed out by the session's ``peer(...)``, made on first use.
+
+    The core's :class:`~rlinf.core._peer.PeerSession` for that peer holds it; the core
+    closes it once that peer incarnation left or was lost. Closing it releases all the
+    transport keeps for the peer (slots it held, mappings of its memory, sends it had
+    yet to read); a later ``peer(...)`` for the same key starts afresh.
+    """
+
+    address: str
+    closed: bool
+
+    def close(self, *, process_gone: bool = False) -> None:
+        """The peer is gone (``process_gone``: its process is known gone from this
+        machine, so what it had mapped may be unlinked at once). Idempotent."""
 
 
 @dataclass(slots=True)

@@ -687,12 +687,12 @@ async def test_a_large_item_is_written_once_and_only_its_descriptor_passes_the_s
         got = await into.get(timeout=30)
         assert got["step"] == 7 and np.array_equal(got["obs"], item["obs"])
         server = next(p for p in await driver.peers() if p.address == "channel.relayed:0")
-        reader = consumer._shm.reader
+        reader = consumer._lifecycle.shm.reader
         assert any(n.startswith(f"rlinf-{server.pid}-") for n in reader._private), reader._private
         assert not any(n.startswith(f"rlinf-{server.pid}-") for n in reader._shared), reader._shared
-        assert driver._shm.pool.busy == 1                       # held for the consumer
+        assert driver._lifecycle.shm.pool.busy == 1                       # held for the consumer
         del got                                                 # release: consumer -> server -> producer
-        await until(lambda: driver._shm.pool.busy == 0, timeout=30, what="the producer's slot to come back")
+        await until(lambda: driver._lifecycle.shm.pool.busy == 0, timeout=30, what="the producer's slot to come back")
         await out.close()
 
 

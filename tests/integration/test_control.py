@@ -63,7 +63,7 @@ async def test_a_roster_reply_read_with_a_later_join_does_not_report_the_joiner_
             async with rlinf.connect("a:0", manager=manager.address, token=manager.token) as a:
                 gone: list[str] = []
                 a.on_peer_gone(lambda address, incarnation: gone.append(address))
-                control = a._control
+                control = a._lifecycle.control
                 refresh = asyncio.create_task(control._refresh())
                 await asyncio.sleep(0)   # the roster request is sent; its reply is not read yet
                 # Hold this loop until the reply is queued, then let "b" register, so the

@@ -84,7 +84,7 @@ async def test_a_dropped_stream_connection_is_dialled_again(cluster, driver):
     The sender's next sends "succeeded" and vanished, and from then on every send to
     that live peer raised PeerLostError. Now the link is dialled again and what was
     in flight is sent again: every message arrives once, in order."""
-    if driver._stream_listener is None:
+    if driver._lifecycle.stream_listener is None:
         pytest.skip("no stream transport here")
     n = 400
     async with asyncio.timeout(90):
@@ -94,7 +94,7 @@ async def test_a_dropped_stream_connection_is_dialled_again(cluster, driver):
         while len(got) < n:
             got.append(await driver.recv("s:0", timeout=20))
             if len(got) in (50, 150, 300):
-                conns = list(driver._stream_listener._conns)
+                conns = list(driver._lifecycle.stream_listener._conns)
                 assert conns, "the sender has no stream connection to cut"
                 for conn in conns:
                     conn.close()

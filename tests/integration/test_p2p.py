@@ -560,7 +560,7 @@ async def test_a_second_aclose_returns_once_the_first_is_done(cluster):
             first = asyncio.ensure_future(a.aclose())
             await asyncio.sleep(0)                              # (a yield) the first close has begun
             await a.aclose()
-            assert first.done() and a._context is None
+            assert first.done() and a._lifecycle.context is None
         finally:
             await b.aclose()
 
@@ -585,7 +585,7 @@ async def test_a_cancelled_aclose_still_closes_everything(cluster, yields):
                 await closing
             with pytest.raises(rlinf.ClosedError):
                 await pending
-            assert a.closed and a._context is None
+            assert a.closed and a._lifecycle.context is None
             assert not any(not t.done() for t in a._sessions.tasks()), "core tasks left running"
             await a.aclose()
         finally:

@@ -73,16 +73,16 @@ async def test_a_send_waiting_on_a_killed_receiver_fails_with_peer_lost(cluster,
         group = await cluster.spawn(workers_shm.pull_then_freeze, "frozen", 1, args=("driver:0",), env=COPY_OUT)
         await driver.send({"x": np.ones(2 << 20, np.uint8)}, "frozen:0")          # through a slot
         [info] = [p for p in await driver.peers() if p.address == "frozen:0"]
-        await until(lambda: driver._pull.agreed("frozen:0", info.incarnation), what="the receiver to agree to pull")
+        await until(lambda: driver._lifecycle.pull.agreed("frozen:0", info.incarnation), what="the receiver to agree to pull")
         await driver.send("freeze", "frozen:0", tag=1)
         assert await driver.recv("frozen:0", tag=2) == "frozen"
         sending = asyncio.ensure_future(driver.send({"x": np.ones(2 << 20, np.uint8)}, "frozen:0"))
-        await until(lambda: driver._pull.offered == 1, what="the pulled send to be queued")
+        await until(lambda: driver._lifecycle.pull.offered == 1, what="the pulled send to be queued")
         assert not sending.done()                     # nobody reads it
         await group.kill()
         with pytest.raises(rlinf.PeerLostError):
             await asyncio.wait_for(sending, 10)
-        assert not driver._pull._held
+        assert not driver._lifecycle.pull._held
 
 
 async def test_pulls_off_on_the_sender_keep_slots(cluster):
@@ -130,7 +130,7 @@ async def test_a_send_given_up_before_its_read_never_delivers_the_reused_buffer(
                                            args=("giver:0", "giver:0", gate.path), env=COPY_OUT)
             await sender.send({"x": np.ones(2 << 20, np.uint8)}, "puller:0")          # through a slot
             [info] = [p for p in await sender.peers() if p.address == "puller:0"]
-            await until(lambda: sender._pull.agreed("puller:0", info.incarnation), what="the receiver to agree")
+            await until(lambda: sender._lifecycle.pull.agreed("puller:0", info.incarnation), what="the receiver to agree")
             await sender.send("freeze", "puller:0", tag=1)
             assert await sender.recv("puller:0", tag=2) == "frozen"
             buf = np.full(2 << 20, 7, np.uint8)
@@ -139,13 +139,13 @@ async def test_a_send_given_up_before_its_read_never_delivers_the_reused_buffer(
                     await sender.send({"x": buf}, "puller:0", timeout=0.2)
             else:
                 sending = asyncio.ensure_future(sender.send({"x": buf}, "puller:0"))
-                await until(lambda: sender._pull.offered == 1, what="the pulled send to be queued")
+                await until(lambda: sender._lifecycle.pull.offered == 1, what="the pulled send to be queued")
                 with pytest.raises(rlinf.CommTimeoutError, match="puller:0"):
                     await sender.aclose()  # waits a moment for the read (none comes), then revokes;
                                            # raises: the frozen receiver acknowledged nothing
                 with pytest.raises(rlinf.ClosedError):
                     await sending
-            assert not sender._pull._held
+            assert not sender._lifecycle.pull._held
             buf[:] = 9                     # the send failed: the caller reuses its buffer
             gate.open()
             [got] = await receiver.join()

@@ -127,9 +127,9 @@ async def test_a_sender_ahead_of_its_reader_waits_for_slots_instead_of_growing(c
         assert await driver.recv("consumer:0", tag=2) == "ready"
         for _ in range(n):
             await driver.send(msg, "consumer:0")
-            assert driver._shm.pool.held("consumer:0")[0] <= WINDOW_SLOTS
+            assert driver._lifecycle.shm.pool.held("consumer:0")[0] <= WINDOW_SLOTS
         await group.join()
-        assert driver._shm.pool.created <= WINDOW_SLOTS + 2
+        assert driver._lifecycle.shm.pool.created <= WINDOW_SLOTS + 2
 
 
 async def test_a_reader_that_keeps_its_views_does_not_block_its_sender(cluster, driver):
@@ -148,10 +148,10 @@ async def test_a_reader_that_keeps_its_views_does_not_block_its_sender(cluster, 
             await driver.send(msg, "keeper:0")
         assert loop.time() - start < 10            # not one stall per message
         assert await driver.recv("keeper:0", tag=2) == n
-        assert driver._shm.pool.held("keeper:0")[0] == n
+        assert driver._lifecycle.shm.pool.held("keeper:0")[0] == n
         await driver.send("drop", "keeper:0", tag=3)
         assert await driver.recv("keeper:0", tag=2) == "dropped"
-        await until(lambda: driver._shm.pool.held("keeper:0") == (0, 0), what="the slots to come back")
+        await until(lambda: driver._lifecycle.shm.pool.held("keeper:0") == (0, 0), what="the slots to come back")
         await driver.send("bye", "keeper:0", tag=4)
         await group.join()
 
@@ -165,11 +165,11 @@ async def test_a_reply_carries_the_release_of_what_it_answers(cluster, driver):
         group = await cluster.spawn(workers_shm.drop_and_ack, "acker", 1, args=("driver:0", n))
         for i in range(n):
             await driver.send({"x": np.ones(256 << 10, np.float32), "i": i}, "acker:0")
-            assert driver._shm.pool.held("acker:0") == (1, 1 << 20)
+            assert driver._lifecycle.shm.pool.held("acker:0") == (1, 1 << 20)
             assert await driver.recv("acker:0", tag=1) == i
-            assert driver._shm.pool.held("acker:0") == (0, 0)
+            assert driver._lifecycle.shm.pool.held("acker:0") == (0, 0)
         await group.join()
-        assert driver._shm.pool.created == 1       # the one slot, released each time, serves every message
+        assert driver._lifecycle.shm.pool.created == 1       # the one slot, released each time, serves every message
 
 
 async def test_a_small_slot_comes_back_right_after_the_reply_a_large_one_in_it(cluster, driver):
@@ -194,7 +194,7 @@ async def test_a_small_slot_comes_back_right_after_the_reply_a_large_one_in_it(c
             frame_sets.clear()
             await driver.send({"x": np.ones(nbytes, np.uint8), "i": i}, "acker:0")
             assert await driver.recv("acker:0", tag=1) == i
-            await until(lambda: driver._shm.pool.held("acker:0") == (0, 0), what="the slot to come back")
+            await until(lambda: driver._lifecycle.shm.pool.held("acker:0") == (0, 0), what="the slot to come back")
             if i == 0:
                 continue       # the first also tells that the segment was mapped
             if nbytes < AHEAD_BYTES:
@@ -202,7 +202,7 @@ async def test_a_small_slot_comes_back_right_after_the_reply_a_large_one_in_it(c
             else:
                 assert [(wire.SYSTEM, "shm"), (wire.USER, 1)] in frame_sets, frame_sets
         await group.join()
-    assert driver._shm.pool.created <= 3, driver._shm.pool     # two small slots at most, one large
+    assert driver._lifecycle.shm.pool.created <= 3, driver._lifecycle.shm.pool     # two small slots at most, one large
 
 
 async def test_copy_out_option_releases_the_slot_at_once(cluster):
@@ -271,7 +271,7 @@ async def test_kill_receiver_retires_its_slots(cluster, driver):
         group = await cluster.spawn(workers_shm.hold, "holder", 1, args=("driver:0",))
         await driver.send({"x": np.ones(1 << 20)}, "holder:0")
         assert await driver.recv("holder:0", tag=5) == ("holding", float(1 << 20))
-        pool = driver._shm.pool
+        pool = driver._lifecycle.shm.pool
         [held] = [name for name in pool.segment_names() if name in pool._busy]
         await group.kill()
         await until(lambda: pool.busy == 0, what="the lost reader's slot to be retired")
@@ -295,7 +295,7 @@ async def test_multicast_to_three_readers(cluster, driver):
     readers = ["r:0", "r:1", "r:2"]
     async with asyncio.timeout(60):
         group = await cluster.spawn(workers_shm.multicast_reader, "r", 3, args=("driver:0",))
-        pool = driver._shm.pool
+        pool = driver._lifecycle.shm.pool
         for round_, value in enumerate((1.0, 2.0)):
             exports = pool.exports
             obj = {"x": torch.full((1 << 20,), value)}
@@ -375,14 +375,14 @@ async def test_a_forwarded_view_is_relayed_by_reference_not_copied(cluster, driv
             await driver.send({"x": np.full(nbytes, i + 1, np.uint8), "i": i}, "relay:0")
             total, index = await driver.recv("sink:0", tag=20)
             assert (total, index) == (7.0 * (i + 1), i)
-        await until(lambda: driver._shm.pool.busy == 0, what="the driver's slots to come back")
+        await until(lambda: driver._lifecycle.shm.pool.busy == 0, what="the driver's slots to come back")
         await driver.send(None, "sink:0", tag=22)
         seen = (await sink.join(timeout=60))[0]
         state = (await relay.join(timeout=60))[0]
     assert state["exports"] == 0 and state["created"] == 0, state      # nothing copied by the relay
     assert state["relay_holds"] == 0
     assert all(m and all(name.startswith(f"rlinf-{relay.pids[0]}-") for name in m) for _, _, m in seen), seen
-    assert driver._shm.pool.exports == n
+    assert driver._lifecycle.shm.pool.exports == n
 
 
 
@@ -429,9 +429,9 @@ async def test_a_pre_shared_tensor_is_passed_by_handle(cluster, driver):
     # only the small tensor went through a slot (the smallest size class), never the 4 MiB
     # one; at most two such slots: a small slot's release comes right after the reply
     # (not in its frame set), so the next send may take a second one
-    assert driver._shm.pool.mapped <= 2 * shm.MIN_SLOT, driver._shm.pool
+    assert driver._lifecycle.shm.pool.mapped <= 2 * shm.MIN_SLOT, driver._lifecycle.shm.pool
     assert driver.stats().transports["shm"].msgs == n
-    assert driver._shm.relay.fds.holds == 0
+    assert driver._lifecycle.shm.relay.fds.holds == 0
     assert state["fd_maps"] == 1
 
 
@@ -447,7 +447,7 @@ async def test_pre_shared_tensors_are_copied_when_handles_are_off(cluster, monke
             assert (await sender.recv("peer:0", tag=30))[0] == 0.0
             assert await sender.recv("peer:0", tag=31) == "wrote"
             assert float(t[0]) == 0.0             # the receiver wrote to its own copy
-            assert sender._shm.pool.exports == 1
+            assert sender._lifecycle.shm.pool.exports == 1
             await peer.join(timeout=60)
 
 
@@ -555,9 +555,9 @@ async def test_the_next_message_in_a_relayed_slot_is_readable_after_its_sender_c
             assert first["x"][0] == 1 and await driver.recv("relay:0", tag=70) == "sent"
             del first
             gc.collect()
-            await until(lambda: producer._shm.pool.busy == 0, what="the producer's slot to come back")
+            await until(lambda: producer._lifecycle.shm.pool.busy == 0, what="the producer's slot to come back")
             await producer.send({"x": np.full(nbytes, 2, np.uint8)}, "relay:0")   # the same slot
-            assert producer._shm.pool.created == 1
+            assert producer._lifecycle.shm.pool.created == 1
         second = await driver.recv("relay:0", timeout=20)                  # the producer has closed
         assert second["x"][0] == 2 and second["x"].sum() == 2 * nbytes
         await driver.send("stop", "relay:0")

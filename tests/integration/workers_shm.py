@@ -12,7 +12,7 @@ import rlinf
 
 def shm_state(comm) -> dict:
     """What a test needs to know about a communicator's shared memory."""
-    pool = comm._shm.pool
+    pool = comm._lifecycle.shm.pool
     stats = comm.stats().transports
     return {"busy": pool.busy, "created": pool.created, "exports": pool.exports, "fallbacks": pool.fallbacks,
             "segments": pool.segment_names(), "shm_msgs": _msgs(stats, "shm", "pull"),   # in a slot, or pulled
@@ -85,7 +85,7 @@ async def relayer(comm, src: str, dst: str, n: int, wait_go: bool = False):
         await comm.send(obj, dst, timeout=60)
         del obj
     await comm.recv(dst, tag=21, timeout=60)
-    return {**shm_state(comm), "relay_holds": comm._shm.relay.holds}
+    return {**shm_state(comm), "relay_holds": comm._lifecycle.shm.relay.holds}
 
 
 async def relay_sink(comm, src: str, n: int, orders: str):
@@ -94,7 +94,7 @@ async def relay_sink(comm, src: str, n: int, orders: str):
     seen = []
     for _ in range(n):
         obj = await comm.recv(src, timeout=60)
-        mapped = sorted(comm._shm.reader._private)
+        mapped = sorted(comm._lifecycle.shm.reader._private)
         seen.append((float(obj["x"][:7].astype(np.float64).sum()), int(obj["i"]), mapped))
         if orders == "write":
             obj["x"][:] = 255                   # copy-on-write: the producer's bytes stay
@@ -116,7 +116,7 @@ async def shared_tensor_peer(comm, src: str, n: int):
         t[0] += 1
         del obj, t
         await comm.send("wrote", src, tag=31, timeout=60)
-    return {**shm_state(comm), "fd_maps": len(comm._shm.fd_maps._maps)}
+    return {**shm_state(comm), "fd_maps": len(comm._lifecycle.shm.fd_maps._maps)}
 
 
 async def consume(comm, src: str, n: int):
@@ -180,13 +180,13 @@ async def produce_on_command(comm, ctl: str, dst: str, nbytes: int):
     while (value := await comm.recv(ctl, tag=71, timeout=60)) is not None:
         await comm.send({"x": np.full(nbytes, value, np.uint8)}, dst, timeout=30)
         await comm.send("sent", ctl, tag=72, timeout=30)
-    return comm._shm.pool.created
+    return comm._lifecycle.shm.pool.created
 
 
 def pull_state(comm) -> dict:
     """What a test needs to know about a communicator's pulls."""
-    pull = comm._pull
-    return {"offered": pull.offered, "pulled": pull.pulled, "held": len(pull._held), "sources": len(pull._sources)}
+    pull = comm._lifecycle.pull
+    return {"offered": pull.offered, "pulled": pull.pulled, "held": len(pull._held), "sources": pull.report()["sources"]}
 
 
 async def pulled_by(comm, peer: str) -> None:
@@ -195,7 +195,7 @@ async def pulled_by(comm, peer: str) -> None:
     from .wait import until
 
     incarnation = comm._roster[peer].incarnation
-    await until(lambda: comm._pull.agreed(peer, incarnation), what=f"{peer} to agree to pull")
+    await until(lambda: comm._lifecycle.pull.agreed(peer, incarnation), what=f"{peer} to agree to pull")
 
 
 async def send_reused(comm, dst: str, n: int, nbytes: int):
@@ -208,11 +208,11 @@ async def send_reused(comm, dst: str, n: int, nbytes: int):
     for i in range(n):
         buf[:] = i
         await comm.send({"x": buf, "i": i}, dst, timeout=60)
-        held_after_send += len(comm._pull._held)
+        held_after_send += len(comm._lifecycle.pull._held)
         buf[:] = 255                         # the receiver must never see this
         if i == 0:
             assert await comm.recv(dst, tag=1, timeout=60) == "first"
-            if comm._pull.threshold:
+            if comm._lifecycle.pull.threshold:
                 await pulled_by(comm, dst)
     assert await comm.recv(dst, tag=1, timeout=60) == "checked"
     return {**pull_state(comm), "held_after_send": held_after_send}
@@ -271,7 +271,7 @@ async def pull_sender(comm, dst: str, ctl: str, nbytes: int):
     await comm.send("agreed", ctl, tag=40, timeout=30)
     await comm.recv(ctl, tag=41, timeout=30)
     comm.async_send({"x": np.full(nbytes, 7, np.uint8)}, dst)      # its read never ends: we die first
-    await comm.send(comm._pull.offered, ctl, tag=42, timeout=30)
+    await comm.send(comm._lifecycle.pull.offered, ctl, tag=42, timeout=30)
     await asyncio.Event().wait()
 
 

@@ -579,3 +579,41 @@ async def test_a_slot_the_receiver_cannot_open_goes_back_to_its_sender():
     finally:
         receiver.close()
         sender.close()
+
+
+async def test_closing_a_peer_retires_its_slots_and_notices_and_wakes_a_send_waiting_for_it(monkeypatch):
+    """What a ShmSession keeps about one peer is one ShmPeer. Closing it (the peer is
+    gone) retires the slots it held, drops the notices we owed it, and ends at once a
+    send waiting for room in its window; the next peer(...) for that address is new."""
+    import asyncio
+
+    from rlinf.transports.shm._session import WINDOW_SLOTS
+
+    monkeypatch.setattr("rlinf.transports.shm._session.STALL", 30.0)    # only the close can end the wait
+    loop = asyncio.get_running_loop()
+    sender = shm.ShmSession(loop, lambda dst, obj: None)
+    receiver = shm.ShmSession(loop, lambda dst, obj: None)
+    try:
+        for _ in range(WINDOW_SLOTS):
+            slot, layout, _ = sender.export([memoryview(b"x" * 1000)], [1000], {"b:0": 1})
+        assert sender.behind("b:0") and sender.pool.held("b:0")[0] == WINDOW_SLOTS
+        waiting = asyncio.ensure_future(sender.room("b:0"))
+        views = receiver.open("a:0", slot.ref(), layout, os.getpid())     # b maps a's segment: owes a notice
+        assert receiver.owed == 1 and receiver.ahead("a:0") is False
+        await asyncio.sleep(0)
+        assert not waiting.done()
+
+        peer = sender.peer("b:0")
+        peer.close(process_gone=False)
+        async with asyncio.timeout(5):
+            await waiting
+        assert peer.closed and not peer.holding            # woken by the close, not by the stall
+        assert sender.pool.held("b:0") == (0, 0) and not sender.behind("b:0")
+        assert "b:0" not in sender.peers and sender.peer("b:0") is not peer
+
+        receiver.peer("a:0").close()
+        assert receiver.owed == 0 and receiver.take("a:0") is None
+        del views
+    finally:
+        receiver.close()
+        sender.close()

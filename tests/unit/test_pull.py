@@ -223,9 +223,9 @@ async def test_close_waits_for_reads_then_revokes(pair):
 async def test_a_receiver_that_leaves_or_a_close_fails_the_waiting_sends(pair):
     pair.agree()
     _, sending = _offer(pair, [np.ones(16)])
-    pair.s.gone("r:0", "R0")             # an older incarnation: not what holds this one
+    pair.s.peer("r:0", "R0").close()             # an older incarnation: not what holds this one
     assert not sending.done()
-    pair.s.gone("r:0", "R1")
+    pair.s.peer("r:0", "R1").close()
     with pytest.raises(PeerLostError):
         await sending
     assert not pair.s.agreed("r:0", "R1") and not pair.s._held
@@ -251,7 +251,7 @@ async def test_done_from_another_peer_and_malformed_notices(pair):
     assert sending.done()
     pair.s.on_notice("x:0", ["ok", "X1"])      # x never got our cookie
     assert not pair.s.agreed("x:0", "X1")
-    pair.r._asked.add(("s:0", "S1"))
+    pair.r.peer("s:0", "S1").asked = True
     for cookie in ([None, 4096, bytes(16)], [1, 4096, b""], [1, 0, bytes(16)], [1, 4096, "x" * 16]):
         with pytest.raises(ProtocolError):
             pair.r.on_notice("s:0", ["cookie", "S1", *cookie])
@@ -259,7 +259,7 @@ async def test_done_from_another_peer_and_malformed_notices(pair):
 
 async def test_a_sender_that_died_fails_the_receive_with_peer_lost(pair):
     pair.agree()
-    process = pair.r._sources[("s:0", "S1")]
+    process = pair.r.peers[("s:0", "S1")].source
     process.close()                      # as if the process had exited: its pidfd is gone
     _, _, reading = _send(pair, [np.ones(1 << 18)])
     with pytest.raises(PeerLostError):
@@ -346,7 +346,7 @@ async def test_cancelling_the_work_of_a_pulled_send_revokes_before_it_returns(pa
 
 async def test_a_late_goodbye_of_an_old_incarnation_keeps_the_new_ones_agreement(pair):
     pair.s.on_notice("r:0", ["ask", "R2"])            # r restarted and asks again
-    pair.s.gone("r:0", "R1")                          # the old one's loss is reported late
+    pair.s.peer("r:0", "R1").close()                          # the old one's loss is reported late
     pair.s.on_notice("r:0", ["ok", "R2"])
     assert pair.s.agreed("r:0", "R2")
     pair.s.on_notice("x:0", ["ask", "X1"])

@@ -54,11 +54,11 @@ from ._relay import Relay
 from ._common import DEFAULT_OFFLOAD, MIN_SLOT, SHM_DIR, available, default_cap, sweep
 from ._common import _PAGE, _slot_size  # noqa: F401  (the tests' view of the size classes)
 from ._pool import Recycler, ShmPool, copy_out
-from ._pull import PullSession
+from ._pull import PullPeer, PullSession
 from ._reader import ShmReader
-from ._session import ShmSession
+from ._session import ShmPeer, ShmSession
 from ._transport import ShmLink, ShmListener, ShmTransport
 
 __all__ = ["ShmPool", "ShmReader", "ShmSession", "ShmTransport", "ShmLink", "ShmListener", "Recycler", "Relay",
-           "PullSession", "available", "sweep", "default_cap", "copy_out", "SHM_DIR", "MIN_SLOT",
+           "PullSession", "ShmPeer", "PullPeer", "available", "sweep", "default_cap", "copy_out", "SHM_DIR", "MIN_SLOT",
            "DEFAULT_OFFLOAD"]

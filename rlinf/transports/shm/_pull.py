@@ -63,7 +63,7 @@ from ...config import DEFAULTS
 from .. import cma
 from ._pool import Recycler
 
-__all__ = ["PullSession", "DEFAULT_PULL"]
+__all__ = ["PullSession", "PullPeer", "DEFAULT_PULL"]
 
 log = logging.getLogger("rlinf.transports.shm")
 
@@ -109,6 +109,46 @@ class _Held:
         self.token = np.array([self.value], np.uint64)
 
 
+class PullPeer:
+    """What a :class:`PullSession` knows about one peer incarnation, as a receiver of
+    our pulled messages and as a sender we pull from: a
+    :class:`~rlinf.transports.base.PeerState`, handed out by :meth:`PullSession.peer`
+    and closed once (:meth:`close`) when that incarnation is gone.
+
+    Attributes:
+        address, incarnation: the peer's.
+        cookied: we sent it our cookie (it asked to pull from us).
+        agreed: it read our cookie: our large messages to it are pulled.
+        asked: we asked it to be pulled from.
+        source: its process, once we read its cookie (None: we do not pull from it).
+        closed: it is gone (nothing is agreed with it any more).
+    """
+
+    __slots__ = ("address", "incarnation", "cookied", "agreed", "asked", "source", "closed", "_session")
+
+    def __init__(self, session: PullSession, address: str, incarnation: str) -> None:
+        self.address, self.incarnation = address, incarnation
+        self.cookied = self.agreed = self.asked = self.closed = False
+        self.source: cma.Process | None = None
+        self._session = session
+
+    def __repr__(self) -> str:
+        flags = [f for f in ("cookied", "agreed", "asked", "closed") if getattr(self, f)]
+        return f"<PullPeer {self.address}|{self.incarnation} {' '.join(flags)} source={self.source is not None}>"
+
+    def close(self, *, process_gone: bool = False) -> None:
+        """The incarnation left or died: fail the sends it still had to read, forget
+        the agreement and its process (once; ``process_gone`` changes nothing here)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.agreed = self.cookied = False
+        self._session._forget(self)
+        if self.source is not None:
+            self.source.close()
+            self.source = None
+
+
 class PullSession:
     """One communicator's pulls, as sender and as receiver (loop thread, except the reads).
 
@@ -143,27 +183,45 @@ class PullSession:
         self._pid_of = pid_of
         self._cookie = cma.Cookie()
         self._ids = itertools.count()
-        self._agreed: dict[str, str] = {}           # receiver -> its incarnation that agreed
-        self._cookied: dict[str, str] = {}          # receiver -> its incarnation we sent our cookie
+        self.peers: dict[tuple[str, str], PullPeer] = {}   # (address, incarnation) -> what we know of it
         self._held: dict[int, _Held] = {}           # pull_id -> what a receiver still reads
         self._emptied: asyncio.Event | None = None  # set when _held empties (drain)
-        self._asked: set[tuple[str, str]] = set()   # senders (address, incarnation) asked
-        self._sources: dict[tuple[str, str], cma.Process] = {}
         self._closed = False
 
     def __repr__(self) -> str:
+        report = self.report()
         return (f"<PullSession threshold={self.threshold} offered={self.offered} pulled={self.pulled} "
-                f"agreed={len(self._agreed)} held={len(self._held)} sources={len(self._sources)}>")
+                f"agreed={report['agreed']} held={len(self._held)} sources={report['sources']}>")
 
     def report(self) -> dict:
         """Plain values for the stats a worker reports (``rlinf top``)."""
+        peers = self.peers.values()
         return {"threshold": self.threshold, "offered": self.offered, "pulled": self.pulled,
-                "agreed": len(self._agreed), "sources": len(self._sources), "held": len(self._held)}
+                "agreed": sum(p.agreed for p in peers), "sources": sum(p.source is not None for p in peers),
+                "held": len(self._held)}
+
+    def peer(self, address: str, incarnation: str) -> PullPeer:
+        """What we know of ``address``'s ``incarnation`` (made on first use; a closed one
+        is replaced: that incarnation may send again after it was taken for lost)."""
+        peer = self.peers.get((address, incarnation))
+        if peer is None:
+            peer = self.peers[(address, incarnation)] = PullPeer(self, address, incarnation)
+        return peer
+
+    def _forget(self, peer: PullPeer) -> None:
+        """``peer`` closed: the sends it still had to read fail, and it is forgotten."""
+        if self.peers.get((peer.address, peer.incarnation)) is peer:
+            del self.peers[(peer.address, peer.incarnation)]
+        error = PeerLostError(f"{peer.address} left or was lost before it read the message", peer=peer.address)
+        for pull_id in [i for i, h in self._held.items() if h.dst == peer.address
+                        and h.incarnation == peer.incarnation]:
+            self.drop(pull_id, error)
 
     # -- sending ---------------------------------------------------------------------------
     def agreed(self, dst: str, incarnation: str) -> bool:
         """Whether ``dst`` (this incarnation) pulls our large messages (cheap: one lookup)."""
-        return self._agreed.get(dst) == incarnation
+        peer = self.peers.get((dst, incarnation))
+        return peer is not None and peer.agreed
 
     def offer(self, dst: str, incarnation: str, buffers: Sequence[Any],
               sizes: Sequence[int]) -> tuple[list, list, asyncio.Future, asyncio.Future]:
@@ -173,6 +231,7 @@ class PullSession:
         for the outbox (its entry's future)."""
         pull_id = next(self._ids)
         self.offered += 1
+        self.peer(dst, incarnation)     # its close fails what it still has to read
         addresses = [cma.address_of(b) for b, n in zip(buffers, sizes) if n]
         future = _SendFuture(loop=self._loop, revoke=lambda: self._revoke(pull_id))
         sent = self._loop.create_future()
@@ -225,10 +284,12 @@ class PullSession:
     def want(self, src: str, incarnation: str) -> None:
         """A message from ``src`` came through one of its slots: ask it for pulls (once
         per incarnation)."""
-        key = (src, incarnation)
-        if key in self._asked or self._closed or not self.threshold:
+        if self._closed or not self.threshold:
             return
-        self._asked.add(key)
+        peer = self.peer(src, incarnation)
+        if peer.asked:
+            return
+        peer.asked = True
         self._notify(src, ["ask", self._incarnation])
 
     def open(self, src: str, incarnation: str, ref: descriptors.PullRef,
@@ -243,7 +304,8 @@ class PullSession:
                 the bytes it announces (the sender is told at once).
         """
         self.pulled += 1
-        process = self._sources.get((src, incarnation))
+        peer = self.peers.get((src, incarnation))
+        process = peer.source if peer is not None else None
         offsets, end = descriptors.slot_layout(list(sizes))
         try:
             if process is None:
@@ -313,19 +375,26 @@ class PullSession:
                 self._check_emptied()
         elif what == "ask" and len(args) == 1 and isinstance(args[0], str):
             if not self._closed and self.threshold:
-                self._cookied[src] = args[0]
+                for peer in self._others(src, args[0]):
+                    peer.cookied = peer.agreed = False      # only the incarnation that asks last
+                self.peer(src, args[0]).cookied = True
                 self._notify(src, ["cookie", self._incarnation, os.getpid(), self._cookie.address,
                                    self._cookie.value])
         elif what == "cookie" and len(args) == 4:
             self._verify(src, *args)
         elif what == "ok" and len(args) == 1 and isinstance(args[0], str):
-            if self._cookied.get(src) == args[0] and not self._closed:    # only a peer we offered to
-                self._agreed[src] = args[0]
+            peer = self.peers.get((src, args[0]))
+            if peer is not None and peer.cookied and not self._closed:    # only a peer we offered to
+                peer.agreed = True
         else:
             raise ProtocolError(f"malformed pull notice from {src}: {what!r}")
 
+    def _others(self, src: str, incarnation: str) -> list[PullPeer]:
+        return [p for (a, i), p in self.peers.items() if a == src and i != incarnation]
+
     def _verify(self, src: str, incarnation: Any, pid: Any, address: Any, value: Any) -> None:
-        if self._closed or (src, incarnation) not in self._asked:
+        peer = self.peers.get((src, incarnation)) if isinstance(incarnation, str) else None
+        if self._closed or peer is None or not peer.asked:
             return
         if not (type(pid) is int and pid > 0 and type(address) is int and address > 0
                 and type(value) is bytes and len(value) == len(self._cookie.value)):
@@ -340,10 +409,9 @@ class PullSession:
             log.info("rlinf: cannot read %s's memory (%s): its messages keep coming through shared memory",
                      src, exc)
             return
-        old = self._sources.pop((src, incarnation), None)
-        if old is not None:
-            old.close()
-        self._sources[(src, incarnation)] = process
+        if peer.source is not None:
+            peer.source.close()
+        peer.source = process
         self._notify(src, ["ok", self._incarnation])
 
     def _notify(self, dst: str, obj: list) -> None:
@@ -353,28 +421,11 @@ class PullSession:
             pass     # gone: nothing to tell it
 
     # -- membership ------------------------------------------------------------------------
-    def gone(self, address: str, incarnation: str) -> None:
-        """``address`` (``incarnation``) left or died: fail the sends it still had to read,
-        forget its agreement and its process."""
-        if self._agreed.get(address) == incarnation:
-            del self._agreed[address]
-        if self._cookied.get(address) == incarnation:
-            del self._cookied[address]
-        error = PeerLostError(f"{address} left or was lost before it read the message", peer=address)
-        for pull_id in [i for i, h in self._held.items() if h.dst == address and h.incarnation == incarnation]:
-            self.drop(pull_id, error)
-        self._asked.discard((address, incarnation))
-        process = self._sources.pop((address, incarnation), None)
-        if process is not None:
-            process.close()
-
     def close(self, error: BaseException) -> None:
         """Revoke every hold, failing its send with ``error``, and forget every process
         (idempotent)."""
         self._closed = True
-        self._agreed.clear()
         for pull_id in list(self._held):
             self.drop(pull_id, error)
-        for process in self._sources.values():
-            process.close()
-        self._sources.clear()
+        for peer in list(self.peers.values()):
+            peer.close()

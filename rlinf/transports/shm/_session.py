@@ -40,6 +40,46 @@ NOTICE_DELAY = 0.5e-3
 AHEAD_BYTES = 1 << 20
 
 
+class ShmPeer:
+    """What a :class:`ShmSession` keeps about one peer (by address): a
+    :class:`~rlinf.transports.base.PeerState`, handed out by :meth:`ShmSession.peer`
+    and closed once (:meth:`close`) when the peer is gone. The slots it holds of ours,
+    the segments of its we map and the relays to it are kept by the pool, the reader
+    and the relay (by its address); closing retires them all.
+
+    Attributes:
+        address: the peer's.
+        releases, mapped: the notices we owe it as a sender (slots released, segments
+            mapped), not sent yet. owed_bytes: bytes of the slots in ``releases``.
+        room: set on its releases (a send waiting for room in its window waits on it).
+        holding: it kept its window full for :data:`STALL`: sends no longer wait for it.
+        closed: it is gone.
+    """
+
+    __slots__ = ("address", "releases", "mapped", "owed_bytes", "room", "holding", "closed", "_session")
+
+    def __init__(self, session: ShmSession, address: str) -> None:
+        self.address = address
+        self.releases: list[list] = []
+        self.mapped: list[str] = []
+        self.owed_bytes = 0
+        self.room: asyncio.Event | None = None
+        self.holding = self.closed = False
+        self._session = session
+
+    def __repr__(self) -> str:
+        return (f"<ShmPeer {self.address} owed={len(self.releases)}+{len(self.mapped)} "
+                f"holding={self.holding}{' closed' if self.closed else ''}>")
+
+    def close(self, *, process_gone: bool = False) -> None:
+        """It left or died: retire the slots it held, forget its segments, and sweep them
+        when its process is gone from this machine (``process_gone``: known gone here;
+        else it may still run, having left without exiting or its liveness unknown)."""
+        if not self.closed:
+            self.closed = True
+            self._session._forget(self, alive=not process_gone)
+
+
 class ShmSession:
     """A communicator's shared-memory state: its pool, its reader, and the notices
     (releases, first mappings) it owes each sender, batched (see :data:`NOTICE_DELAY`).
@@ -82,16 +122,22 @@ class ShmSession:
         self._loop = loop
         self._loop_thread = threading.get_ident()
         self._send_notice = send_notice
-        self._pending: dict[str, tuple[list, list]] = {}
-        self._owed_bytes: dict[str, int] = {}      # sender -> bytes of the slots we release to it
+        self.peers: dict[str, ShmPeer] = {}     # what we keep about each peer, by address
+        self._owing: set[str] = set()            # peers we owe notices to
         self._owed = 0
         self._timer: asyncio.TimerHandle | None = None
         self._changed: asyncio.Event | None = None
-        self._room: dict[str, asyncio.Event] = {}     # reader -> set on its releases
-        self._holding: set[str] = set()
 
     def __repr__(self) -> str:
         return f"<ShmSession {self.pool!r} {self.reader!r} views={self.views}>"
+
+    def peer(self, address: str) -> ShmPeer:
+        """What we keep about ``address`` (made on first use; a closed one is replaced:
+        a restarted peer starts afresh)."""
+        peer = self.peers.get(address)
+        if peer is None:
+            peer = self.peers[address] = ShmPeer(self, address)
+        return peer
 
     # -- sending ---------------------------------------------------------------------------
     def export(self, buffers: Sequence[Any], sizes: Sequence[int], readers: dict[str, int],
@@ -119,14 +165,13 @@ class ShmSession:
     def behind(self, reader: str) -> bool:
         """Whether a send to ``reader`` should wait for :meth:`room` (cheap: one lookup)."""
         if not self.pool.holding(reader):    # (the common case, first: every send asks)
-            if self._holding:
-                self._holding.discard(reader)
-            return False
+            return False     # (a peer that gave every slot back is no longer holding: see _wake)
         slots, nbytes = self.pool.held(reader)
+        peer = self.peers.get(reader)
         if slots >= WINDOW_SLOTS or nbytes >= WINDOW_BYTES:
-            return reader not in self._holding
-        if reader in self._holding and slots <= WINDOW_SLOTS // 2 and nbytes <= WINDOW_BYTES // 2:
-            self._holding.discard(reader)
+            return peer is None or not peer.holding
+        if peer is not None and peer.holding and slots <= WINDOW_SLOTS // 2 and nbytes <= WINDOW_BYTES // 2:
+            peer.holding = False
         return False
 
     async def room(self, reader: str) -> None:
@@ -134,32 +179,44 @@ class ShmSession:
         restarts the :data:`STALL` clock); a reader that releases nothing for that long
         is taken to be holding its views, and is not waited for again until it is down
         to half its window. Returns early if ``reader`` goes away."""
-        event = self._room.get(reader)
-        if event is None:
-            event = self._room[reader] = asyncio.Event()
+        peer = self.peer(reader)
+        if peer.closed:
+            return
+        if peer.room is None:
+            peer.room = asyncio.Event()
+        event = peer.room
         while self.behind(reader):
             event.clear()
             try:
                 async with asyncio.timeout(STALL):
                     await event.wait()
             except TimeoutError:
-                self._holding.add(reader)
+                peer.holding = True
                 log.debug("rlinf: %s holds %s slots; not waiting for it", reader, self.pool.held(reader))
                 return
 
     def _wake(self, reader: str) -> None:
-        event = self._room.get(reader)
-        if event is not None:
-            event.set()
+        """``reader`` gave slots back: a send waiting for room looks again, and one that
+        gave them all back is not taken for holding its views any more."""
+        peer = self.peers.get(reader)
+        if peer is not None:
+            if peer.holding and not self.pool.holding(reader):
+                peer.holding = False
+            if peer.room is not None:
+                peer.room.set()
 
     def discard(self, slot: _Slot, copying: asyncio.Future | None, reader: str) -> None:
         """``reader``'s message in ``slot`` was dropped unsent: count it as released
         (once the copy into the slot finished; other readers of it are unaffected)."""
         name, generation = slot.name, slot.generation
         if copying is None or copying.done():
-            self.pool.release(reader, name, generation)
+            self._unsent(reader, name, generation)
         else:
-            copying.add_done_callback(lambda _: self.pool.release(reader, name, generation))
+            copying.add_done_callback(lambda _: self._unsent(reader, name, generation))
+
+    def _unsent(self, reader: str, name: str, generation: int) -> None:
+        self.pool.release(reader, name, generation)
+        self._wake(reader)
 
     # -- receiving -------------------------------------------------------------------------
     def open(self, src: str, slot: descriptors.SlotRef, counts: Sequence[Any], pid: int | None) -> list[memoryview]:
@@ -223,12 +280,13 @@ class ShmSession:
         if self._timer is None:
             self._timer = self._loop.call_later(NOTICE_DELAY, self.flush)
         self._owed += 1
-        releases, mapped = self._pending.setdefault(src, ([], []))
+        peer = self.peer(src)
+        self._owing.add(src)
         if generation is None:
-            mapped.append(segment)
+            peer.mapped.append(segment)
         else:
-            releases.append([segment, generation])
-            self._owed_bytes[src] = self._owed_bytes.get(src, 0) + self.reader.mapped_bytes(segment)
+            peer.releases.append([segment, generation])
+            peer.owed_bytes += self.reader.mapped_bytes(segment)
 
     @property
     def owed(self) -> int:
@@ -238,14 +296,16 @@ class ShmSession:
     def take(self, src: str) -> list | None:
         """What we owe ``src`` (the notice's body), to send with a message to it now;
         None if nothing."""
-        owed = self._pending.pop(src, None)
-        self._owed_bytes.pop(src, None)
-        if owed is None:
+        if src not in self._owing:
             return None
+        self._owing.discard(src)
+        peer = self.peers[src]
+        owed = [peer.releases, peer.mapped]
+        peer.releases, peer.mapped, peer.owed_bytes = [], [], 0
         self._owed -= len(owed[0]) + len(owed[1])
-        if not self._pending:
+        if not self._owing:
             self._stop_timer()
-        return list(owed)
+        return owed
 
     def ahead(self, src: str) -> bool | None:
         """How what we owe ``src`` goes with our next message to it: ahead of it in its
@@ -253,9 +313,9 @@ class ShmSession:
         sender's next message may then reuse instead of taking a second one), or right
         after it (False: small slots; carried ahead they would add ~12 us to a reply's
         latency on both sides). None: we owe ``src`` nothing."""
-        if src not in self._pending:
+        if src not in self._owing:
             return None
-        return self._owed_bytes.get(src, 0) >= AHEAD_BYTES
+        return self.peers[src].owed_bytes >= AHEAD_BYTES
 
     def flush_to(self, src: str) -> None:
         """Send what we owe ``src`` now, in a notice of its own."""
@@ -269,7 +329,7 @@ class ShmSession:
     def flush(self) -> None:
         """Send the notices collected so far, one message per sender."""
         self._stop_timer()
-        for src in list(self._pending):
+        for src in list(self._owing):
             self.flush_to(src)
 
     def _stop_timer(self) -> None:
@@ -295,19 +355,21 @@ class ShmSession:
             self._changed.set()
 
     # -- membership and lifecycle ----------------------------------------------------------
-    def peer_gone(self, address: str, *, alive: bool = False) -> None:
-        """``address`` left or died: retire what it held, forget its segments, and sweep
-        them when its process is gone from this machine. ``alive``: its process may still
-        run (it left without exiting, or its liveness is unknown)."""
+    def _forget(self, peer: ShmPeer, *, alive: bool) -> None:
+        """``peer`` closed (see :meth:`ShmPeer.close`): what the pool, the relay, the
+        reader and the shared files keep for its address goes, and so does it."""
+        address = peer.address
+        if self.peers.get(address) is peer:
+            del self.peers[address]
         self.pool.reader_gone(address)
         self.relay.reader_gone(address, alive=alive)
         self.fd_maps.peer_gone(address)
-        self._owed -= sum(map(len, self._pending.pop(address, ((), ()))))
-        self._owed_bytes.pop(address, None)
-        self._holding.discard(address)
-        event = self._room.pop(address, None)
-        if event is not None:
-            event.set()
+        if address in self._owing:
+            self._owing.discard(address)
+            self._owed -= len(peer.releases) + len(peer.mapped)
+        peer.releases, peer.mapped, peer.owed_bytes = [], [], 0
+        if peer.room is not None:
+            peer.room.set()
         for pid in self.reader.peer_gone(address):
             if pid != os.getpid() and process_gone(pid):
                 sweep(pid)
