@@ -22,7 +22,7 @@ from . import routing, wire
 from ..codec import is_device_buffer
 from ..errors import ProtocolError
 from ..info import WorkerInfo
-from ..transports.cuda import ipc as cuda_ipc
+from ..transports.cuda import CudaIpcSession, CudaPeer, ipc as cuda_ipc
 
 __all__ = ["GpuPaths"]
 
@@ -40,9 +40,9 @@ class GpuPaths:
     """
 
     def __init__(self, address: str, roster: Mapping[str, WorkerInfo], config: routing.RoutingConfig,
-                 new_session: Callable[[], cuda_ipc.CudaIpcSession]) -> None:
+                 new_session: Callable[[], CudaIpcSession]) -> None:
         self.me: WorkerInfo | None = None          # set once the communicator registered
-        self.session: cuda_ipc.CudaIpcSession | None = None
+        self.session: CudaIpcSession | None = None
         self._address = address
         self._roster = roster
         self._config = config
@@ -54,7 +54,7 @@ class GpuPaths:
     def __repr__(self) -> str:
         return f"<GpuPaths {self._address} session={self.session!r}>"
 
-    def _session(self) -> cuda_ipc.CudaIpcSession:
+    def _session(self) -> CudaIpcSession:
         if self.session is None:
             self.session = self._new_session()
         return self.session

@@ -170,6 +170,8 @@ class Lifecycle:
         """Bring everything up (see the module docstring for the order) and register:
         our info. On failure, what was brought up is torn down and we are closed."""
         p = self._p
+        if self.closed is not None or self._closing is not None:
+            raise self.closed or ClosedError("communicator is closing")    # (a start once failed, or closed)
         self._loop = loop = asyncio.get_running_loop()
         leftovers.remove_orphans()     # of a job that died here with no one left to clean up
         self.context = zmq.Context()
@@ -223,7 +225,10 @@ class Lifecycle:
                 p.trace.start(loop)
             await self.control.register(timeout=p.connect_timeout)
         except BaseException:
-            await self._teardown(deregister=False)
+            if self._closing is not None:      # an aclose() meanwhile: it tears down, once
+                await asyncio.shield(self._closing)
+            elif self.closed is None:
+                await self._teardown(deregister=False)
             raise
         self.started = True
         return info

@@ -23,6 +23,7 @@ from ..errors import (AuthenticationError, ClosedError, CommTimeoutError, PeerLo
                       TransportUnavailableError)
 from ..info import WorkerInfo, parse_address
 from ..transports import tcp_bulk
+from ..transports.cuda import CudaIpcSession, CudaPeer
 from ..transports.shm import PullPeer, PullSession, ShmPeer, ShmSession
 from ..transports.stream import StreamTransport
 from ..transports.zeromq import ZmqTransport
@@ -97,12 +98,15 @@ class PeerSession:
     with a lifecycle of their own: closing the session (a broken link, a restart seen
     first as a join) leaves them be, because the peer may live and hold our slots; they
     close once, when the incarnation is gone (:meth:`PeerSessions.peer_gone`, the one
-    place the transports learn of it). Not here yet: the CUDA IPC state
-    (:class:`~rlinf.core._gpu_paths.GpuPaths`, by address) and the mailbox's lost-state.
+    place the transports learn of it). Likewise ``cuda`` (a
+    :class:`~rlinf.transports.cuda.CudaPeer`: notices we owe it about GPU slots), once
+    this communicator has a CUDA IPC session; it closes when the peer left or its
+    process is gone (a peer only taken for lost may come back to its slots; see
+    :meth:`~rlinf.core._gpu_paths.GpuPaths.gone`). Not here yet: the mailbox's lost-state.
     """
 
     __slots__ = ("address", "outbox", "shm_route", "task", "closed", "redials", "unregistered", "no_wait",
-                 "shm", "pull")
+                 "shm", "pull", "cuda")
 
     def __init__(self, address: str, outbox: Outbox) -> None:
         self.address = address
@@ -115,6 +119,7 @@ class PeerSession:
         self.no_wait: list[asyncio.Future] = []   # sends that must not wait for it to register
         self.shm: ShmPeer | None = None       # what the transports keep about it (see above)
         self.pull: PullPeer | None = None
+        self.cuda: CudaPeer | None = None
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "failed" if self.error else "open"
@@ -255,6 +260,8 @@ class PeerSessions:
             session.shm = self._shm.peer(info.address)
         if self._pull is not None:
             session.pull = self._pull.peer(info.address, info.incarnation)
+        if self._gpu.session is not None:
+            session.cuda = self._gpu.session.peer(info.address)
         identity = f"{info.address}|{info.incarnation}".encode()
         outbox.inflow = self.inflows.get(identity)
         if outbox.log.next == 0:
@@ -561,6 +568,8 @@ class PeerSessions:
         self._gpu.joined(address, info)    # restarted, maybe: its old slots go
         if old is not None and old.incarnation != info.incarnation:
             self.forget_inflow(f"{address}|{old.incarnation}".encode(), left=True)
+            if self._shm is not None:      # and those of ours it held: the new one starts afresh
+                self._shm.peer(address).close(process_gone=control.process_gone_here(old))
         session = self._sessions.get(address)
         if session is not None and (session.error is not None or (old and old.incarnation != info.incarnation)):
             self._drop(address)
@@ -571,6 +580,13 @@ class PeerSessions:
         elif session is not None and session.error is None and self._sessions.get(address) is session:
             session.outbox.resend()    # it may have dropped what we sent while it was taken for lost
             session.outbox.log.rto = RTO
+
+    def cuda_started(self, cuda: CudaIpcSession) -> None:
+        """This communicator has a CUDA IPC session now: each connected session gets what
+        it keeps about its peer."""
+        for session in self._sessions.values():
+            if session.info is not None and session.cuda is None:
+                session.cuda = cuda.peer(session.address)
 
     def peer_gone(self, address: str, incarnation: str, kind: str, info: WorkerInfo | None,
                   error: PeerLostError | None) -> None:

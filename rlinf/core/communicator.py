@@ -33,7 +33,7 @@ from ..control.security import ClusterKeys
 from ..errors import ClosedError, CommTimeoutError
 from ..info import MembershipEvent, WorkerInfo, check_plain, check_timeout, failure_summary, parse_address
 from ..transports import shm
-from ..transports.cuda import ipc as cuda_ipc
+from ..transports.cuda import CudaIpcSession
 from ..util.bounded import Recent
 from . import routing, wire
 from ._access import CoreAccess
@@ -189,9 +189,11 @@ class CoreCommunicator:
         self._started = True
         return self
 
-    def _new_cuda_session(self) -> cuda_ipc.CudaIpcSession:
-        return cuda_ipc.CudaIpcSession(self._loop, functools.partial(self._send.notice, tag="cuda"),
-                                       self.incarnation, views=self._shm_views, cap=self._settings.cuda_ipc_cap)
+    def _new_cuda_session(self) -> CudaIpcSession:
+        session = CudaIpcSession(self._loop, functools.partial(self._send.notice, tag="cuda"),
+                                 self.incarnation, views=self._shm_views, cap=self._settings.cuda_ipc_cap)
+        self._sessions.cuda_started(session)
+        return session
 
     def _set_closed(self, error: ClosedError) -> None:
         self._closed = error     # the lifecycle's, kept here for the check of every operation

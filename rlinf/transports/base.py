@@ -38,7 +38,7 @@ decides, per buffer. Every link the communicator uses passes the conformance sui
 Shared memory and CUDA IPC are not links: a message's buffers go into a slot and only a
 descriptor travels on a link. The session layer drives them through their session
 objects (:class:`rlinf.transports.shm.ShmSession` and
-:class:`~rlinf.transports.shm.PullSession`, :class:`rlinf.transports.cuda.ipc.CudaIpcSession`),
+:class:`~rlinf.transports.shm.PullSession`, :class:`rlinf.transports.cuda.CudaIpcSession`),
 whose modules state their contracts and buffer lifetimes; :class:`~rlinf.transports.shm.ShmTransport`
 packages the same pieces as a link for the conformance suite. What such a session keeps
 about one peer is one object, a :class:`PeerState` it hands out (``session.peer(...)``):

@@ -350,6 +350,32 @@ async def test_wrong_token_is_rejected(cluster):
         assert "intruder:0" not in {w.address for w in cluster.manager.roster()}
 
 
+async def test_a_close_while_starting_tears_down_once_and_it_does_not_start_again():
+    """aclose() while start() waits for a manager that does not answer: start raises
+    ClosedError, the subsystems' closers ran once, and a later start() raises ClosedError
+    instead of starting parts again."""
+    import socket
+
+    from .wait import until
+
+    with socket.socket() as silent:          # a port nobody answers on (bound, not listening)
+        silent.bind(("127.0.0.1", 0))
+        async with asyncio.timeout(30):
+            comm = rlinf.Communicator("early:0", manager=f"tcp://127.0.0.1:{silent.getsockname()[1]}",
+                                      token="t" * 32, connect_timeout=20)
+            ran = []
+            comm.add_closer(lambda: ran.append("closer"))
+            starting = asyncio.ensure_future(comm.start())
+            await until(lambda: comm._lifecycle.control is not None, what="start waiting to register")
+            await comm.aclose()
+            with pytest.raises(rlinf.ClosedError):
+                await starting
+            assert ran == ["closer"] and comm.closed
+            with pytest.raises(rlinf.ClosedError):
+                await comm.start()
+            assert ran == ["closer"]
+
+
 async def test_worker_failure_carries_traceback(cluster):
     async with asyncio.timeout(60):
         group = await cluster.spawn(workers.raise_error, "bad", 1, args=("kaboom",))

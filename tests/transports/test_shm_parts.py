@@ -141,7 +141,7 @@ def test_a_reader_unmaps_copy_on_write_segments_their_sender_retired(pool, reade
         del view
         gc.collect()
         pool.release("r:0", slot.name, slot.generation)
-        assert pool.reader_gone(f"dies:{i}") == 1            # retired: unlinked, never reused
+        assert pool.reader_gone(f"dies:{i}") == set()        # retired: unlinked, never reused (r:0 gave it back)
     assert pool.created == 12
     gone = [n for n in reader._private if not os.path.exists(os.path.join(shm.SHM_DIR, n))]
     assert len(gone) <= 4                                        # was: all 12 kept mapped
@@ -163,9 +163,10 @@ def test_a_relayed_slot_is_made_copy_on_write_in_place(pool, reader):
 
 
 def test_reader_gone_retires_its_slots(pool):
-    slot, _ = _export(pool, [b"x" * 10], readers={"gone:0": 1})
-    assert pool.reader_gone("gone:0") == 1
-    assert pool.busy == 0 and not os.path.exists(slot.path)
+    slot, _ = _export(pool, [b"x" * 10], readers={"gone:0": 1, "co:0": 1})
+    assert pool.holding("co:0")
+    assert pool.reader_gone("gone:0") == {"co:0"}                # a co-reader holds fewer now
+    assert pool.busy == 0 and not os.path.exists(slot.path) and not pool.holding("co:0")
     assert pool.acquire(10, {"r:0": 1}) is not slot
 
 
@@ -616,4 +617,33 @@ async def test_closing_a_peer_retires_its_slots_and_notices_and_wakes_a_send_wai
         del views
     finally:
         receiver.close()
+        sender.close()
+
+
+async def test_a_reader_taken_for_holding_is_waited_for_again_once_a_co_reader_left(monkeypatch):
+    """A reader that kept its window full past the stall is not waited for while it holds
+    our slots; when the other reader of those (multicast) slots leaves, they retire, it
+    holds nothing, and a later burst waits for it again (the window is not skipped)."""
+    import asyncio
+
+    from rlinf.transports.shm import _session
+
+    monkeypatch.setattr(_session, "STALL", 0.01)
+    loop = asyncio.get_running_loop()
+    sender = shm.ShmSession(loop, lambda dst, obj: None)
+    try:
+        n = 600_000
+        sender.export([memoryview(bytes(n))], [n], {"y:0": 1, "x:0": 1})
+        monkeypatch.setattr(_session, "WINDOW_BYTES", int(sender.pool.held("y:0")[1] * 1.5))
+        sender.export([memoryview(bytes(n))], [n], {"y:0": 1, "x:0": 1})
+        assert sender.behind("y:0")
+        async with asyncio.timeout(5):
+            await sender.room("y:0")                   # y never gives back: taken for holding
+        assert sender.peer("y:0").holding and not sender.behind("y:0")
+        sender.peer("x:0").close(process_gone=True)    # the co-reader goes: both slots retire
+        assert sender.pool.held("y:0") == (0, 0) and not sender.peer("y:0").holding
+        sender.export([memoryview(bytes(n))], [n], {"y:0": 1})
+        sender.export([memoryview(bytes(n))], [n], {"y:0": 1})
+        assert sender.behind("y:0")                    # its window counts again
+    finally:
         sender.close()

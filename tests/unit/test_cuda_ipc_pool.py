@@ -10,7 +10,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from rlinf.transports.cuda import ipc as cuda_ipc
+from rlinf.transports.cuda import CudaIpcSession, ipc as cuda_ipc
 
 
 class _Event:
@@ -270,13 +270,13 @@ def test_a_dead_receivers_references_are_released_and_its_slots_dropped():
     assert len(_UntypedStorage.released) == 1 and not s._slots
 
 
-class _Session(cuda_ipc.CudaIpcSession):
+class _Session(CudaIpcSession):
     def __init__(self, loop, sent) -> None:
         self.sender = _sender()
         self.incarnation = "me"
         self._loop = loop
         self._send_notice = lambda dst, items: sent.append((dst, items))
-        self._owed, self._flush_scheduled, self._rooms = {}, False, {}
+        self.peers, self._owing, self._flush_scheduled = {}, {}, False
         self.reader = _NoReader()
 
 
@@ -333,6 +333,26 @@ async def test_room_waits_long_only_while_new_slots_may_be_opening():
     session.peer_gone("r:0", None, process_gone=False)      # the receiver left: the wait ends at once
     async with asyncio.timeout(5):
         await waiting
+
+
+async def test_what_the_session_keeps_about_a_peer_goes_when_it_is_closed():
+    """A peer's CudaPeer (a PeerState): closing it drops the notices owed to it, forgets
+    our slots for it and ends a send waiting for room there; the next use starts afresh."""
+    sent: list = []
+    session = _Session(asyncio.get_running_loop(), sent)
+    peer = session.peer("r:0")
+    assert peer.address == "r:0" and not peer.closed and session.peer("r:0") is peer
+    session.sender.export([_Buf(b"a")], [0], "r:0", 0)
+    waiting = asyncio.ensure_future(session.room("r:0"))
+    await asyncio.sleep(0)
+    session._owe("r:0", [1, 1, None, False])                        # (flushed at the end of this turn)
+    peer.close(process_gone=True)
+    peer.close(process_gone=True)                                   # idempotent
+    async with asyncio.timeout(5):
+        await waiting
+    await asyncio.sleep(0)                                          # the flush turn: nothing owed goes
+    assert sent == [] and session.owed == 0 and session.sender.busy_bytes("r:0") == 0
+    assert peer.closed and session.peer("r:0") is not peer and not session.peer("r:0").owed
 
 
 async def test_free_slots_of_other_sizes_are_retired_to_make_room():

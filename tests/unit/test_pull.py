@@ -354,6 +354,19 @@ async def test_a_late_goodbye_of_an_old_incarnation_keeps_the_new_ones_agreement
     assert not pair.s.agreed("x:0", "X0")
 
 
+async def test_a_late_ask_of_an_old_incarnation_keeps_the_new_ones_agreement(pair):
+    """An old incarnation still running a moment asks after the new one agreed: the
+    cookie goes to the address, the new one confirms, and it stays agreed; an agreement
+    of the new incarnation ends the old one's."""
+    pair.agree()                                          # r:0 as R1
+    pair.s.on_notice("r:0", ["ask", "R0"])                # an earlier incarnation, late
+    pair.deliver()
+    assert pair.s.agreed("r:0", "R1") and not pair.s.agreed("r:0", "R0")
+    pair.s.on_notice("r:0", ["ask", "R2"])                # a later one asks and agrees
+    pair.s.on_notice("r:0", ["ok", "R2"])
+    assert pair.s.agreed("r:0", "R2") and not pair.s.agreed("r:0", "R1")
+
+
 async def test_an_outbox_that_refuses_the_entry_leaves_no_hold(pair):
     import types
 

@@ -187,6 +187,28 @@ async def test_a_restarted_peer_gets_a_new_session():
     assert not new.closed and new.error is None
 
 
+async def test_a_restart_seen_first_as_a_join_retires_the_slots_the_old_incarnation_held():
+    """What shared memory kept about the old incarnation (its window of our slots) does not
+    carry over to the new one: its slots retire, and the new session's state is new."""
+    from rlinf.transports import shm
+
+    core = _Core(asyncio.get_running_loop())
+    session_shm = shm.ShmSession(asyncio.get_running_loop(), lambda dst, obj: None)
+    core.sessions._shm = session_shm
+    try:
+        core.membership.on_event(MembershipEvent("joined", "peer:0", "inc1", _peer("inc1")))
+        core.queue("to the first")
+        old = core.sessions.get("peer:0").shm
+        session_shm.export([memoryview(b"x" * 1000)], [1000], {"peer:0": 1})
+        assert old is not None and session_shm.pool.held("peer:0")[0] == 1
+        core.membership.on_event(MembershipEvent("joined", "peer:0", "inc2", _peer("inc2")))
+        assert old.closed and session_shm.pool.held("peer:0") == (0, 0)
+        core.queue("to the second")
+        assert core.sessions.get("peer:0").shm is not old
+    finally:
+        session_shm.close()
+
+
 async def test_our_close_closes_every_open_session():
     core = _Core(asyncio.get_running_loop())
     core.roster["peer:0"] = _peer("inc1")

@@ -323,15 +323,19 @@ class ShmPool:
         """Readers still to map a busy slot's file (what closing waits for)."""
         return sorted({r for s in self._busy.values() for r in s.readers if r not in s.confirmed})
 
-    def reader_gone(self, reader: str) -> int:
-        """``reader`` left or died: retire the slots it held (unlinked, never reused)."""
+    def reader_gone(self, reader: str) -> set[str]:
+        """``reader`` left or died: retire the slots it held (unlinked, never reused).
+        Returns the other readers of those slots (they hold fewer now)."""
         retired = [s for s in self._busy.values() if reader in s.readers]
+        others: set[str] = set()
         for slot in retired:
             del self._busy[slot.name]
             for other in slot.readers:
                 self._hold(slot, other, -1)
+                others.add(other)
             self._drop(slot)
-        return len(retired)
+        others.discard(reader)
+        return others
 
     def close(self) -> None:
         """Unlink every segment. Views readers hold stay valid (the memory lives on

@@ -375,8 +375,6 @@ class PullSession:
                 self._check_emptied()
         elif what == "ask" and len(args) == 1 and isinstance(args[0], str):
             if not self._closed and self.threshold:
-                for peer in self._others(src, args[0]):
-                    peer.cookied = peer.agreed = False      # only the incarnation that asks last
                 self.peer(src, args[0]).cookied = True
                 self._notify(src, ["cookie", self._incarnation, os.getpid(), self._cookie.address,
                                    self._cookie.value])
@@ -385,6 +383,8 @@ class PullSession:
         elif what == "ok" and len(args) == 1 and isinstance(args[0], str):
             peer = self.peers.get((src, args[0]))
             if peer is not None and peer.cookied and not self._closed:    # only a peer we offered to
+                for other in self._others(src, args[0]):
+                    other.cookied = other.agreed = False      # only the incarnation that agreed last
                 peer.agreed = True
         else:
             raise ProtocolError(f"malformed pull notice from {src}: {what!r}")

@@ -361,7 +361,8 @@ class ShmSession:
         address = peer.address
         if self.peers.get(address) is peer:
             del self.peers[address]
-        self.pool.reader_gone(address)
+        for other in self.pool.reader_gone(address):
+            self._wake(other)         # it co-read retired slots: it holds fewer of ours now
         self.relay.reader_gone(address, alive=alive)
         self.fd_maps.peer_gone(address)
         if address in self._owing:
