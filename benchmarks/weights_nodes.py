@@ -38,7 +38,7 @@ from tests.multinode import netns  # noqa: E402
 
 MiB = 1 << 20
 WARMUP = 2
-NODES, PER_NODE = 3, 2
+NODES, PER_NODE = int(os.environ.get("W2_NODES", 3)), int(os.environ.get("W2_PER_NODE", 2))
 RAW_PORT = 7201
 _ENV = {"OMP_NUM_THREADS": "1", "RLINF_PEER_TIMEOUT": "10"}
 
@@ -142,7 +142,7 @@ def _raw(nodes: netns.Nodes, nbytes: int, rounds: int, budget: float) -> list[fl
     return times
 
 
-def run(mib: int, rate_mbit: float, rounds: int) -> dict:
+def run(mib: int, rate_mbit: float, rounds: int, queue_ms: float) -> dict:
     nbytes = mib * MiB
     link_s = nbytes * 8 / (rate_mbit * 1e6) if rate_mbit else 0.5
     budget = 60 + 10 * link_s
@@ -150,7 +150,7 @@ def run(mib: int, rate_mbit: float, rounds: int) -> dict:
         nodes.start_manager(0)
         if rate_mbit:
             for i in range(1 + NODES):
-                nodes.rate_limit(i, f"{int(rate_mbit)}mbit")
+                nodes.rate_limit(i, f"{int(rate_mbit)}mbit", latency=f"{queue_ms}ms")
         raw = _raw(nodes, nbytes, rounds + WARMUP, budget)
         rl = _rlinf(nodes, nbytes, rounds + WARMUP, budget)
     return {"raw": raw, "rlinf": rl, "nbytes": nbytes, "rate_mbit": rate_mbit}
@@ -161,14 +161,16 @@ def main() -> int:
     parser.add_argument("--mib", type=int, default=128, help="state dict size (default 128 MiB)")
     parser.add_argument("--rate-mbit", type=float, default=1000.0, help="each node's link (0: unlimited)")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds, after 2 warm-up ones")
+    parser.add_argument("--queue-ms", type=int, default=10, help="each link's queue (tbf latency), ms")
     args = parser.parse_args()
     reason = netns.probe()
     if reason:
         print(f"W2 on emulated nodes skipped: {reason}")
         return 2
-    got = run(args.mib, args.rate_mbit, args.rounds)
+    got = run(args.mib, args.rate_mbit, args.rounds, args.queue_ms)
     raw, rl = statistics.median(got["raw"][WARMUP:]), statistics.median(got["rlinf"][WARMUP:])
-    rate = f"tbf {args.rate_mbit:.0f} Mbit/s per node link" if args.rate_mbit else "links unlimited"
+    rate = (f"tbf {args.rate_mbit:.0f} Mbit/s per node link, queue {args.queue_ms} ms" if args.rate_mbit
+            else "links unlimited")
     print(f"W2 on emulated nodes: {args.mib} MiB bf16 state dict, node 0 -> 3 nodes x 2 pullers, {rate}; "
           f"medians of {args.rounds} after {WARMUP} warm-up rounds")
     print(f"  raw rounds  {['%.3f' % t for t in got['raw']]}")

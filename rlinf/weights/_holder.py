@@ -44,7 +44,7 @@ log = logging.getLogger("rlinf.weights")
 #: Bytes per ``fetch`` message, as the puller asks: small enough that copying one
 #: chunk overlaps the next one's transfer, and that a relay forwards a chunk soon after
 #: it began to receive the version (each hop of the chain adds about one chunk's time).
-CHUNK = 4 << 20
+CHUNK = 8 << 20
 MIN_CHUNK, MAX_CHUNK = 1 << 20, 1 << 30
 #: Chunks a fetch sends ahead of the puller (one on the wire, some queued, one copied).
 WINDOW = 8
