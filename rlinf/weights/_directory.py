@@ -277,7 +277,7 @@ class Directory:
         del entry.relays[relay.node]
         doomed = {id(relay)}
         for other in entry.relays.values():          # in chain order: an upstream comes first
-            if other.upstream is not None and id(other.upstream) in doomed:
+            if other.upstream is not None and id(other.upstream) in doomed and not other.ready:
                 other.doomed = True
                 doomed.add(id(other))
         grants = [Grant(src, req, entry) for src, req in relay.waiting]

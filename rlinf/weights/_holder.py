@@ -302,10 +302,10 @@ class Holder:
                     f"(the store's directory left)", peer=self.address)))
 
     def _fetch(self, src: str, req: int, number: int, size: int, window: int, shard: int | None = None) -> None:
-        """Send version ``number``'s bytes to ``src``, a chunk of whole tensors of about
-        ``size`` bytes per message, ``window`` chunks ahead of its ``more`` (the reader
-        holds the version: the bucket stays as it is meanwhile; it cut the same chunks
-        from the layout). ``shard`` (which relays need) is this holder's."""
+        """Send version ``number``'s bytes to ``src``, a chunk of ``size`` bytes per
+        message (:func:`spans`), ``window`` chunks ahead of its ``more`` (the reader holds
+        the version: the bucket stays as it is meanwhile; it cut the same chunks). The
+        ``shard`` a relay names is this holder's."""
         if isinstance(size, bool) or not isinstance(size, int) or not MIN_CHUNK <= size <= MAX_CHUNK:
             raise ValueError(f"chunk size {size!r} out of [{MIN_CHUNK}, {MAX_CHUNK}]")
         if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_WINDOW:

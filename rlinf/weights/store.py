@@ -3,9 +3,11 @@
 Publishers capture a tree into a new version (one copy, into a shared-memory bucket of
 their own :class:`~rlinf.weights._holder.Holder`); pullers ask the store's directory
 (the holder of shard 0) for the newest complete version, copy it into their tensors
-(straight from the holder's shared memory on the same node, over the messaging path
-from another node) and release it. A version's buckets are reused only once no pull
-reads them, so a pull never mixes two versions.
+(straight from the holder's shared memory on the same node; on another node from its
+relay's, which streams the version from the previous relay of the chain or the
+holder, :mod:`._relay`) and release it. A version's buckets are reused only once no
+pull reads them, so a pull never mixes two versions; a pull whose relay stopped asks
+the directory again, and returns only once one version's every byte is in.
 """
 
 from __future__ import annotations

@@ -204,6 +204,65 @@ def test_a_failed_or_departed_relay_lets_its_node_fetch_for_itself():
     assert d.cancel("b:5", 6) and d.versions[1].readers["b:5"] == 0
 
 
+def test_relays_form_a_chain_each_streaming_from_the_one_before_once_it_started():
+    d = Directory("w")
+    d.add_shard(1, 0, 1, _far())
+    first = d.acquire("b:0", 1, None, "node-b")
+    assert first.relay and first.source is None                     # from the holder
+    assert d.acquire("c:0", 2, None, "node-c") is None              # waits for b:0 to start
+    assert d.acquire("d:0", 3, None, "node-d") is None              # waits for c:0
+    assert d.acquire("b:1", 4, None, "node-b") is None              # waits for its node's relay
+    grants = d.relay_started("b:0", 1, {0: ("b-seg", 64, 5)})
+    assert [(g.src, g.relay, g.source and g.source.address, g.via and g.via.address) for g in grants] == [
+        ("b:1", False, None, "b:0"), ("c:0", True, "b:0", None)]   # streams, before b:0 is ready
+    [grant] = d.relay_started("c:0", 1, {0: ("c-seg", 64, 6)})
+    assert (grant.src, grant.source.address) == ("d:0", "c:0")
+    assert d.acquire("c:1", 5, None, "node-c").via.address == "c:0"  # started: read it at once
+    assert d.relayed("b:0", 1, {0: ("b-seg", 64, 5)}) == []          # ready
+    assert all(d.versions[1].readers[a] == 1 for a in ("b:0", "b:1", "c:0", "c:1", "d:0"))
+
+
+def test_a_failed_relay_leaves_the_chain_and_those_downstream_are_routed_around_it():
+    d = Directory("w")
+    d.add_shard(1, 0, 1, _far())
+    d.acquire("b:0", 1, None, "node-b")
+    d.acquire("c:0", 2, None, "node-c")
+    d.relay_started("b:0", 1, {0: ("b-seg", 64, 5)})                # c:0 streams from b:0
+    assert d.acquire("d:0", 3, None, "node-d") is None              # deferred on c:0
+    assert d.acquire("b:1", 4, None, "node-b").via.address == "b:0"
+    # b:1 found b:0 gone (before the directory did): it asks again naming it
+    assert d.relay_lost("b:0", 1) == []
+    assert d.versions[1].relays["node-c"].doomed                   # c:0 streams from it: will fail
+    d.release("b:1", 1)
+    again = d.acquire("b:1", 5, None, "node-b")
+    assert again.relay and again.source is None                     # c:0 doomed: from the holder
+    [grant] = d.relayed("c:0", 1, None)                              # c:0 fails: d:0 is routed anew,
+    assert (grant.src, grant.relay, grant.source) == ("d:0", True, None)   # to the relays before it
+    assert d.relayed("b:0", 1, {0: ("b-seg", 64, 5)}) is None        # out of the chain: its copy is not needed
+
+
+def test_a_relay_that_has_it_all_stays_a_source_when_its_upstream_fails():
+    d = Directory("w")
+    d.add_shard(1, 0, 1, _far())
+    d.acquire("b:0", 1, None, "node-b")
+    d.acquire("c:0", 2, None, "node-c")
+    d.relay_started("b:0", 1, {0: ("b-seg", 64, 5)})
+    d.relayed("c:0", 1, {0: ("c-seg", 64, 6)})                       # c:0 got it all from b:0
+    d.relay_lost("b:0", 1)
+    assert not d.versions[1].relays["node-c"].doomed
+    assert d.acquire("d:0", 3, None, "node-d").source.address == "c:0"
+
+
+def test_a_relay_waiting_for_its_upstream_can_cancel():
+    d = Directory("w")
+    d.add_shard(1, 0, 1, _far())
+    d.acquire("b:0", 1, None, "node-b")
+    assert d.acquire("c:0", 2, None, "node-c") is None
+    assert d.cancel("c:0", 2) and "c:0" not in d.versions[1].readers
+    assert d.relay_started("b:0", 1, {0: ("b-seg", 64, 5)}) == []     # nobody deferred any more
+    assert d.acquire("c:1", 3, None, "node-c").source.address == "b:0"
+
+
 def test_a_holder_gone_keeps_a_version_still_read_but_grants_it_no_more():
     d = Directory("w")
     d.add_shard(1, 0, 2, _ref("weights.w:0"))
