@@ -201,8 +201,8 @@ def main() -> int:
     print(f"{'rlinf refresh s':>16} {'raw TCP s':>10} {'ratio':>7} {'raw Gbit/s':>11} {'CPU s rlinf/raw':>16}  target")
     print(f"{rl:16.3f} {raw:10.3f} {rl / raw:6.2f}x {got['nbytes'] * 8 / raw / 1e9:11.2f} "
           f"{got['cpu'][0]:9.2f} / {got['cpu'][1]:4.2f}  <= 1.5x")
-    print("  CPU s: user + system seconds of rlinf's 7 processes per refresh / of the raw sender and receiver "
-          "per transfer (kernel work done in softirqs is not counted)")
+    print("  CPU s: user + system seconds of rlinf's 7 processes per timed refresh / of the raw sender and "
+          "receiver per transfer, their start included (kernel work done in softirqs is not counted)")
     return 0
 
 
