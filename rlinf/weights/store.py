@@ -207,9 +207,12 @@ class WeightStore:
                         await self._copy(number, refs, plans, epoch, role, token)
                         return tree, number
                     except PeerLostError as exc:
-                        # a relay it read from stopped (not a holder, nor the directory):
-                        # ask again, telling the directory; what was copied is overwritten
-                        if _is_holder(exc.peer) or len(lost) >= _REROUTES or self._epoch != epoch:
+                        if self._epoch != epoch:          # whatever failed first: the store is gone
+                            raise PeerLostError(f"{self._directory}, the publisher of weight store "
+                                                f"{self.name!r}, is gone", peer=self._directory) from exc
+                        # a relay it read from stopped (not a holder): ask again, telling
+                        # the directory; what was copied is overwritten
+                        if _is_holder(exc.peer) or len(lost) >= _REROUTES:
                             raise
                         lost.append((number, exc.peer))
                     finally:

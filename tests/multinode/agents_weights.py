@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+import rlinf
+
 
 def tree(version: int, nbytes: int) -> dict:
     """Four float32 arrays of ``nbytes`` in all, every element equal to ``version``."""
@@ -36,14 +38,19 @@ async def pull(comm, ctl, nbytes: int, versions: int, small_first: bool = False)
     """Pull each version 1..versions into the same arrays (the next one when told
     ``again``; version 1 into smaller ones when ``small_first``); report whether every
     element holds the version and the bytes moved per path; stay (a relay's copy
-    leaves with its process) until told ``exit``."""
+    leaves with its process) until told ``exit``; a ``PeerLostError`` is reported
+    (``lost``) and ends the pulling."""
     ws = await comm.weights("nodes")
     into = tree(-1, nbytes)
     for v in range(1, versions + 1):
         if v > 1:
             await ctl.command("again")
         target = tree(-1, nbytes // 8) if small_first and v == 1 else into
-        got = await ws.pull(target, newer_than=v - 1, timeout=60)
+        try:
+            got = await ws.pull(target, newer_than=v - 1, timeout=60)
+        except rlinf.PeerLostError as exc:
+            ctl.emit("lost", version=v, error=str(exc))
+            break
         intact = got == v and all(bool((a == float(v)).all()) for a in target.values())
         ctl.emit("pulled", version=got, intact=intact, by_path=(await ws.stats()).this_bytes_by_path)
     await ctl.command("exit")

@@ -120,3 +120,31 @@ def test_a_relay_killed_mid_version_leaves_the_others_an_intact_version(nodes):
         p.expect("result", timeout=30)
     trainer.tell("exit")
     trainer.expect("result", timeout=30)
+
+
+def test_the_publisher_killed_mid_version_fails_every_puller_of_the_chain_clearly(nodes):
+    """The holder dies while the relays stream version 2 (its link is slow): every
+    puller, relay, follower or downstream relay, gets PeerLostError within its timeout,
+    none a version."""
+    n = nodes(4)
+    n.start_manager(0)
+    size = 24 * MiB
+    trainer = n.agent(0, f"{_AGENTS}:publish", "trainer:0", nbytes=size, versions=2, small_first=True)
+    pullers = [n.agent(node, f"{_AGENTS}:pull", f"rollout:{i}", nbytes=size, versions=2, small_first=True)
+               for i, node in enumerate((1, 1, 2, 3))]
+    assert trainer.expect("published", timeout=60)["version"] == 1
+    assert all(p.expect("pulled", timeout=60)["intact"] for p in pullers)
+    before = _relay_buckets(n, 2)
+    n.rate_limit(0, "40mbit")            # the holder's stream lasts seconds: killed in the middle
+    _in_order(trainer, pullers)
+    trainer.tell("next")
+    assert trainer.expect("published", timeout=60)["version"] == 2
+    deadline = time.monotonic() + 30
+    while not _relay_buckets(n, 2) - before:          # the chain streams: node 2's relay started
+        assert time.monotonic() < deadline, "node 2's relay never started"
+        time.sleep(0.05)
+    trainer.kill()
+    for p in pullers:
+        assert "weights.nodes:0" in p.expect("lost", timeout=60)["error"]      # the publisher, named
+        p.tell("exit")
+        p.expect("result", timeout=30)
