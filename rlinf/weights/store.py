@@ -343,7 +343,7 @@ class WeightStore:
                             size=layout.total, running=running)
         else:
             by_leaf = dict(zip(order, targets))
-            queue = self._subscribe(holder, ("follow", number, k))
+            req, queue = self._subscribe(holder, ("follow", number, k))
             copied, done = 0, False
             try:
                 while copied < layout.total:      # copy whatever landed since, in one go
@@ -356,23 +356,28 @@ class WeightStore:
                     copied = max(copied, landed)
                 done = True
             finally:
-                self._unsubscribe(holder, queue, done)
+                self._unsubscribe(holder, req, done)
         self._check_stamp(mapped, stamp, number, holder)     # refilled while copied: may be torn
         return True
 
-    def _subscribe(self, src: str, request: tuple) -> asyncio.Queue:
-        """Send ``(op, req, *args)`` to ``src``; its answers (chunks, offsets, an error)
-        come into the queue returned (its ``req`` attribute)."""
+    def _subscribe(self, src: str, request: tuple) -> tuple[int, asyncio.Queue]:
+        """Send ``(op, req, *args)`` to ``src``: ``req`` and the queue its answers
+        (chunks, offsets, an error) come into."""
         queue: asyncio.Queue = asyncio.Queue()
-        queue.req = req = self._calls.next_id()
+        req = self._calls.next_id()
         self._fetches[req] = (src, queue)
-        self._send(src, (request[0], req, *request[1:]), must=True)
-        return queue
+        try:
+            self._send(src, (request[0], req, *request[1:]), must=True)
+        except BaseException:
+            del self._fetches[req]
+            raise
+        return req, queue
 
-    def _unsubscribe(self, src: str, queue: asyncio.Queue, done: bool) -> None:
-        self._fetches.pop(queue.req, None)
+    def _unsubscribe(self, src: str, req: int, done: bool) -> None:
+        """The answers to ``req`` are not wanted any more (``done``: all came)."""
+        self._fetches.pop(req, None)
         if not done:
-            self._send(src, ("unfetch", queue.req))
+            self._send(src, ("unfetch", req))
 
     async def _fetch(self, holder: str, number: int, layout: Layout, targets: list, order: list,
                      running: list, stream: Stream | None = None) -> None:
@@ -384,8 +389,8 @@ class WeightStore:
         by_leaf = dict(zip(order, targets))
         pieces = spans(layout.total, CHUNK)
         buf = stream.array if stream is not None else np.empty(layout.total, np.uint8)
-        queue = self._subscribe(holder, ("fetch", number, CHUNK, WINDOW,
-                                         stream.shard if stream is not None else None))
+        req, queue = self._subscribe(holder, ("fetch", number, CHUNK, WINDOW,
+                                              stream.shard if stream is not None else None))
         done = False
         try:
             for k, (start, end) in enumerate(pieces):
@@ -393,7 +398,7 @@ class WeightStore:
                 if isinstance(item, BaseException):
                     raise item
                 if k + WINDOW < len(pieces):     # room for one more
-                    self._send(holder, ("more", queue.req, 1))
+                    self._send(holder, ("more", req, 1))
                 at, data = item
                 if at != start or not isinstance(data, np.ndarray) or data.nbytes != end - start:
                     raise RlinfError(f"weight store {self.name!r}: a chunk at {at} does not fit the layout")
@@ -405,7 +410,7 @@ class WeightStore:
                                 size=end - start, running=running)
             done = True
         finally:
-            self._unsubscribe(holder, queue, done)
+            self._unsubscribe(holder, req, done)
 
     def _check_stamp(self, mapped: np.ndarray, stamp: int, number: int, holder: str) -> None:
         if read_stamp(mapped) != stamp:
