@@ -7,11 +7,18 @@ in (:meth:`Directory.add_shard`), pullers acquire the newest complete version
 the newest complete version and no reader holds it: every method returns the versions
 that became free, and the caller frees each shard's bucket.
 
-**Per-node fan-out.** The first puller of a version on a node that holds no copy of a
-shard becomes that node's *relay*: it fetches the remote shards into shared-memory
-buckets of its own (:meth:`Directory.relayed` says when they are in), and the version's
-other pullers on that node wait for it and then read the relay's buckets, as they would
-a holder's. If the relay fails (or leaves), they fetch for themselves.
+**Per-node fan-out, a chain between nodes.** The first puller of a version on a node
+that holds no copy of a shard becomes that node's *relay*: it streams the remote shards
+into shared-memory buckets of its own, chunk by chunk. Its source is the relay that
+was chosen before it on another node (its *upstream*, which forwards each chunk as it
+lands), or the holders for the first one: the relays of a version form a chain, so
+every node's link carries the version about once in and once out, whatever the number
+of nodes. A relay whose upstream has not started yet waits for it (``deferred``). Once
+a relay has its buckets (:meth:`Directory.relay_started`), the node's other pullers are
+granted them and copy each chunk as it lands; :meth:`Directory.relayed` says when all
+is in. If a relay fails (or leaves, or a puller reports it lost), the pullers waiting
+for it fetch for themselves, the relays deferred on it are routed anew, and those
+streaming from it (or from a relay downstream of it: ``doomed``) fail and ask again.
 
 **Memory.** A version is freed once nobody reads it and it is older than the newest
 complete one, or lost (a holder of one of its shards died), or can never be complete (a
@@ -59,16 +66,24 @@ class ShardRef:
                 self.layout if with_layout else None, self.stamp]
 
 
-@dataclass
+@dataclass(eq=False)          # compared by identity (relays refer to each other)
 class Relay:
-    """The puller that brings a version's remote shards to its node: ``ready`` once they
-    are in its buckets (``segments``: shard -> (segment, size, stamp)); ``waiting``: the
-    node's other pullers ``(src, req)``."""
+    """The puller that brings a version's remote shards to its ``node``: ``started`` once
+    it has its buckets (``segments``: shard -> (segment, size, stamp)), ``ready`` once
+    they are full; ``waiting``: the node's other pullers ``(src, req)``; ``req``: its own
+    acquire; ``upstream``: the relay it streams from (None: the holders); ``deferred``:
+    relays waiting for this one to start; ``doomed``: its upstream chain failed."""
 
     address: str
+    node: str = ""
+    req: int = 0
     ready: bool = False
+    started: bool = False
+    doomed: bool = False
+    upstream: Relay | None = None
     segments: dict[int, tuple[str, int, int]] = field(default_factory=dict)
     waiting: list[tuple[str, int]] = field(default_factory=list)
+    deferred: list[Relay] = field(default_factory=list)
 
 
 @dataclass
@@ -93,14 +108,17 @@ class Version:
 @dataclass
 class Grant:
     """An answer to an acquire: ``(src, req)`` gets ``version``; ``relay``: it is its
-    node's relay (it fetches, then says :meth:`Directory.relayed`); ``via``: read the
-    remote shards from this ready relay's buckets instead."""
+    node's relay (it says :meth:`Directory.relay_started`, streams the remote shards from
+    ``source``, a started relay of another node, or from the holders, then says
+    :meth:`Directory.relayed`); ``via``: read the remote shards from this started
+    relay's buckets instead, each chunk once it landed."""
 
     src: str
     req: int
     version: Version
     relay: bool = False
     via: Relay | None = None
+    source: Relay | None = None
 
 
 class Directory:
@@ -191,33 +209,84 @@ class Directory:
             return Grant(src, req, entry)
         relay = entry.relays.get(node)
         if relay is None:
-            entry.relays[node] = Relay(src)
-            return Grant(src, req, entry, relay=True)
-        if relay.ready:
+            relay = entry.relays[node] = Relay(src, node, req)
+            return self._source(entry, relay)
+        if relay.started:
             return Grant(src, req, entry, via=relay)
         relay.waiting.append((src, req))
         return None
 
-    def relayed(self, src: str, number: int, segments: dict[int, tuple[str, int]] | None) -> list[Grant]:
+    def _source(self, entry: Version, relay: Relay) -> Grant | None:
+        """The relay's grant with its upstream: the last relay chosen before it on another
+        node (not doomed), once that one started; None: it waits for it (deferred)."""
+        upstream = None
+        for other in entry.relays.values():
+            if other is relay:
+                break
+            if not other.doomed:
+                upstream = other
+        relay.upstream = upstream
+        if upstream is None or upstream.started:
+            return Grant(relay.address, relay.req, entry, relay=True, source=upstream)
+        upstream.deferred.append(relay)
+        return None
+
+    def relay_started(self, src: str, number: int, segments: dict[int, tuple[str, int, int]]) -> list[Grant]:
+        """The relay ``src`` has its buckets for version ``number`` (``segments``) and
+        fills them: the node's waiting pullers and the relays deferred on it are granted."""
+        relay = self._relay_of(src, number)
+        if relay is None or relay.started:
+            return []
+        entry = self.versions[number]
+        relay.started, relay.segments = True, dict(segments)
+        waiting, relay.waiting = relay.waiting, []
+        deferred, relay.deferred = relay.deferred, []
+        grants = [Grant(s, req, entry, via=relay) for s, req in waiting]
+        return grants + [Grant(d.address, d.req, entry, relay=True, source=relay) for d in deferred]
+
+    def relayed(self, src: str, number: int, segments: dict[int, tuple[str, int, int]] | None) -> list[Grant] | None:
         """The relay ``src`` has version ``number``'s remote shards in its buckets
         (``segments``), or failed (None: its node's pullers then fetch for themselves).
-        Returns the grants for the node's waiting pullers."""
+        Returns the grants this makes, or None when ``src`` relays no such version
+        (any more): its copy is not needed."""
+        relay = self._relay_of(src, number)
+        if relay is None or relay.ready:
+            return None if relay is None else []
+        if segments is None:
+            return self._fail_relay(self.versions[number], relay)
+        grants = self.relay_started(src, number, segments)
+        relay.ready = True
+        return grants
+
+    def relay_lost(self, src: str, number: int) -> list[Grant]:
+        """A puller found ``src``, relay of ``number``, gone (before this directory may
+        know): it fails as by :meth:`relayed` with None. Returns the grants this makes."""
+        relay = self._relay_of(src, number)
+        return [] if relay is None else self._fail_relay(self.versions[number], relay)
+
+    def _relay_of(self, src: str, number: int) -> Relay | None:
         entry = self.versions.get(number)
         if entry is None:
-            return []
-        for node, relay in list(entry.relays.items()):
-            if relay.address == src and not relay.ready:
-                return self._settle_relay(entry, node, relay, segments)
-        return []
+            return None
+        return next((r for r in entry.relays.values() if r.address == src), None)
 
-    def _settle_relay(self, entry: Version, node: str, relay: Relay,
-                      segments: dict[int, tuple[str, int]] | None) -> list[Grant]:
-        waiting, relay.waiting = relay.waiting, []
-        if segments is None:
-            del entry.relays[node]
-            return [Grant(src, req, entry) for src, req in waiting]
-        relay.ready, relay.segments = True, dict(segments)
-        return [Grant(src, req, entry, via=relay) for src, req in waiting]
+    def _fail_relay(self, entry: Version, relay: Relay) -> list[Grant]:
+        """``relay`` fails: gone from the chain; the pullers waiting for it fetch for
+        themselves, the relays deferred on it are routed anew, and the relays that stream
+        from it (or further down) are doomed: they will fail."""
+        del entry.relays[relay.node]
+        doomed = {id(relay)}
+        for other in entry.relays.values():          # in chain order: an upstream comes first
+            if other.upstream is not None and id(other.upstream) in doomed and not other.ready:
+                other.doomed = True
+                doomed.add(id(other))
+        grants = [Grant(src, req, entry) for src, req in relay.waiting]
+        relay.waiting = []
+        for d in relay.deferred:
+            if entry.relays.get(d.node) is d and (g := self._source(entry, d)) is not None:
+                grants.append(g)
+        relay.deferred = []
+        return grants
 
     def cancel(self, src: str, req: int) -> bool:
         """``src`` stopped waiting for ``req``; False if it was not waiting (granted)."""
@@ -229,6 +298,12 @@ class Directory:
             for relay in entry.relays.values():
                 if (src, req) in relay.waiting:
                     relay.waiting.remove((src, req))
+                    self.release(src, entry.number)
+                    return True
+                if relay.address == src and relay.req == req and relay.upstream is not None \
+                        and relay in relay.upstream.deferred:     # a relay waiting for its upstream
+                    relay.upstream.deferred.remove(relay)
+                    self._fail_relay(entry, relay)
                     self.release(src, entry.number)
                     return True
         return False
@@ -253,13 +328,11 @@ class Directory:
         grants: list[Grant] = []
         for entry in self.versions.values():
             entry.readers.pop(src, None)
-            for node, relay in list(entry.relays.items()):
+            for relay in list(entry.relays.values()):
                 relay.waiting = [w for w in relay.waiting if w[0] != src]
-                if relay.address == src:
-                    if relay.ready:
-                        del entry.relays[node]      # its buckets are gone: later pullers fetch anew
-                    else:
-                        grants += self._settle_relay(entry, node, relay, None)
+            for relay in list(entry.relays.values()):
+                if relay.address == src and entry.relays.get(relay.node) is relay:
+                    grants += self._fail_relay(entry, relay)   # its buckets are gone: fetch anew
         return grants, self.collect()
 
     def holder_gone(self, holder: str) -> tuple[list[Version], list[tuple[str, int]]]:
@@ -274,10 +347,11 @@ class Directory:
         for entry in hit:
             entry.lost = why
             for relay in entry.relays.values():
-                for src, req in relay.waiting:        # they counted as readers: no more
+                waiting = relay.waiting + [(d.address, d.req) for d in relay.deferred]
+                for src, req in waiting:              # they counted as readers: no more
                     self._unread(entry, src)
                     failed.append((src, req))
-                relay.waiting = []
+                relay.waiting, relay.deferred = [], []
         self.latest = max((n for n, v in self.versions.items() if v.complete and v.lost is None), default=None)
         if self.latest is None and hit:
             self.lost = why

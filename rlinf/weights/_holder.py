@@ -8,8 +8,8 @@ cannot both hold it). It owns the shared-memory buckets of its versions
 dies) and serves:
 
 * ``free`` (from the directory): a version's bucket may be reused;
-* ``fetch`` (from pullers on other nodes): the bytes of a version, in chunks of whole
-  tensors, over the normal messaging path (the bulk stream between nodes), at most
+* ``fetch`` (from pullers on other nodes): the bytes of a version, in chunks of a few
+  MiB, over the normal messaging path (the bulk stream between nodes), at most
   ``window`` chunks ahead of the puller, which asks for ``more`` as it takes them (its
   memory stays bounded) and says ``unfetch`` when it stops early (nothing more is sent);
 * when ``k == 0``, the directory (:mod:`._directory`): ``shard``, ``acquire``,
@@ -37,16 +37,17 @@ from ._calls import Calls, error_message, tag_of
 from ._directory import Directory, Grant, ShardRef, Version
 from ._layout import Layout
 
-__all__ = ["Holder", "holder_address", "chunks", "CHUNK", "WINDOW"]
+__all__ = ["Holder", "holder_address", "spans", "CHUNK", "WINDOW"]
 
 log = logging.getLogger("rlinf.weights")
 
-#: Bytes per ``fetch`` message (whole tensors; a larger tensor goes alone), as the
-#: puller asks: small enough that copying one chunk overlaps the next one's transfer.
-CHUNK = 16 << 20
+#: Bytes per ``fetch`` message, as the puller asks: small enough that copying one
+#: chunk overlaps the next one's transfer, and that a relay forwards a chunk soon after
+#: it began to receive the version (each hop of the chain adds about one chunk's time).
+CHUNK = 8 << 20
 MIN_CHUNK, MAX_CHUNK = 1 << 20, 1 << 30
 #: Chunks a fetch sends ahead of the puller (one on the wire, some queued, one copied).
-WINDOW = 4
+WINDOW = 8
 MAX_WINDOW = 64
 
 
@@ -55,16 +56,11 @@ def holder_address(name: str, shard: int) -> str:
     return f"weights.{name}:{shard}"
 
 
-def chunks(layout: Layout, size: int = CHUNK) -> list[tuple[int, int, int, int]]:
-    """The bucket of ``layout`` cut at tensor boundaries into pieces of about ``size``
-    bytes: ``(start, end, first_leaf, last_leaf + 1)`` each."""
-    out, first, start = [], 0, 0
-    for i in range(len(layout.paths)):
-        end = layout.offsets[i] + layout.sizes[i]
-        if end - start >= size or i == len(layout.paths) - 1:
-            out.append((start, end, first, i + 1))
-            first, start = i + 1, layout.offsets[i + 1] if i + 1 < len(layout.paths) else end
-    return out
+def spans(total: int, size: int = CHUNK) -> list[tuple[int, int]]:
+    """A bucket of ``total`` bytes cut into chunks of ``size`` bytes (the last one
+    shorter): ``(start, end)`` each. Chunks cut through tensors: a relay forwards the
+    first few MiB of a large tensor while the rest is still on its way."""
+    return [(start, min(start + size, total)) for start in range(0, total, size)]
 
 
 class Holder:
@@ -224,21 +220,27 @@ class Holder:
             self._answer(grants)
             self._free(freed)
         elif op == "acquire":
-            req, newer_than, known, node = message[1:]
+            req, newer_than, known, node, *lost = message[1:]
+            for number, relay in lost[0] if lost else ():     # relays the puller found gone
+                self._answer(self.directory.relay_lost(str(relay), number))
             try:
                 grant = self.directory.acquire(src, req, newer_than, str(node))
             except LookupError as exc:
                 raise PeerLostError(str(exc)) from None
             if grant is not None:
                 self._answer([grant], set(known))
-        elif op == "relayed":
+        elif op in ("relaying", "relayed"):
             number, segments, token = message[1:]
             segments = None if segments is None else {int(k): (str(s), int(n), int(t)) for k, s, n, t in segments}
             stale = token != self.directory.token          # granted by an earlier directory
-            if segments is not None and (stale or number not in self.directory.versions):
-                self._send(src, ("free", number))           # freed meanwhile: so are its copies
-            if not stale:
-                self._answer(self.directory.relayed(src, number, segments))
+            if op == "relaying":
+                if not stale and segments is not None:
+                    self._answer(self.directory.relay_started(src, number, segments))
+                return
+            grants = None if stale else self.directory.relayed(src, number, segments)
+            if segments is not None and grants is None:
+                self._send(src, ("free", number))           # freed or failed meanwhile: so are its copies
+            self._answer(grants or [])
         elif op == "release":
             number, path, nbytes, token = message[1:]
             if token == self.directory.token:
@@ -265,11 +267,13 @@ class Holder:
     def _answer(self, grants: list[Grant], known: set[str] | None = None) -> None:
         for g in grants:
             shards = []
-            node = next((n for n, r in g.version.relays.items() if r is g.via), "")
+            node = g.via.node if g.via is not None else ""
             for k in sorted(g.version.shards):
                 wire = g.version.shards[k].to_wire(known is None or g.version.shards[k].layout_key not in known)
                 if g.via is not None and k in g.via.segments:       # the node's copy, at its relay
                     wire[0], wire[1], (wire[2], wire[3], wire[6]) = g.via.address, node, g.via.segments[k]
+                elif g.source is not None and k in g.source.segments:   # streamed from the upstream relay
+                    wire[0], wire[1] = g.source.address, g.source.node
                 shards.append(wire)
             self._send(g.src, ("grant", g.req, g.version.number, shards, "relay" if g.relay else "",
                                self.directory.token))
@@ -297,11 +301,11 @@ class Holder:
                     f"version {number} of {self.name!r} was freed at {self.address} during the fetch "
                     f"(the store's directory left)", peer=self.address)))
 
-    def _fetch(self, src: str, req: int, number: int, size: int, window: int) -> None:
-        """Send version ``number``'s bytes to ``src``, a chunk of whole tensors of about
-        ``size`` bytes per message, ``window`` chunks ahead of its ``more`` (the reader
-        holds the version: the bucket stays as it is meanwhile; it cut the same chunks
-        from the layout)."""
+    def _fetch(self, src: str, req: int, number: int, size: int, window: int, shard: int | None = None) -> None:
+        """Send version ``number``'s bytes to ``src``, a chunk of ``size`` bytes per
+        message (:func:`spans`), ``window`` chunks ahead of its ``more`` (the reader holds
+        the version: the bucket stays as it is meanwhile; it cut the same chunks). The
+        ``shard`` a relay names is this holder's."""
         if isinstance(size, bool) or not isinstance(size, int) or not MIN_CHUNK <= size <= MAX_CHUNK:
             raise ValueError(f"chunk size {size!r} out of [{MIN_CHUNK}, {MAX_CHUNK}]")
         if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_WINDOW:
@@ -309,7 +313,7 @@ class Holder:
         bucket, layout = self.versions.get(number), self.layouts.get(number)
         if bucket is None:
             raise PeerLostError(f"version {number} of {self.name!r} is no longer held by {self.address}")
-        self._fetching[src, req] = _Fetch(number, bucket, [c[:2] for c in chunks(layout, size)], window)
+        self._fetching[src, req] = _Fetch(number, bucket, spans(layout.total, size), window)
         self._pump(src, req)
 
     def _more(self, src: str, req: int, count: int) -> None:

@@ -13,6 +13,8 @@ Pure: no messaging here.
 
 from __future__ import annotations
 
+import bisect
+
 import hashlib
 from typing import Any
 
@@ -227,6 +229,31 @@ def unpack(layout: Layout, buf: np.ndarray, targets: list[Any], order: list[int]
             pairs.append((raw, buf[layout.offsets[i] - base:layout.offsets[i] - base + n]))
         else:
             others.append((target, _typed(buf, layout, i, "t" if _is_torch(target) else "n", base)))
+    copier.copy(pairs)
+    for dst, src in others:
+        _typed_copy(dst, src)
+
+
+def unpack_range(layout: Layout, buf: np.ndarray, lo: int, hi: int, targets: dict[int, Any],
+                 copier: Copier) -> None:
+    """Copy the bytes ``[lo, hi)`` of the shard ``buf`` (all of its bucket, uint8) into
+    the targets of the leaves they belong to (``targets``: leaf index -> tensor or
+    array), for a shard that lands in order: a contiguous CPU target gets that part of
+    its bytes; another one (GPU, non-contiguous) its whole leaf, at the range that ends
+    it (every byte before ``hi`` is in ``buf`` then). Thread-safe."""
+    pairs, others = [], []
+    i = max(0, bisect.bisect_right(layout.offsets, lo) - 1)
+    while i < len(layout.offsets) and layout.offsets[i] < hi:
+        off, n = layout.offsets[i], layout.sizes[i]
+        target = targets.get(i)
+        if n and off + n > lo and target is not None:
+            raw = _bytes_of(target)
+            if raw is not None:
+                a, b = max(lo, off), min(hi, off + n)
+                pairs.append((raw[a - off:b - off], buf[a:b]))
+            elif off + n <= hi:
+                others.append((target, _typed(buf, layout, i, "t" if _is_torch(target) else "n")))
+        i += 1
     copier.copy(pairs)
     for dst, src in others:
         _typed_copy(dst, src)

@@ -3,9 +3,11 @@
 Publishers capture a tree into a new version (one copy, into a shared-memory bucket of
 their own :class:`~rlinf.weights._holder.Holder`); pullers ask the store's directory
 (the holder of shard 0) for the newest complete version, copy it into their tensors
-(straight from the holder's shared memory on the same node, over the messaging path
-from another node) and release it. A version's buckets are reused only once no pull
-reads them, so a pull never mixes two versions.
+(straight from the holder's shared memory on the same node; on another node from its
+relay's, which streams the version from the previous relay of the chain or the
+holder, :mod:`._relay`) and release it. A version's buckets are reused only once no
+pull reads them, so a pull never mixes two versions; a pull whose relay stopped asks
+the directory again, and returns only once one version's every byte is in.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from ..errors import ClosedError, CommTimeoutError, DecodeError, PeerLostError, 
 from ..util.copier import Copier
 from ..util.futures import retrieve
 from ._buckets import Buckets, read_stamp
-from ._calls import Calls, tag_of
-from ._holder import CHUNK, WINDOW, Holder, chunks, holder_address
-from ._layout import Layout, flatten, fresh, match, pack, unpack
+from ._calls import Calls, error_message, tag_of
+from ._holder import CHUNK, WINDOW, Holder, holder_address, spans
+from ._layout import Layout, flatten, fresh, match, pack, unpack, unpack_range
 from ._mapped import Mappings
+from ._relay import Stream, Streams
 from .stats import WeightStats
 
 __all__ = ["WeightStore", "open_store"]
@@ -35,6 +38,8 @@ __all__ = ["WeightStore", "open_store"]
 #: Trees of fewer bytes are copied on the event loop (a thread hop costs more).
 _INLINE = 1 << 20
 _LAYOUTS_KEPT = 8
+#: Times a pull asks the directory again after a relay it read from was lost.
+_REROUTES = 8
 
 
 class WeightStore:
@@ -59,6 +64,7 @@ class WeightStore:
         self._mappings = Mappings()
         self._relay_pool: Buckets | None = None        # buckets this handle fills as its node's relay
         self._relay_held: dict[int, list] = {}          # version -> those buckets, until freed
+        self._streams = Streams(core.address)          # what this handle relays, served as it lands
         self._copier = Copier()
         self._reader: asyncio.Task | None = None
         self._found = False              # the directory is known to exist (until it goes)
@@ -184,38 +190,50 @@ class WeightStore:
         if newer_than is not None and (isinstance(newer_than, bool) or not isinstance(newer_than, int)):
             raise TypeError(f"newer_than must be an int or None, got {newer_than!r}")
         timeout = core.timeout_of(timeout)
+        lost: list[tuple[int, str]] = []
         try:
             async with asyncio.timeout(timeout):
-                number, refs, epoch, role, token = await self._acquire(newer_than)
-                held = True
-                try:
-                    layouts = [ref[1] for ref in refs]
-                    if targets is None:
-                        tree, leaves = fresh(layouts)
-                        plans = [(per, list(range(len(per)))) for per in leaves]
-                    else:
-                        tree, plans = None, match(layouts, targets)
-                    held = False
-                    await self._copy(number, refs, plans, epoch, role, token)
-                    return tree, number
-                finally:
-                    if held:
-                        self._give_up(number, role, token)
+                while True:
+                    number, refs, epoch, role, token = await self._acquire(newer_than, lost)
+                    held = True
+                    try:
+                        layouts = [ref[1] for ref in refs]
+                        if targets is None:
+                            tree, leaves = fresh(layouts)
+                            plans = [(per, list(range(len(per)))) for per in leaves]
+                        else:
+                            tree, plans = None, match(layouts, targets)
+                        held = False
+                        await self._copy(number, refs, plans, epoch, role, token)
+                        return tree, number
+                    except PeerLostError as exc:
+                        if self._epoch != epoch:          # whatever failed first: the store is gone
+                            raise PeerLostError(f"{self._directory}, the publisher of weight store "
+                                                f"{self.name!r}, is gone", peer=self._directory) from exc
+                        # a relay it read from stopped (not a holder): ask again, telling
+                        # the directory; what was copied is overwritten
+                        if _is_holder(exc.peer) or len(lost) >= _REROUTES:
+                            raise
+                        lost.append((number, exc.peer))
+                    finally:
+                        if held:
+                            self._give_up(number, role, token)
         except TimeoutError:
             raise CommTimeoutError(f"no version of weight store {self.name!r}"
                                    f"{'' if newer_than is None else f' newer than {newer_than}'} "
                                    f"within {timeout} s") from None
 
-    async def _acquire(self, newer_than: int | None) -> tuple[int, list, int, str, str]:
+    async def _acquire(self, newer_than: int | None, lost: list | None = None) -> tuple[int, list, int, str, str]:
         """A grant of the directory: ``(version, refs, epoch, role, token)`` (``token``:
         the directory's, sent back with the release). Asks again, with no layout taken
-        as known, if one it was sent without was evicted meanwhile."""
+        as known, if one it was sent without was evicted meanwhile. ``lost``: the
+        ``(version, relay)`` this pull found gone, for the directory to route around."""
         await self._find()
         epoch = self._epoch
         node = self._core.info.node_id if self._core.info is not None else ""
         known = list(self._layouts)
         while True:
-            req, answer = self._calls.start(self._directory, "acquire", newer_than, known, node)
+            req, answer = self._calls.start(self._directory, "acquire", newer_than, known, node, lost or [])
             try:
                 number, shards, role, token = await answer
             except asyncio.CancelledError:
@@ -255,47 +273,43 @@ class WeightStore:
 
     async def _copy(self, number: int, refs: list, plans: list, epoch: int, role: str, token: str) -> None:
         """Copy version ``number`` per plan, then release it (once every copy ended, also
-        when this is cancelled or fails midway). As its node's relay (``role``), first
-        fetch the remote shards into buckets of this process, for the node's other pullers."""
+        when this is cancelled or fails midway). As its node's relay (``role``), stream
+        the remote shards into buckets of this process first, serving each chunk to the
+        node's other pullers and the next relay as it lands (:mod:`._relay`)."""
         mine = self._core.info.node_id if self._core.info is not None else None
         moved = collections.Counter()
         running: list[asyncio.Future] = []
-        relayed: list[list] = []           # [shard, segment, size] of the buckets filled here
+        relayed: list[list] = []           # [shard, segment, size, stamp] of the buckets filled here
         buckets: list = []
+        streams: dict[int, Stream] = {}
         done = False
         try:
+            if role == "relay":
+                for k, (holder, layout, node, segment, size, stamp) in enumerate(refs):
+                    if layout.total and node != mine:
+                        own = await self._relay_buckets().take(layout.total)
+                        buckets.append(own)
+                        streams[k] = Stream(number, k, own.array, layout)
+                        self._streams.add(streams[k])
+                        relayed.append([k, own.name, layout.total, own.stamp])
+                self._send(self._directory, ("relaying", number, relayed, token))
             for k, ((holder, layout, node, segment, size, stamp), (targets, order)) in enumerate(zip(refs, plans)):
                 if not layout.total:
                     continue
-                bucket = mapped = None
-                if node == mine:
-                    try:
-                        mapped = self._mappings.get(segment, layout.total)
-                    except OSError:          # not shareable after all, or gone: ask the holder
-                        if not holder.startswith("weights."):
-                            raise PeerLostError(f"this node's copy of version {number} of {self.name!r} "
-                                                f"({holder}'s) is gone", peer=holder) from None
-                    else:
-                        self._check_stamp(mapped, stamp, number, holder)
-                        bucket = mapped[:layout.total]
-                if bucket is None and role == "relay":
-                    own = await self._relay_buckets().take(layout.total)
-                    buckets.append(own)
-                    await self._fetch(holder, number, layout, targets, order, running, into=own.array)
-                    relayed.append([k, own.name, layout.total, own.stamp])
-                    bucket = own.array
-                if bucket is not None:
-                    await self._run(unpack, layout, bucket, targets, order, self._copier,
-                                    size=layout.total, running=running)
-                    if mapped is not None:     # refilled while it was copied: the copy may be torn
-                        self._check_stamp(mapped, stamp, number, holder)
-                else:
+                if k in streams:
+                    await self._fetch(holder, number, layout, targets, order, running, stream=streams[k])
+                elif node != mine or not await self._local(holder, number, k, layout, segment, stamp, targets,
+                                                           order, running):
                     await self._fetch(holder, number, layout, targets, order, running)
                 moved["shm" if node == mine else "net"] += layout.total
             if self._epoch != epoch:
                 raise PeerLostError(f"the publisher of weight store {self.name!r} left during the pull",
                                     peer=self._directory)
             done = True
+        except BaseException as exc:
+            if streams:
+                self._send_all(self._streams.fail(number, exc))
+            raise
         finally:     # the relay's answer first, then (once no copy reads the version) the release
             if role == "relay":
                 if done:
@@ -310,21 +324,76 @@ class WeightStore:
         self._last_pull = time.time()
         self._bytes.update(moved)
 
-    async def _fetch(self, holder: str, number: int, layout: Layout, targets: list, order: list,
-                     running: list, into: np.ndarray | None = None) -> None:
-        """The bytes of a version from a holder on another node, chunk by chunk, each
-        copied into its targets (or into the bucket ``into``) while the next arrives; at
-        most :data:`WINDOW` chunks ahead (queued here or on their way), and none more
-        once this stops early."""
-        by_leaf = dict(zip(order, targets))
+    async def _local(self, holder: str, number: int, k: int, layout: Layout, segment: str, stamp: int,
+                     targets: list, order: list, running: list) -> bool:
+        """Copy shard ``k`` from a bucket on this node: a holder's, whole; or its relay's,
+        each chunk once it landed there (the relay says how far it is, ``landed``).
+        False: the holder's bucket cannot be mapped here (not shareable after all, or
+        gone): fetch it from the holder instead."""
+        try:
+            mapped = self._mappings.get(segment, layout.total)
+        except OSError:
+            if _is_holder(holder):
+                return False
+            raise PeerLostError(f"this node's copy of version {number} of {self.name!r} ({holder}'s) is gone",
+                                peer=holder) from None
+        self._check_stamp(mapped, stamp, number, holder)
+        if _is_holder(holder):
+            await self._run(unpack, layout, mapped[:layout.total], targets, order, self._copier,
+                            size=layout.total, running=running)
+        else:
+            by_leaf = dict(zip(order, targets))
+            req, queue = self._subscribe(holder, ("follow", number, k))
+            copied, done = 0, False
+            try:
+                while copied < layout.total:      # copy whatever landed since, in one go
+                    item = await queue.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    landed = min(int(item[0]), layout.total)
+                    await self._run(unpack_range, layout, mapped, copied, landed, by_leaf, self._copier,
+                                    size=landed - copied, running=running)
+                    copied = max(copied, landed)
+                done = True
+            finally:
+                self._unsubscribe(holder, req, done)
+        self._check_stamp(mapped, stamp, number, holder)     # refilled while copied: may be torn
+        return True
+
+    def _subscribe(self, src: str, request: tuple) -> tuple[int, asyncio.Queue]:
+        """Send ``(op, req, *args)`` to ``src``: ``req`` and the queue its answers
+        (chunks, offsets, an error) come into."""
         queue: asyncio.Queue = asyncio.Queue()
         req = self._calls.next_id()
-        self._fetches[req] = (holder, queue)
-        pieces = chunks(layout, CHUNK)
+        self._fetches[req] = (src, queue)
+        try:
+            self._send(src, (request[0], req, *request[1:]), must=True)
+        except BaseException:
+            del self._fetches[req]
+            raise
+        return req, queue
+
+    def _unsubscribe(self, src: str, req: int, done: bool) -> None:
+        """The answers to ``req`` are not wanted any more (``done``: all came)."""
+        self._fetches.pop(req, None)
+        if not done:
+            self._send(src, ("unfetch", req))
+
+    async def _fetch(self, holder: str, number: int, layout: Layout, targets: list, order: list,
+                     running: list, stream: Stream | None = None) -> None:
+        """The bytes of a version from a holder (or a relay) on another node, chunk by
+        chunk, into a buffer of the whole shard (the relay's bucket of ``stream``, served
+        from there as each chunk lands; else one of its own), and from there into the
+        targets while the next arrives; at most :data:`WINDOW` chunks ahead (queued here
+        or on their way), and none more once this stops early."""
+        by_leaf = dict(zip(order, targets))
+        pieces = spans(layout.total, CHUNK)
+        buf = stream.array if stream is not None else np.empty(layout.total, np.uint8)
+        req, queue = self._subscribe(holder, ("fetch", number, CHUNK, WINDOW,
+                                              stream.shard if stream is not None else None))
         done = False
         try:
-            self._send(holder, ("fetch", req, number, CHUNK, WINDOW), must=True)
-            for k, (start, end, first, last) in enumerate(pieces):
+            for k, (start, end) in enumerate(pieces):
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
@@ -333,18 +402,15 @@ class WeightStore:
                 at, data = item
                 if at != start or not isinstance(data, np.ndarray) or data.nbytes != end - start:
                     raise RlinfError(f"weight store {self.name!r}: a chunk at {at} does not fit the layout")
-                raw = data.reshape(-1).view(np.uint8)
-                if into is not None:
-                    await self._run(np.copyto, into[start:end], raw, size=end - start, running=running)
-                    continue
-                part = [i for i in range(first, last) if i in by_leaf]
-                await self._run(unpack, layout, raw, [by_leaf[i] for i in part], part,
-                                self._copier, start, size=end - start, running=running)
+                await self._run(np.copyto, buf[start:end], data.reshape(-1).view(np.uint8), size=end - start,
+                                running=running)
+                if stream is not None:
+                    self._send_all(stream.land(end))
+                await self._run(unpack_range, layout, buf, start, end, by_leaf, self._copier,
+                                size=end - start, running=running)
             done = True
         finally:
-            self._fetches.pop(req, None)
-            if not done:
-                self._send(holder, ("unfetch", req))
+            self._unsubscribe(holder, req, done)
 
     def _check_stamp(self, mapped: np.ndarray, stamp: int, number: int, holder: str) -> None:
         if read_stamp(mapped) != stamp:
@@ -369,6 +435,7 @@ class WeightStore:
     def _free_relayed(self, number: int | None) -> None:
         """The directory freed ``number`` (None: every version, it is gone): its buckets
         here may be reused."""
+        self._streams.free(number)
         for n in list(self._relay_held) if number is None else [number]:
             for bucket in self._relay_held.pop(n, ()):
                 self._relay_pool.give(bucket)
@@ -438,16 +505,25 @@ class WeightStore:
             if not isinstance(message, (list, tuple)) or len(message) < 2:
                 continue
             op = message[0]
-            if op == "chunk":
+            if op in ("chunk", "landed"):
                 fetch = self._fetches.get(message[1])
-                if fetch is not None and fetch[0] == src and len(message) == 4:
-                    fetch[1].put_nowait((message[2], message[3]))
+                if fetch is not None and fetch[0] == src and len(message) == (4 if op == "chunk" else 3):
+                    fetch[1].put_nowait(tuple(message[2:]))
+            elif op in ("fetch", "follow", "more", "unfetch"):      # this handle relays to others
+                try:
+                    self._send_all(self._streams.handle(src, message))
+                except (ValueError, TypeError, IndexError) as exc:
+                    self._send(src, error_message(message[1], exc))
             elif op == "error" and message[1] in self._fetches:
                 self._fetches[message[1]][1].put_nowait(PeerLostError(str(message[3]), peer=src))
             elif op == "free" and src == self._directory:
                 self._free_relayed(message[1])
             elif not self._calls.settle(message) and op == "grant" and len(message) == 6:
                 self._give_up(message[2], message[4], message[5])     # granted after its pull gave up
+
+    def _send_all(self, messages: list[tuple[str, tuple]]) -> None:
+        for dst, message in messages:
+            self._send(dst, message)
 
     def _send(self, dst: str, message: tuple, *, must: bool = False) -> None:
         try:
@@ -464,6 +540,7 @@ class WeightStore:
         for holder, queue in self._fetches.values():
             if holder == address:
                 queue.put_nowait(error)
+        self._streams.gone(address)
         if address == self._directory:
             self._found = False
             self._epoch += 1
@@ -513,6 +590,11 @@ def _after(running: list[asyncio.Future], then: Any) -> None:
 
     for f in pending:
         f.add_done_callback(one_done)
+
+
+def _is_holder(peer: str | None) -> bool:
+    """Whether ``peer`` (of a PeerLostError) is a holder, or unknown: not a relay."""
+    return peer is None or peer.startswith("weights.")
 
 
 def _check_shard(shard: Any, num_shards: Any) -> tuple[int, int]:

@@ -13,10 +13,11 @@ import torch
 from rlinf.util.copier import Copier
 from rlinf.weights._buckets import Buckets, read_stamp
 from rlinf.weights._directory import PENDING_KEPT, Directory, ShardRef
-from rlinf.weights._holder import Holder, chunks
+from rlinf.weights._holder import Holder, spans
 
 from ..integration.wait import until
-from rlinf.weights._layout import Layout, flatten, fresh, match, pack, unpack
+from rlinf.weights._layout import Layout, flatten, fresh, match, pack, unpack, unpack_range
+from rlinf.weights._relay import Stream, Streams
 from rlinf.weights.store import WeightStore
 
 
@@ -57,12 +58,45 @@ def test_match_checks_everything_before_anything_is_copied():
         Layout.of({"x": "str"})
 
 
-def test_chunks_cut_at_tensor_boundaries():
-    layout, _ = Layout.of({f"t{i}": np.zeros(1000, np.uint8) for i in range(10)})
-    parts = chunks(layout, size=3000)
-    assert parts[0][0] == 0 and parts[-1][1] == layout.total
-    assert [p[2] for p in parts][1:] == [p[3] for p in parts][:-1]          # leaves: contiguous, disjoint
-    assert all(b - a >= 3000 or p is parts[-1] for p in parts for a, b in [p[:2]])
+def test_chunks_cut_through_tensors_and_land_into_any_target_in_order():
+    assert spans(10, 4) == [(0, 4), (4, 8), (8, 10)] and spans(0, 4) == []
+    tree = {"big": torch.arange(3000, dtype=torch.float32), "t": torch.randn(40, 30).t(),
+            "n": np.arange(777, dtype=np.int16), "z": torch.zeros(0)}
+    layout, leaves = Layout.of(tree)
+    bucket = np.zeros(layout.total, np.uint8)
+    pack(layout, leaves, bucket, Copier(1))
+    into = {"big": torch.zeros(3000), "t": torch.zeros(30, 40), "n": np.zeros(777, np.int16), "z": torch.zeros(0)}
+    targets = dict(zip(*match([layout], flatten(into)[1])[0][::-1]))
+    landing = np.zeros_like(bucket)
+    cuts = [0, 5, 4000, 4001, 9000, layout.total]           # through tensors, of any size
+    for lo, hi in zip(cuts, cuts[1:]):
+        landing[lo:hi] = bucket[lo:hi]
+        unpack_range(layout, landing, lo, hi, targets, Copier(1))
+        t_end = layout.offsets[1] + layout.sizes[1]
+        # the non-contiguous target gets its leaf whole, once the range that ends it landed
+        assert bool(into["t"].any()) == (hi >= t_end)
+    assert torch.equal(into["big"], tree["big"]) and torch.equal(into["t"], tree["t"])
+    assert np.array_equal(into["n"], tree["n"])
+
+
+def test_a_relay_serves_a_chunk_only_once_it_landed_in_order_and_fails_its_subscribers():
+    layout, _ = Layout.of({"a": np.zeros(5 << 20, np.uint8)})          # 5 MiB: chunks of 1 MiB
+    stream = Stream(7, 0, np.arange(layout.total, dtype=np.uint64).view(np.uint8)[:layout.total], layout)
+    streams = Streams("r:0")
+    streams.add(stream)
+    assert streams.handle("d:0", ("fetch", 1, 7, 1 << 20, 2, 0)) == []        # nothing landed yet
+    assert streams.handle("f:0", ("follow", 2, 7, 0)) == []
+    out = stream.land((1 << 20) + 5)                                          # one chunk and a bit
+    assert [(dst, m[0], m[2]) for dst, m in out] == [("d:0", "chunk", 0), ("f:0", "landed", (1 << 20) + 5)]
+    out = stream.land(4 << 20)
+    assert [m[2] for _, m in out if m[0] == "chunk"] == [1 << 20]             # window 2: one more
+    assert [m[2] for _, m in streams.handle("d:0", ("more", 1, 2))] == [2 << 20, 3 << 20]   # in order
+    assert np.array_equal(out[0][1][3], stream.array[1 << 20:2 << 20])
+    [(dst, error)] = [o for o in streams.handle("x:0", ("fetch", 3, 8, 1 << 20, 2, 0))]   # no such version
+    assert dst == "x:0" and error[0] == "error" and error[2] == "PeerLostError"
+    failed = streams.fail(7, RuntimeError("upstream gone"))
+    assert sorted((dst, m[0], m[1]) for dst, m in failed) == [("d:0", "error", 1), ("f:0", "error", 2)]
+    assert streams.handle("d:0", ("fetch", 4, 7, 1 << 20, 2, 0))[0][1][0] == "error"     # failed: gone
 
 
 def test_a_version_is_visible_when_its_last_shard_is_in_and_waiters_get_it():
@@ -170,6 +204,65 @@ def test_a_failed_or_departed_relay_lets_its_node_fetch_for_itself():
     assert d.cancel("b:5", 6) and d.versions[1].readers["b:5"] == 0
 
 
+def test_relays_form_a_chain_each_streaming_from_the_one_before_once_it_started():
+    d = Directory("w")
+    d.add_shard(1, 0, 1, _far())
+    first = d.acquire("b:0", 1, None, "node-b")
+    assert first.relay and first.source is None                     # from the holder
+    assert d.acquire("c:0", 2, None, "node-c") is None              # waits for b:0 to start
+    assert d.acquire("d:0", 3, None, "node-d") is None              # waits for c:0
+    assert d.acquire("b:1", 4, None, "node-b") is None              # waits for its node's relay
+    grants = d.relay_started("b:0", 1, {0: ("b-seg", 64, 5)})
+    assert [(g.src, g.relay, g.source and g.source.address, g.via and g.via.address) for g in grants] == [
+        ("b:1", False, None, "b:0"), ("c:0", True, "b:0", None)]   # streams, before b:0 is ready
+    [grant] = d.relay_started("c:0", 1, {0: ("c-seg", 64, 6)})
+    assert (grant.src, grant.source.address) == ("d:0", "c:0")
+    assert d.acquire("c:1", 5, None, "node-c").via.address == "c:0"  # started: read it at once
+    assert d.relayed("b:0", 1, {0: ("b-seg", 64, 5)}) == []          # ready
+    assert all(d.versions[1].readers[a] == 1 for a in ("b:0", "b:1", "c:0", "c:1", "d:0"))
+
+
+def test_a_failed_relay_leaves_the_chain_and_those_downstream_are_routed_around_it():
+    d = Directory("w")
+    d.add_shard(1, 0, 1, _far())
+    d.acquire("b:0", 1, None, "node-b")
+    d.acquire("c:0", 2, None, "node-c")
+    d.relay_started("b:0", 1, {0: ("b-seg", 64, 5)})                # c:0 streams from b:0
+    assert d.acquire("d:0", 3, None, "node-d") is None              # deferred on c:0
+    assert d.acquire("b:1", 4, None, "node-b").via.address == "b:0"
+    # b:1 found b:0 gone (before the directory did): it asks again naming it
+    assert d.relay_lost("b:0", 1) == []
+    assert d.versions[1].relays["node-c"].doomed                   # c:0 streams from it: will fail
+    d.release("b:1", 1)
+    again = d.acquire("b:1", 5, None, "node-b")
+    assert again.relay and again.source is None                     # c:0 doomed: from the holder
+    [grant] = d.relayed("c:0", 1, None)                              # c:0 fails: d:0 is routed anew,
+    assert (grant.src, grant.relay, grant.source) == ("d:0", True, None)   # to the relays before it
+    assert d.relayed("b:0", 1, {0: ("b-seg", 64, 5)}) is None        # out of the chain: its copy is not needed
+
+
+def test_a_relay_that_has_it_all_stays_a_source_when_its_upstream_fails():
+    d = Directory("w")
+    d.add_shard(1, 0, 1, _far())
+    d.acquire("b:0", 1, None, "node-b")
+    d.acquire("c:0", 2, None, "node-c")
+    d.relay_started("b:0", 1, {0: ("b-seg", 64, 5)})
+    d.relayed("c:0", 1, {0: ("c-seg", 64, 6)})                       # c:0 got it all from b:0
+    d.relay_lost("b:0", 1)
+    assert not d.versions[1].relays["node-c"].doomed
+    assert d.acquire("d:0", 3, None, "node-d").source.address == "c:0"
+
+
+def test_a_relay_waiting_for_its_upstream_can_cancel():
+    d = Directory("w")
+    d.add_shard(1, 0, 1, _far())
+    d.acquire("b:0", 1, None, "node-b")
+    assert d.acquire("c:0", 2, None, "node-c") is None
+    assert d.cancel("c:0", 2) and "c:0" not in d.versions[1].readers
+    assert d.relay_started("b:0", 1, {0: ("b-seg", 64, 5)}) == []     # nobody deferred any more
+    assert d.acquire("c:1", 3, None, "node-c").source.address == "b:0"
+
+
 def test_a_holder_gone_keeps_a_version_still_read_but_grants_it_no_more():
     d = Directory("w")
     d.add_shard(1, 0, 2, _ref("weights.w:0"))
@@ -246,7 +339,7 @@ async def test_grants_of_more_shards_than_layouts_kept_are_read_every_time():
     async def found():
         return None
 
-    def start(dst, op, newer_than, known, node):
+    def start(dst, op, newer_than, known, node, lost):
         asked.append(len(known))
         answer = asyncio.get_running_loop().create_future()
         answer.set_result((1, [[f"weights.big:{k}", "", f"seg{k}", layout.total, layout.key,
