@@ -15,6 +15,10 @@ copying (:func:`read_stamp`): a different one means the bucket was reused meanwh
 version was freed under it, as when the store's directory left), so the copy may be
 torn and the pull fails instead of returning it.
 
+A bucket whose bytes are still being sent (zero-copy views of it in messages not yet
+written out, :meth:`Buckets.reading`) is not reused when given back: it is kept aside
+and freed once the last of those sends is done.
+
 Bookkeeping is on the event loop's thread; only the creation runs elsewhere.
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import itertools
 import mmap
 import os
@@ -104,6 +109,8 @@ class Buckets:
         self._seq = itertools.count()
         self._free: list[Bucket] = []
         self._all: dict[str, Bucket] = {}
+        self._reading: collections.Counter = collections.Counter()   # bucket name -> sends in flight
+        self._parked: dict[str, Bucket] = {}          # given back while sent from: freed after
         self.closed = False
         _ALL.add(self)
 
@@ -169,10 +176,28 @@ class Buckets:
         self._free.append(bucket)
         return bucket
 
+    def reading(self, bucket: Bucket, send: asyncio.Future) -> None:
+        """``send`` (a message holding a view of ``bucket``) reads it until it is done:
+        a :meth:`give` meanwhile takes effect only once every such send is done."""
+        self._reading[bucket.name] += 1
+        send.add_done_callback(lambda _: self._read(bucket))
+
+    def _read(self, bucket: Bucket) -> None:
+        self._reading[bucket.name] -= 1
+        if self._reading[bucket.name] <= 0:
+            del self._reading[bucket.name]
+            parked = self._parked.pop(bucket.name, None)
+            if parked is not None:
+                self.give(parked)
+
     def give(self, bucket: Bucket) -> None:
         """``bucket`` holds no version any more: keep it for the next one (two at most
-        are kept free: a steady publisher needs one, a slow reader's release a second)."""
+        are kept free: a steady publisher needs one, a slow reader's release a second),
+        once no send reads it (:meth:`reading`)."""
         if self._all.get(bucket.name) is not bucket:
+            return
+        if self._reading[bucket.name]:
+            self._parked[bucket.name] = bucket
             return
         if len(self._free) >= _KEEP_FREE:
             self._drop(bucket)
@@ -192,3 +217,4 @@ class Buckets:
         for bucket in list(self._all.values()):
             self._drop(bucket)
         self._free.clear()
+        self._parked.clear()

@@ -94,6 +94,7 @@ class Version:
     readers: collections.Counter = field(default_factory=collections.Counter)
     published: float = 0.0
     relays: dict[str, Relay] = field(default_factory=dict)      # node -> its relay
+    retired: list[Relay] = field(default_factory=list)         # ready, out of the chain: freed with it
     lost: str | None = None          # why it is lost (a holder of a shard died), or None
 
     @property
@@ -226,6 +227,7 @@ class Directory:
             if not other.doomed:
                 upstream = other
         relay.upstream = upstream
+        _undoom(relay)                 # its chain is whole again
         if upstream is None or upstream.started:
             return Grant(relay.address, relay.req, entry, relay=True, source=upstream)
         upstream.deferred.append(relay)
@@ -258,11 +260,19 @@ class Directory:
         relay.ready = True
         return grants
 
-    def relay_lost(self, src: str, number: int) -> list[Grant]:
-        """A puller found ``src``, relay of ``number``, gone (before this directory may
-        know): it fails as by :meth:`relayed` with None. Returns the grants this makes."""
+    def relay_lost(self, src: str, number: int, req: int) -> list[Grant]:
+        """A puller found ``src``, relay of ``number`` for its acquire ``req``, gone
+        (before this directory may know): it fails as by :meth:`relayed` with None (a
+        report about an earlier relay at that address is ignored). A relay that was
+        ready leaves the chain but holds its copy until the version is freed, like the
+        others (:attr:`Version.retired`). Returns the grants this makes."""
         relay = self._relay_of(src, number)
-        return [] if relay is None else self._fail_relay(self.versions[number], relay)
+        if relay is None or relay.req != req:
+            return []
+        entry = self.versions[number]
+        if relay.ready:
+            entry.retired.append(relay)
+        return self._fail_relay(entry, relay)
 
     def _relay_of(self, src: str, number: int) -> Relay | None:
         entry = self.versions.get(number)
@@ -393,3 +403,10 @@ class Directory:
             "publishes": self.publishes, "pulls": self.grants, "bytes_by_path": dict(self.bytes_by_path),
             "last_publish": self.last_publish, "last_pull": self.last_pull,
         }
+
+
+def _undoom(relay: Relay) -> None:
+    """``relay`` (not started) has a sound upstream again: so have those deferred on it."""
+    relay.doomed = False
+    for d in relay.deferred:
+        _undoom(d)

@@ -26,7 +26,6 @@ bytes are still being sent to another node is reused only once the sends are don
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 from ..core.communicator import CoreCommunicator
@@ -82,8 +81,6 @@ class Holder:
         self.buckets = Buckets()
         self.versions: dict[int, Bucket] = {}              # version -> its bucket
         self.layouts: dict[int, Layout] = {}
-        self._sending: collections.Counter = collections.Counter()   # bucket name -> sends in flight
-        self._parked: dict[str, Bucket] = {}              # freed while sending: given back after
         self._fetching: dict[tuple[str, int], _Fetch] = {}  # (puller, req) -> what is left to send
         self.directory = Directory(name) if shard == 0 else None
         self.node = ""
@@ -119,19 +116,7 @@ class Holder:
 
     def drop_bucket(self, bucket: Bucket) -> None:
         """Give back ``bucket`` (holding no version), once no send reads it."""
-        if self._sending[bucket.name]:
-            self._parked[bucket.name] = bucket
-        else:
-            self.buckets.give(bucket)
-
-    def _sent(self, bucket: Bucket, future: asyncio.Future) -> None:
-        _ignore(future)
-        self._sending[bucket.name] -= 1
-        if self._sending[bucket.name] <= 0:
-            del self._sending[bucket.name]
-            parked = self._parked.pop(bucket.name, None)
-            if parked is not None:
-                self.buckets.give(parked)
+        self.buckets.give(bucket)
 
     async def add(self, number: int, bucket: Bucket, layout: Layout) -> None:
         """Make ``bucket`` (filled) version ``number`` of this shard: with the directory
@@ -221,8 +206,8 @@ class Holder:
             self._free(freed)
         elif op == "acquire":
             req, newer_than, known, node, *lost = message[1:]
-            for number, relay in lost[0] if lost else ():     # relays the puller found gone
-                self._answer(self.directory.relay_lost(str(relay), number))
+            for number, relay, relay_req in lost[0] if lost else ():     # relays the puller found gone
+                self._answer(self.directory.relay_lost(str(relay), number, relay_req))
             try:
                 grant = self.directory.acquire(src, req, newer_than, str(node))
             except LookupError as exc:
@@ -270,11 +255,14 @@ class Holder:
             node = g.via.node if g.via is not None else ""
             for k in sorted(g.version.shards):
                 wire = g.version.shards[k].to_wire(known is None or g.version.shards[k].layout_key not in known)
+                relay = 0                  # read from a relay: its req names it in a lost-relay report
                 if g.via is not None and k in g.via.segments:       # the node's copy, at its relay
                     wire[0], wire[1], (wire[2], wire[3], wire[6]) = g.via.address, node, g.via.segments[k]
+                    relay = g.via.req
                 elif g.source is not None and k in g.source.segments:   # streamed from the upstream relay
                     wire[0], wire[1] = g.source.address, g.source.node
-                shards.append(wire)
+                    relay = g.source.req
+                shards.append([*wire, relay])
             self._send(g.src, ("grant", g.req, g.version.number, shards, "relay" if g.relay else "",
                                self.directory.token))
 
@@ -285,7 +273,7 @@ class Holder:
                     self._free_local(version.number)
                 else:
                     self._send(ref.holder, ("free", version.number))
-            for relay in version.relays.values():
+            for relay in [*version.relays.values(), *version.retired]:
                 if relay.ready:
                     self._send(relay.address, ("free", version.number))
 
@@ -332,8 +320,7 @@ class Holder:
             fetch.credit -= 1
             sent = self._send(src, ("chunk", req, start, bucket.array[start:end]))
             if sent is not None:           # the bucket is not reused before the bytes are out
-                self._sending[bucket.name] += 1
-                sent.add_done_callback(lambda f: self._sent(bucket, f))
+                self.buckets.reading(bucket, sent)
         if fetch.next == len(fetch.pieces):
             del self._fetching[src, req]
 

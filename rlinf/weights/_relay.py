@@ -15,9 +15,13 @@ of its own per remote shard, chunk by chunk, in order. Each such bucket is a
 Chunks land in order (the relay receives them in order and copies each before the
 next), so ``landed`` is one offset: every byte before it is in the bucket for good
 (until the directory frees the version, which waits for every subscriber's release).
-A stream that fails (its own source is gone, the relay was cancelled) answers every
-subscriber with an error; they ask the directory again. Pure bookkeeping: the methods
-return ``(destination, message)`` pairs that the caller sends.
+A stream that fails (its own source is gone, the relay was cancelled), or is freed
+while subscribers are still attached (the store's directory left), answers every one
+of them with an error; they ask the directory again (or fail, the store being gone).
+Pure bookkeeping: the methods return ``(destination, message, reads)`` triples that the
+caller sends; ``reads`` is the bucket a chunk is a zero-copy view of (None for other
+messages): it must not be reused before that send is done
+(:meth:`~rlinf.weights._buckets.Buckets.reading`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from ._layout import Layout
 
 __all__ = ["Stream", "Streams"]
 
-Out = list[tuple[str, tuple]]
+Out = list[tuple[str, tuple, Any]]
 
 
 class _Fetcher:
@@ -42,10 +46,12 @@ class _Fetcher:
 
 
 class Stream:
-    """One remote shard of one version, landing in a relay's bucket ``array`` (uint8)."""
+    """One remote shard of one version, landing in a relay's bucket ``array`` (uint8);
+    ``bucket``: the one ``array`` belongs to, named with each chunk sent from it."""
 
-    def __init__(self, number: int, shard: int, array: Any, layout: Layout) -> None:
+    def __init__(self, number: int, shard: int, array: Any, layout: Layout, bucket: Any = None) -> None:
         self.number, self.shard, self.array, self.layout = number, shard, array, layout
+        self.bucket = bucket
         self.landed = 0
         self.failed: BaseException | None = None
         self._fetchers: dict[tuple[str, int], _Fetcher] = {}
@@ -104,11 +110,12 @@ class Stream:
         return out
 
     def fail(self, exc: BaseException, relay: str) -> Out:
-        """The relay stops filling this stream: every subscriber gets ``PeerLostError``."""
+        """The relay stops filling (or serving) this stream: every subscriber gets
+        ``PeerLostError``."""
         self.failed = exc
         error = PeerLostError(f"{relay}, the relay of version {self.number} of this weight store on its "
                               f"node, stopped: {exc!r}", peer=relay)
-        out = [(src, error_message(req, error)) for src, req in [*self._fetchers, *self._followers]]
+        out = [(src, error_message(req, error), None) for src, req in [*self._fetchers, *self._followers]]
         self._fetchers.clear()
         self._followers.clear()
         return out
@@ -122,7 +129,7 @@ class Stream:
                 break
             fetcher.next += 1
             fetcher.credit -= 1
-            out.append((src, ("chunk", req, start, self.array[start:end])))
+            out.append((src, ("chunk", req, start, self.array[start:end]), self.bucket))
         if fetcher.next == len(fetcher.pieces):
             del self._fetchers[src, req]
         return out
@@ -133,7 +140,7 @@ class Stream:
         self._followers[src, req] = self.landed
         if self.complete:
             del self._followers[src, req]
-        return [(src, ("landed", req, self.landed))]
+        return [(src, ("landed", req, self.landed), None)]
 
 
 class Streams:
@@ -164,7 +171,7 @@ class Streams:
         stream = self._by_key.get((number, shard))
         if stream is None or stream.failed is not None:
             return [(src, error_message(req, PeerLostError(
-                f"{self.address} relays no shard {shard} of version {number} (any more)", peer=self.address)))]
+                f"{self.address} relays no shard {shard} of version {number} (any more)", peer=self.address)), None)]
         if op == "fetch":
             return stream.fetch(src, req, message[3], message[4])
         return stream.follow(src, req)
@@ -176,10 +183,14 @@ class Streams:
             out += self._by_key.pop(key).fail(exc, self.address)
         return out
 
-    def free(self, number: int | None) -> None:
-        """Version ``number`` (None: every one) was freed: its streams go."""
+    def free(self, number: int | None, why: BaseException) -> Out:
+        """Version ``number`` (None: every one) was freed: its streams go. Errors (``why``)
+        for the subscribers still attached (the directory that freed it left, or no
+        longer knew them): they must not wait for chunks that will not come."""
+        out: Out = []
         for key in [k for k in self._by_key if number is None or k[0] == number]:
-            del self._by_key[key]
+            out += self._by_key.pop(key).fail(why, self.address)
+        return out
 
     def gone(self, src: str) -> None:
         for s in self._by_key.values():

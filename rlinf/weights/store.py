@@ -190,11 +190,13 @@ class WeightStore:
         if newer_than is not None and (isinstance(newer_than, bool) or not isinstance(newer_than, int)):
             raise TypeError(f"newer_than must be an int or None, got {newer_than!r}")
         timeout = core.timeout_of(timeout)
-        lost: list[tuple[int, str]] = []
+        lost: list[tuple[int, str, int]] = []      # told with the next acquire only
+        reroutes = 0
         try:
             async with asyncio.timeout(timeout):
                 while True:
                     number, refs, epoch, role, token = await self._acquire(newer_than, lost)
+                    lost = []
                     held = True
                     try:
                         layouts = [ref[1] for ref in refs]
@@ -211,10 +213,12 @@ class WeightStore:
                             raise PeerLostError(f"{self._directory}, the publisher of weight store "
                                                 f"{self.name!r}, is gone", peer=self._directory) from exc
                         # a relay it read from stopped (not a holder): ask again, telling
-                        # the directory; what was copied is overwritten
-                        if _is_holder(exc.peer) or len(lost) >= _REROUTES:
+                        # the directory which relay (its grant's req: not a later relay at
+                        # that address); what was copied is overwritten
+                        if _is_holder(exc.peer) or reroutes >= _REROUTES:
                             raise
-                        lost.append((number, exc.peer))
+                        reroutes += 1
+                        lost = [(number, exc.peer, ref[6]) for ref in refs if ref[0] == exc.peer][:1]
                     finally:
                         if held:
                             self._give_up(number, role, token)
@@ -227,13 +231,15 @@ class WeightStore:
         """A grant of the directory: ``(version, refs, epoch, role, token)`` (``token``:
         the directory's, sent back with the release). Asks again, with no layout taken
         as known, if one it was sent without was evicted meanwhile. ``lost``: the
-        ``(version, relay)`` this pull found gone, for the directory to route around."""
+        ``(version, relay, relay's req)`` this pull found gone since it asked last, for
+        the directory to route around (told once)."""
         await self._find()
         epoch = self._epoch
         node = self._core.info.node_id if self._core.info is not None else ""
         known = list(self._layouts)
         while True:
             req, answer = self._calls.start(self._directory, "acquire", newer_than, known, node, lost or [])
+            lost = None
             try:
                 number, shards, role, token = await answer
             except asyncio.CancelledError:
@@ -252,24 +258,26 @@ class WeightStore:
             known = []
 
     def _refs(self, shards: list) -> list | None:
-        """The granted shards with their layouts (None: one's layout is not known here).
-        Every layout of the grant is kept (at least as many as shards), then the oldest
-        others are evicted."""
+        """The granted shards with their layouts (None: one's layout is not known here):
+        ``(holder, layout, node, segment, size, stamp, relay)`` each, ``holder`` the
+        address to read from (a relay's, then ``relay`` is its acquire's req). Every
+        layout of the grant is kept (at least as many as shards), then the oldest others
+        are evicted."""
         layouts = []
-        for holder, node, segment, size, key, wire, stamp in shards:
+        for holder, node, segment, size, key, wire, stamp, _ in shards:
             layout = self._layouts.get(key)
             if layout is None:
                 if wire is None:
                     return None
                 layout = self._layouts[key] = Layout.from_wire(wire)
             layouts.append(layout)
-        for _, _, _, _, key, _, _ in shards:
+        for _, _, _, _, key, _, _, _ in shards:
             self._layouts.move_to_end(key)
         while len(self._layouts) > max(_LAYOUTS_KEPT, 2 * len(shards)):
             self._layouts.popitem(last=False)
         self._mappings.keep = max(self._mappings.keep, 3 * len(shards) + 1)
-        return [(holder, layout, node, segment, size, stamp)
-                for (holder, node, segment, size, _, _, stamp), layout in zip(shards, layouts)]
+        return [(holder, layout, node, segment, size, stamp, relay)
+                for (holder, node, segment, size, _, _, stamp, relay), layout in zip(shards, layouts)]
 
     async def _copy(self, number: int, refs: list, plans: list, epoch: int, role: str, token: str) -> None:
         """Copy version ``number`` per plan, then release it (once every copy ended, also
@@ -285,15 +293,15 @@ class WeightStore:
         done = False
         try:
             if role == "relay":
-                for k, (holder, layout, node, segment, size, stamp) in enumerate(refs):
+                for k, (holder, layout, node, segment, size, stamp, _) in enumerate(refs):
                     if layout.total and node != mine:
                         own = await self._relay_buckets().take(layout.total)
                         buckets.append(own)
-                        streams[k] = Stream(number, k, own.array, layout)
+                        streams[k] = Stream(number, k, own.array, layout, own)
                         self._streams.add(streams[k])
                         relayed.append([k, own.name, layout.total, own.stamp])
                 self._send(self._directory, ("relaying", number, relayed, token))
-            for k, ((holder, layout, node, segment, size, stamp), (targets, order)) in enumerate(zip(refs, plans)):
+            for k, ((holder, layout, node, segment, size, stamp, _), (targets, order)) in enumerate(zip(refs, plans)):
                 if not layout.total:
                     continue
                 if k in streams:
@@ -317,6 +325,7 @@ class WeightStore:
                     self._send(self._directory, ("relayed", number, relayed, token))
                 else:
                     self._send(self._directory, ("relayed", number, None, token))
+                    # reused once its copy threads stopped and the chunks it forwarded are out
                     _after(running, lambda: [self._relay_pool.give(b) for b in buckets])
             _after(running, lambda: self._release(number, "net" if moved["net"] else "shm", sum(moved.values()),
                                                   token))
@@ -434,8 +443,11 @@ class WeightStore:
 
     def _free_relayed(self, number: int | None) -> None:
         """The directory freed ``number`` (None: every version, it is gone): its buckets
-        here may be reused."""
-        self._streams.free(number)
+        here may be reused (once the chunks sent from them are out), and the pulls still
+        reading them from here fail."""
+        why = PeerLostError(f"the store's directory {'left' if number is None else 'freed it'}",
+                            peer=self._directory)
+        self._send_all(self._streams.free(number, why))
         for n in list(self._relay_held) if number is None else [number]:
             for bucket in self._relay_held.pop(n, ()):
                 self._relay_pool.give(bucket)
@@ -521,24 +533,29 @@ class WeightStore:
             elif not self._calls.settle(message) and op == "grant" and len(message) == 6:
                 self._give_up(message[2], message[4], message[5])     # granted after its pull gave up
 
-    def _send_all(self, messages: list[tuple[str, tuple]]) -> None:
-        for dst, message in messages:
-            self._send(dst, message)
+    def _send_all(self, messages: list[tuple[str, tuple, Any]]) -> None:
+        """Send a relay's messages (:mod:`._relay`); a chunk keeps the bucket it is a
+        view of from reuse until it is out."""
+        for dst, message, reads in messages:
+            future = self._send(dst, message)
+            if future is not None and reads is not None:
+                self._relay_pool.reading(reads, future)
 
-    def _send(self, dst: str, message: tuple, *, must: bool = False) -> None:
+    def _send(self, dst: str, message: tuple, *, must: bool = False) -> asyncio.Future | None:
         try:
             future = self._core.start_send(message, dst, self._tag)
         except RlinfError:
             if must:
                 raise
-            return                   # the peer is gone or we are closing: nothing to tell it
+            return None              # the peer is gone or we are closing: nothing to tell it
         future.add_done_callback(retrieve)
+        return future
 
     def _on_gone(self, address: str, incarnation: str) -> None:
         error = PeerLostError(f"{address}, a part of weight store {self.name!r}, is gone", peer=address)
         self._calls.fail(address, error)
-        for holder, queue in self._fetches.values():
-            if holder == address:
+        for holder, queue in self._fetches.values():     # the directory gone: every source frees
+            if holder == address or address == self._directory:
                 queue.put_nowait(error)
         self._streams.gone(address)
         if address == self._directory:

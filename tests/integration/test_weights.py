@@ -415,3 +415,135 @@ async def test_latest_and_stats_time_out_when_the_directory_does_not_answer(driv
                 await ask(timeout=0.3)
         holder._handle = handle
         assert await ws.latest(timeout=10) == 1
+
+
+def _on_node(cluster, monkeypatch, address: str, node: str):
+    """A communicator (not started) of this process that says it runs on ``node``."""
+    monkeypatch.setenv("RLINF_NODE_ID", node)
+    try:
+        return cluster.connect(address)
+    finally:
+        monkeypatch.delenv("RLINF_NODE_ID")
+
+
+def _pause_copy(ws, nth: int, fn: str | None = None) -> asyncio.Event:
+    """Make the ``nth`` copy of ``ws`` (of ``fn`` only, if given) wait for good (until
+    its pull is cancelled): the event is set when it starts waiting."""
+    entered, run, calls = asyncio.Event(), ws._run, [0]
+
+    async def paused(f, *args, size, running):
+        if fn is None or f.__name__ == fn:
+            calls[0] += 1
+            if calls[0] == nth:
+                entered.set()
+                await asyncio.Event().wait()
+        await run(f, *args, size=size, running=running)
+
+    ws._run = paused
+    return entered
+
+
+class _SlowLink:
+    """``core`` with a slow link to ``dst``: after the first ``passed`` chunks, what it
+    sends there waits (in order) for :meth:`release`, the sends still in flight (their
+    zero-copy views of the relay's bucket still to be read)."""
+
+    def __init__(self, core, dst: str, passed: int) -> None:
+        self._core, self._dst, self._passed = core, dst, passed
+        self.held: list[tuple[tuple, str, asyncio.Future]] = []
+        self._released = False
+
+    def __getattr__(self, name):
+        return getattr(self._core, name)
+
+    def start_send(self, message, dst, tag):
+        if dst == self._dst and not self._released and (self.held or (message[0] == "chunk" and not self._passed)):
+            future = asyncio.get_running_loop().create_future()
+            self.held.append((message, tag, future))
+            return future
+        self._passed -= dst == self._dst and message[0] == "chunk"
+        return self._core.start_send(message, dst, tag)
+
+    def release(self) -> None:
+        self._released = True
+        for message, tag, future in self.held:
+            sent = self._core.start_send(message, self._dst, tag)
+            sent.add_done_callback(lambda s, f=future: f.done() or (
+                f.set_exception(s.exception()) if s.exception() else f.set_result(None)))
+
+
+async def test_a_relay_reuses_its_bucket_only_once_the_chunks_it_forwarded_are_out(cluster, driver, monkeypatch):
+    """Relay U forwards every chunk of version 1 to relay D, half of them still on a slow
+    link (sends holding views of U's bucket), when U's own pull is cancelled and U then
+    relays version 2. Version 2 must not land in the bucket those sends read: D gets
+    version 1 whole, never a torn tree."""
+    from rlinf.weights import store
+
+    monkeypatch.setattr(store, "CHUNK", 1 << 20)
+    n = 6                                                          # chunks, all within the window
+    async with asyncio.timeout(60):
+        ws = await driver.weights("slow-link")
+        await ws.publish(ww.flat_tree(1, n, 1 << 18), 1)
+        u = await _on_node(cluster, monkeypatch, "u:0", "node-b").start()
+        d = await _on_node(cluster, monkeypatch, "d:0", "node-c").start()
+        link = None
+        try:
+            wu, wd = await u.weights("slow-link"), await d.weights("slow-link")
+            link = wu._core = _SlowLink(wu._core, "d:0", n // 2)
+            run = wu._run
+            entered = _pause_copy(wu, n, "unpack_range")           # every chunk landed and forwarded
+            relaying = asyncio.create_task(wu.get(timeout=30))
+            await entered.wait()
+            pull = asyncio.create_task(wd.get(timeout=30))
+            await until(lambda: len(link.held) == n - n // 2, what="D's chunks to be sent")
+            relaying.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await relaying
+            wu._run = run
+            await ws.publish(ww.flat_tree(2, n, 1 << 18), 2)
+            assert (await wu.get(newer_than=1, timeout=30))[1] == 2      # U relays version 2
+            link.release()
+            tree, v = await pull
+            assert v == 1 and [float(tree[f"t{i}"][0]) for i in range(n)] == [1.0] * n
+            assert all(bool((t == 1).all()) for t in tree.values())
+        finally:
+            if link is not None:
+                link.release()
+            for comm in (d, u):
+                await comm.aclose()
+
+
+@pytest.mark.parametrize("hears", ["relay", "downstream"])
+async def test_the_publisher_leaving_while_a_relay_streams_fails_the_relay_downstream(cluster, monkeypatch, hears):
+    """The publisher (the store's directory) leaves while relay U streams version 1 to
+    relay D. Whichever hears of it first (U: it frees the version, its stream with it;
+    D: its sources free everything), D's pull fails with PeerLostError at once rather
+    than wait for chunks that will never come."""
+    from rlinf.weights import store
+
+    monkeypatch.setattr(store, "CHUNK", 1 << 20)
+    async with asyncio.timeout(60):
+        pub = await cluster.connect("trainer:0").start()
+        u = await _on_node(cluster, monkeypatch, "u:0", "node-b").start()
+        d = await _on_node(cluster, monkeypatch, "d:0", "node-c").start()
+        try:
+            wp, wu, wd = [await c.weights("leaving") for c in (pub, u, d)]
+            await wp.publish(ww.flat_tree(1, 16, 1 << 18), 1)          # 16 chunks
+            entered = _pause_copy(wu, 6)                              # U is in the middle of it
+            relaying = asyncio.create_task(wu.get(timeout=30))
+            await entered.wait()
+            pull = asyncio.create_task(wd.get(timeout=30))
+            await until(lambda: (1, 0) in wu._streams._by_key and wu._streams._by_key[1, 0]._fetchers,
+                        what="D to stream from U")
+            deaf = wd if hears == "relay" else wu                     # has not heard of it yet
+            deaf._on_gone = lambda address, incarnation: None
+            await pub.aclose()
+            async with asyncio.timeout(10):
+                with pytest.raises(rlinf.PeerLostError):
+                    await pull
+            relaying.cancel()
+            with pytest.raises((asyncio.CancelledError, rlinf.PeerLostError)):
+                await relaying
+        finally:
+            for comm in (d, u, pub):
+                await comm.aclose()

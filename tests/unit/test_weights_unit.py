@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from rlinf.errors import PeerLostError
 from rlinf.util.copier import Copier
 from rlinf.weights._buckets import Buckets, read_stamp
 from rlinf.weights._directory import PENDING_KEPT, Directory, ShardRef
@@ -87,15 +88,15 @@ def test_a_relay_serves_a_chunk_only_once_it_landed_in_order_and_fails_its_subsc
     assert streams.handle("d:0", ("fetch", 1, 7, 1 << 20, 2, 0)) == []        # nothing landed yet
     assert streams.handle("f:0", ("follow", 2, 7, 0)) == []
     out = stream.land((1 << 20) + 5)                                          # one chunk and a bit
-    assert [(dst, m[0], m[2]) for dst, m in out] == [("d:0", "chunk", 0), ("f:0", "landed", (1 << 20) + 5)]
+    assert [(dst, m[0], m[2]) for dst, m, _ in out] == [("d:0", "chunk", 0), ("f:0", "landed", (1 << 20) + 5)]
     out = stream.land(4 << 20)
-    assert [m[2] for _, m in out if m[0] == "chunk"] == [1 << 20]             # window 2: one more
-    assert [m[2] for _, m in streams.handle("d:0", ("more", 1, 2))] == [2 << 20, 3 << 20]   # in order
+    assert [m[2] for _, m, _ in out if m[0] == "chunk"] == [1 << 20]          # window 2: one more
+    assert [m[2] for _, m, _ in streams.handle("d:0", ("more", 1, 2))] == [2 << 20, 3 << 20]   # in order
     assert np.array_equal(out[0][1][3], stream.array[1 << 20:2 << 20])
-    [(dst, error)] = [o for o in streams.handle("x:0", ("fetch", 3, 8, 1 << 20, 2, 0))]   # no such version
+    [(dst, error, _)] = [o for o in streams.handle("x:0", ("fetch", 3, 8, 1 << 20, 2, 0))]   # no such version
     assert dst == "x:0" and error[0] == "error" and error[2] == "PeerLostError"
     failed = streams.fail(7, RuntimeError("upstream gone"))
-    assert sorted((dst, m[0], m[1]) for dst, m in failed) == [("d:0", "error", 1), ("f:0", "error", 2)]
+    assert sorted((dst, m[0], m[1]) for dst, m, _ in failed) == [("d:0", "error", 1), ("f:0", "error", 2)]
     assert streams.handle("d:0", ("fetch", 4, 7, 1 << 20, 2, 0))[0][1][0] == "error"     # failed: gone
 
 
@@ -230,8 +231,8 @@ def test_a_failed_relay_leaves_the_chain_and_those_downstream_are_routed_around_
     d.relay_started("b:0", 1, {0: ("b-seg", 64, 5)})                # c:0 streams from b:0
     assert d.acquire("d:0", 3, None, "node-d") is None              # deferred on c:0
     assert d.acquire("b:1", 4, None, "node-b").via.address == "b:0"
-    # b:1 found b:0 gone (before the directory did): it asks again naming it
-    assert d.relay_lost("b:0", 1) == []
+    # b:1 found b:0 gone (before the directory did): it asks again naming it (and its acquire)
+    assert d.relay_lost("b:0", 1, 1) == []
     assert d.versions[1].relays["node-c"].doomed                   # c:0 streams from it: will fail
     d.release("b:1", 1)
     again = d.acquire("b:1", 5, None, "node-b")
@@ -248,7 +249,7 @@ def test_a_relay_that_has_it_all_stays_a_source_when_its_upstream_fails():
     d.acquire("c:0", 2, None, "node-c")
     d.relay_started("b:0", 1, {0: ("b-seg", 64, 5)})
     d.relayed("c:0", 1, {0: ("c-seg", 64, 6)})                       # c:0 got it all from b:0
-    d.relay_lost("b:0", 1)
+    d.relay_lost("b:0", 1, 1)
     assert not d.versions[1].relays["node-c"].doomed
     assert d.acquire("d:0", 3, None, "node-d").source.address == "c:0"
 
@@ -330,6 +331,12 @@ class _Core:
         future.set_result(None)
         return future
 
+    def check_open(self):
+        pass
+
+    def timeout_of(self, timeout):
+        return timeout
+
 
 async def test_grants_of_more_shards_than_layouts_kept_are_read_every_time():
     ws = WeightStore(_Core(), "big")
@@ -343,7 +350,7 @@ async def test_grants_of_more_shards_than_layouts_kept_are_read_every_time():
         asked.append(len(known))
         answer = asyncio.get_running_loop().create_future()
         answer.set_result((1, [[f"weights.big:{k}", "", f"seg{k}", layout.total, layout.key,
-                                None if layout.key in known else layout.to_wire(), 0]
+                                None if layout.key in known else layout.to_wire(), 0, 0]
                                for k, layout in enumerate(layouts)], "", "token"))
         if evict:                                                  # another pull evicts one meanwhile
             ws._layouts.pop(evict.pop())
@@ -369,3 +376,114 @@ def test_releases_and_relay_reports_from_an_earlier_directory_are_ignored():
     assert sorted(d.versions) == [1, 2] and d.versions[1].readers["r:0"] == 1   # not its grant
     holder._handle("r:0", ("release", 1, "shm", 64, d.token))
     assert sorted(d.versions) == [2]
+
+
+async def test_a_bucket_given_back_while_sent_from_is_reused_only_once_the_sends_are_done(tmp_path):
+    buckets = Buckets(str(tmp_path))
+    a = await buckets.take(4096)
+    loop = asyncio.get_running_loop()
+    sends = [loop.create_future(), loop.create_future()]      # messages holding views of a, on their way
+    for send in sends:
+        buckets.reading(a, send)
+    buckets.give(a)
+    assert (await buckets.take(4096)) is not a                 # still read: a new one
+    sends[0].set_result(None)
+    await asyncio.sleep(0)                                     # (done callbacks run on the next tick)
+    b = await buckets.take(4096)
+    assert b is not a
+    sends[1].set_exception(ConnectionError("failed sends are done too"))
+    sends[1].exception()
+    await asyncio.sleep(0)
+    assert (await buckets.take(4096)) is a                     # free once the last send is done
+    buckets.close()
+
+
+def test_a_relay_names_its_bucket_with_each_chunk_and_fails_those_still_attached_when_freed():
+    layout, _ = Layout.of({"a": np.zeros(3 << 20, np.uint8)})
+    bucket = object()
+    streams = Streams("r:0")
+    streams.add(Stream(7, 0, np.zeros(layout.total, np.uint8), layout, bucket))
+    streams.add(Stream(8, 0, np.zeros(layout.total, np.uint8), layout))
+    streams.handle("d:0", ("fetch", 1, 7, 1 << 20, 4, 0))
+    streams.handle("f:0", ("follow", 2, 7, 0))
+    streams.handle("e:0", ("fetch", 3, 8, 1 << 20, 4, 0))
+    out = streams._by_key[7, 0].land(2 << 20)
+    assert [(m[0], reads is bucket) for _, m, reads in out] == [("chunk", True), ("chunk", True), ("landed", False)]
+    failed = streams.free(7, RuntimeError("the directory left"))    # a free with readers attached
+    assert sorted((dst, m[0], m[1], m[2]) for dst, m, _ in failed) == [("d:0", "error", 1, "PeerLostError"),
+                                                                      ("f:0", "error", 2, "PeerLostError")]
+    assert [dst for dst, _, _ in streams.free(None, RuntimeError("gone"))] == ["e:0"] and not len(streams)
+
+
+def test_a_report_of_a_lost_relay_names_its_acquire_and_spares_a_later_relay_at_that_address():
+    d = Directory("w")
+    d.add_shard(1, 0, 1, _far())
+    d.acquire("b:0", 1, None, "node-b")
+    d.relay_started("b:0", 1, {0: ("b-seg1", 64, 5)})
+    assert d.acquire("b:1", 2, None, "node-b").via.req == 1
+    d.relayed("b:0", 1, None)                                       # b:0's relay fails
+    d.release("b:0", 1)
+    assert d.acquire("b:0", 3, None, "node-b").relay                # and asks again first: relay again
+    d.relay_started("b:0", 1, {0: ("b-seg2", 64, 6)})
+    assert d.acquire("c:0", 4, None, "node-c").source.address == "b:0"
+    d.release("b:1", 1)                                             # b:1 got the first one's error late
+    assert d.relay_lost("b:0", 1, 1) == []                          # ... and names it
+    again = d.acquire("b:1", 5, None, "node-b")
+    assert again.via is not None and again.via.req == 3             # the healthy relay stays
+    assert not d.versions[1].relays["node-c"].doomed
+    assert d.relayed("b:0", 1, {0: ("b-seg2", 64, 6)}) == []        # its copy is kept, not freed
+    d.relay_lost("b:0", 1, 3)                                       # a report of this one counts
+    assert "node-b" not in d.versions[1].relays
+
+
+def test_a_ready_relay_taken_out_of_the_chain_is_told_to_free_its_copy_with_the_version():
+    holder = Holder(_Core(), "w", 0, 1)                            # the directory's side, not started
+    sent = []
+    holder._send = lambda dst, message: sent.append((dst, message))
+    d = holder.directory
+    d.add_shard(1, 0, 1, _far(holder.address))
+    d.acquire("b:0", 1, None, "node-b")
+    d.acquire("b:1", 2, None, "node-b")
+    d.relayed("b:0", 1, {0: ("b-seg", 64, 5)})                      # b:0 has it all: ready
+    d.release("b:0", 1)
+    d.release("b:1", 1)
+    d.relay_lost("b:0", 1, 1)                                       # b:1 could not read it
+    _, freed = d.add_shard(2, 0, 1, _far(holder.address))
+    holder._free(freed)
+    assert [v.number for v in freed] == [1] and ("b:0", ("free", 1)) in sent
+
+
+def test_a_relay_routed_anew_around_a_failed_upstream_is_a_source_again():
+    d = Directory("w")
+    d.add_shard(1, 0, 1, _far())
+    d.acquire("b:0", 1, None, "node-b")
+    assert d.acquire("c:0", 2, None, "node-c") is None              # deferred on b:0
+    assert d.acquire("x:0", 3, None, "node-x") is None              # deferred on c:0
+    [grant] = d.relayed("b:0", 1, None)                             # b:0 fails before it started
+    assert (grant.src, grant.source) == ("c:0", None)               # c:0 streams from the holder now
+    relays = d.versions[1].relays
+    assert not relays["node-c"].doomed and not relays["node-x"].doomed
+    [grant] = d.relay_started("c:0", 1, {0: ("c-seg", 64, 6)})
+    assert (grant.src, grant.source.address) == ("x:0", "c:0")
+    d.relay_started("x:0", 1, {0: ("x-seg", 64, 7)})
+    assert d.acquire("e:0", 4, None, "node-e").source.address == "x:0"   # the chain goes on
+
+
+async def test_a_pull_tells_the_directory_of_each_lost_relay_once_naming_its_acquire():
+    ws = WeightStore(_Core(), "lost")
+    layout = Layout.of({"w": torch.zeros(4)})[0]
+    told, attempts = [], []
+
+    async def acquire(newer_than, lost=None):
+        told.append(list(lost or []))
+        relay_req = 10 + len(told)                                 # a new relay at b:0 every time
+        return 1, [("b:0", layout, "node-b", "seg", layout.total, 5, relay_req)], 0, "", "token"
+
+    async def copy(number, refs, plans, epoch, role, token):
+        attempts.append(refs[0][6])
+        if len(attempts) < 3:
+            raise PeerLostError("b:0, the relay, stopped", peer="b:0")
+
+    ws._acquire, ws._copy = acquire, copy
+    assert (await ws.get(timeout=10))[1] == 1
+    assert told == [[], [(1, "b:0", 11)], [(1, "b:0", 12)]]
