@@ -25,7 +25,7 @@ from typing import Callable, Iterator, NamedTuple
 import numpy as np
 
 from . import wire
-from ..errors import ClosedError, DecodeError, ProtocolError
+from ..errors import ClosedError, DecodeError, PeerLostError, ProtocolError
 from ..transports import shm
 
 __all__ = ["FrameReader", "Rebuilt"]
@@ -99,6 +99,11 @@ class FrameReader:
             elif entry.slot is not None or entry.relays is not None:
                 try:
                     in_slot, relayed = self._open(src, entry)
+                except shm.SegmentGone as exc:    # its sender took the memory back: lost, not malformed
+                    log.warning("rlinf: a message from %s was lost: %s", src, exc)
+                    error = PeerLostError(f"a message from {src} was lost on its way: its sender took back the "
+                                          f"shared memory it was in (it took us for lost, or it is gone): {exc}",
+                                          peer=src)
                 except (ProtocolError, ClosedError) as exc:
                     self._on_bad_slot()
                     log.warning("rlinf: bad shared-memory slot from %s: %r", src, exc)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -336,10 +337,13 @@ async def test_multicast_mixes_paths(cluster, driver):
 
 
 async def test_bad_slot_descriptor_is_a_decode_error(cluster, driver):
-    """A peer describing a segment that is not its own (or does not exist) fails that
-    receive with DecodeError; the receiver keeps serving."""
+    """A peer describing a segment that is not its own fails that receive with
+    DecodeError; one naming a segment that does not exist (any more: its sender took it
+    back, as it does from a receiver it took for lost) with PeerLostError, the message
+    lost; the receiver keeps serving."""
     import zmq
 
+    small = f"rlinf-{os.getpid()}-ff-00-999998"    # a segment too small for the slot it names
     async with asyncio.timeout(30):
         ctx = zmq.Context()
         s = ctx.socket(zmq.DEALER)
@@ -349,17 +353,22 @@ async def test_bad_slot_descriptor_is_a_decode_error(cluster, driver):
             rlinf.control.security.ClusterKeys(cluster.token).secure_client(s, encrypt=False)
             s.connect(driver.info.endpoints["ipc"])
             header, _ = rlinf.codec.encode(np.zeros(100))
-            for seq, name in enumerate(("rlinf-1-ff-ab-0", f"rlinf-{os.getpid()}-ff-00-999999")):
+            with open(os.path.join("/dev/shm", small), "wb") as f:
+                f.write(b"x" * 64)
+            for seq, (name, error) in enumerate(((small, rlinf.DecodeError),
+                                                 (f"rlinf-{os.getpid()}-ff-00-999999", rlinf.PeerLostError))):
                 slot = [name, 0, 1 << 20, 1, False]
                 s.send_multipart([rlinf.core.wire.pack_header("evil:0", "i1", [[0, 0, header, [-800], slot]], True,
                                                               epoch=1, seq=seq), b""])
-                with pytest.raises(rlinf.DecodeError):
+                with pytest.raises(error):
                     await driver.recv("evil:0", timeout=10)
             await driver.send("ok", "driver:0")
             assert await driver.recv("driver:0") == "ok"
         finally:
             s.close(0)
             ctx.term()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join("/dev/shm", small))
 
 
 @pytest.mark.parametrize("orders", ["read", "write"])

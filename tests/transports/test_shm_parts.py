@@ -647,3 +647,29 @@ async def test_a_reader_taken_for_holding_is_waited_for_again_once_a_co_reader_l
         assert sender.behind("y:0")                    # its window counts again
     finally:
         sender.close()
+
+
+async def test_a_message_whose_slot_its_sender_took_back_arrives_as_lost_not_malformed():
+    """The sender took its receiver for lost (a stall) while a message in shared memory
+    was on its way: it retired the slot (unlinked). When the receiver reads the message
+    after all, the receive raises PeerLostError (lost on its way), not DecodeError."""
+    import asyncio
+
+    import rlinf
+    from rlinf.core import wire
+    from rlinf.core._inbound import FrameReader
+
+    loop = asyncio.get_running_loop()
+    sender = shm.ShmSession(loop, lambda dst, obj: None)
+    receiver = shm.ShmSession(loop, lambda dst, obj: None)
+    try:
+        slot, layout, _ = sender.export([memoryview(b"x" * 100_000)], [100_000], {"b:0": 1})
+        entry = wire.unpack_header(wire.pack_header("a:0", "i", [wire.slot_entry(
+            wire.USER, 0, b"h", layout, slot.to_wire())]), [])[2][0]
+        sender.peer("b:0").close(process_gone=False)          # taken for lost: its slots retire
+        frames = FrameReader(receiver, shm.Recycler(), lambda src: None, lambda: None)
+        [rebuilt] = list(frames.entries("a:0", [entry], [], True, "i"))
+        assert isinstance(rebuilt.error, rlinf.PeerLostError) and "lost on its way" in str(rebuilt.error)
+    finally:
+        receiver.close()
+        sender.close()

@@ -51,7 +51,7 @@ tensors already in shared memory, by handle), ``_pagemap`` and ``_shm_transport`
 from __future__ import annotations
 
 from ._relay import Relay
-from ._common import DEFAULT_OFFLOAD, MIN_SLOT, SHM_DIR, available, default_cap, sweep
+from ._common import DEFAULT_OFFLOAD, MIN_SLOT, SHM_DIR, SegmentGone, available, default_cap, sweep
 from ._common import _PAGE, _slot_size  # noqa: F401  (the tests' view of the size classes)
 from ._pool import Recycler, ShmPool, copy_out
 from ._pull import PullPeer, PullSession
@@ -60,5 +60,5 @@ from ._session import ShmPeer, ShmSession
 from ._transport import ShmLink, ShmListener, ShmTransport
 
 __all__ = ["ShmPool", "ShmReader", "ShmSession", "ShmTransport", "ShmLink", "ShmListener", "Recycler", "Relay",
-           "PullSession", "ShmPeer", "PullPeer", "available", "sweep", "default_cap", "copy_out", "SHM_DIR", "MIN_SLOT",
+           "PullSession", "ShmPeer", "PullPeer", "SegmentGone", "available", "sweep", "default_cap", "copy_out", "SHM_DIR", "MIN_SLOT",
            "DEFAULT_OFFLOAD"]

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 
 from ...config import DEFAULTS
+from ...errors import ProtocolError
 from ..leftovers import SHM_DIR, owned_by, remove
 
 
@@ -26,6 +27,12 @@ _U8 = np.uint8
 _NUMPY_COPY = 1 << 20
 _POPULATE_MAX = 256 << 20
 
+
+
+class SegmentGone(ProtocolError):
+    """A sender's shared-memory segment named by a descriptor no longer exists: its
+    sender took the memory back (it took us for lost, or it is gone and was swept), so
+    the message in it is lost, not malformed."""
 
 def available(directory: str = SHM_DIR) -> bool:
     """True when shared memory can be used here (Linux with a writable ``/dev/shm``)."""

@@ -18,7 +18,7 @@ from .. import descriptors
 from ...util.bounded import Doubling
 from ...errors import ClosedError, ProtocolError
 from ._pagemap import written_runs
-from ._common import SHM_DIR, _PAGE, _POPULATE_MAX, _U8
+from ._common import SHM_DIR, SegmentGone, _PAGE, _POPULATE_MAX, _U8
 
 log = logging.getLogger("rlinf.transports.shm")
 
@@ -231,7 +231,7 @@ class ShmReader:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError as exc:
-            raise ProtocolError(f"cannot open shared-memory segment {slot.segment}: {exc} (is the sender's "
+            raise SegmentGone(f"cannot open shared-memory segment {slot.segment}: {exc} (is the sender's "
                                 f"{self._dir} ours? Processes that do not share it need different node ids: "
                                 "RLINF_NODE_ID)") from exc
         except OSError as exc:
