@@ -367,10 +367,10 @@ class Settings:
         "Seconds between a worker's heartbeats to the manager.")
     # security
     tcp_stream: bool = _knob(
-        "RLINF_TCP_STREAM", "bool", False,
+        "RLINF_TCP_STREAM", "bool", True,
         "Frame sets to other nodes (all but bulk payloads) go over a TCP stream link that the event loops "
-        "write and read, sealed like bulk links, instead of ZeroMQ tcp://; off by default: on this project's "
-        "loaded 2-CPU machines it was no faster than ZeroMQ (docs/benchmarks.md, P1x/P2x).")
+        "write and read, sealed like bulk links, instead of ZeroMQ tcp:// (off: ZeroMQ carries them, as "
+        "`RLINF_DISABLE_TRANSPORTS=tcp_stream` does; docs/benchmarks.md, P1x/P2x).")
     tcp_encryption: bool = _knob(
         "RLINF_TCP_ENCRYPTION", "bool", True,
         "TCP data links are encrypted (CURVE for ZeroMQ, AEGIS-256 for bulk and TCP stream links); "

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.multiproc
 def test_registration_and_routing_across_nodes(nodes):
     n = nodes(3)
     n.start_manager(0)
-    on = {"RLINF_TCP_STREAM": "1"}      # (opt-in: see RLINF_TCP_STREAM)
+    on = {"RLINF_TCP_STREAM": "1"}      # (the default; said here so the test holds if it changes)
     echoes = [n.agent(0, "echo", "a:1", env=on), n.agent(1, "echo", "b:0", env=on), n.agent(2, "echo", "c:0", env=on)]
     probe = n.agent(0, "route_probe", "a:0", targets=["a:1", "b:0", "c:0"], env=on)
     out = probe.expect("result", timeout=60)

@@ -44,7 +44,7 @@ TODAY = {
     "RLINF_TIMEOUT": None,                   # operations without timeout= wait forever
     "RLINF_TRACE": None,                     # no timeline written
     "RLINF_HEARTBEAT_INTERVAL": 0.25,
-    "RLINF_TCP_STREAM": False,
+    "RLINF_TCP_STREAM": True,
     "RLINF_TCP_ENCRYPTION": True,
     "RLINF_HOST": None,
     "RLINF_NODE_ID": None,
