@@ -165,7 +165,7 @@ def _raw(nodes: netns.Nodes, nbytes: int, rounds: int, budget: float) -> tuple[l
     return times, cpu
 
 
-def run(mib: int, rate_mbit: float, rounds: int, queue_ms: float) -> dict:
+def measure(mib: int, rate_mbit: float, rounds: int, queue_ms: float) -> dict:
     nbytes = mib * MiB
     link_s = nbytes * 8 / (rate_mbit * 1e6) if rate_mbit else 0.5
     budget = 60 + 10 * link_s
@@ -190,7 +190,7 @@ def main() -> int:
     if reason:
         print(f"W2 on emulated nodes skipped: {reason}")
         return 2
-    got = run(args.mib, args.rate_mbit, args.rounds, args.queue_ms)
+    got = measure(args.mib, args.rate_mbit, args.rounds, args.queue_ms)
     raw, rl = statistics.median(got["raw"][WARMUP:]), statistics.median(got["rlinf"][WARMUP:])
     rate = (f"tbf {args.rate_mbit:.0f} Mbit/s per node link, queue {args.queue_ms} ms" if args.rate_mbit
             else "links unlimited")

@@ -83,7 +83,7 @@ async def test_two_nodes_with_one_hostname_get_different_ids_and_talk_over_tcp(c
     assert a.host == b.host == os.uname().nodename
     assert a.node_id != b.node_id
     assert first["route"] == second["route"] == "bulk"
-    assert first["link"] == second["link"] == "ZmqLink tcp"
+    assert first["link"] == second["link"] == "StreamLink tcp"      # the TCP stream link (the default)
     assert second["big"] and second["small"] and first["big_back"] and (first["done"], second["fin"]) == ("done", "fin")
     assert first["seconds"] < 10 and second["seconds"] < 10
 

@@ -182,7 +182,7 @@ async def test_large_payloads_to_another_node_take_the_bulk_stream_in_order(clus
                 assert back["i"] == obj["i"]
                 assert_same(obj, back)
             stats = near.stats().transports
-            assert stats["bulk"].msgs == 3 and stats["zmq"].msgs >= 3, stats
+            assert stats["bulk"].msgs == 3 and stats["tcp_stream"].msgs >= 3, stats
             assert await group.join() == [6]
 
 
