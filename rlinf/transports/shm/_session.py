@@ -179,9 +179,7 @@ class ShmSession:
         restarts the :data:`STALL` clock); a reader that releases nothing for that long
         is taken to be holding its views, and is not waited for again until it is down
         to half its window. Returns early if ``reader`` goes away."""
-        peer = self.peer(reader)
-        if peer.closed:
-            return
+        peer = self.peer(reader)     # (never a closed one: closing forgets it)
         if peer.room is None:
             peer.room = asyncio.Event()
         event = peer.room
