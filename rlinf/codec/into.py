@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..util.copier import STREAM_BYTES, byte_view, copy_bytes
+
 __all__ = ["copy_into"]
 
 
@@ -127,14 +129,16 @@ def copy_into(target: Any, source: Any, path: str = "$") -> None:
         return
     numpy_pairs = [(t, s) for t, s in pairs if not _is_torch(t)]
     torch_pairs = [(t, s) for t, s in pairs if _is_torch(t)]
-    if numpy_pairs:
-        import numpy as np
-
-        for t, s in numpy_pairs:
-            np.copyto(t, s, casting="no")
+    for t, s in numpy_pairs:       # the same dtype and shape (checked): a large one streams
+        copy_bytes(t, s)
     if torch_pairs:
         import torch
 
         with torch.no_grad():
             for t, s in torch_pairs:
-                t.copy_(s)
+                raw = byte_view(t) if t.nbytes >= STREAM_BYTES else None
+                src = byte_view(s) if raw is not None else None
+                if src is not None:
+                    copy_bytes(raw, src)
+                else:
+                    t.copy_(s)

@@ -19,6 +19,16 @@ The same split serves other one-pass copies of ``(dst, src)`` pairs: :meth:`Copi
 takes the function that copies a list of pairs (reads from another process's memory,
 :mod:`rlinf.transports.cma`, pass theirs).
 
+Each part is copied by :func:`copy_bytes`: pairs of :data:`STREAM_BYTES` or more with
+streaming (non-temporal) stores, by the C extension ``rlinf.util._fastcopy`` (built at
+install where a C compiler is found). glibc's ``memcpy`` streams only above a threshold
+it derives from the last-level cache size, and a VM that reports the host's whole L3
+(480 MiB here) puts it near 360 MiB: below it, every destination line is read before it
+is written. Copying a 1 GiB state dict's 290 tensors took 85 ms on two threads with
+``np.copyto`` against 48 ms for one 1 GiB copy; streamed, 8 MiB copies run at 10.2
+instead of 6.6 GB/s on one thread (20.0 vs 12.4 on two). Data that is still in the
+cache copies faster through it (1 MiB: 28 vs 19 GB/s when hot), hence the threshold.
+
 Buffer lifetime: the copy has finished, in every part, when :meth:`Copier.copy` returns;
 it keeps no reference to the arrays.
 """
@@ -32,13 +42,21 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-__all__ = ["Copier", "SPLIT_BYTES", "default_threads"]
+try:
+    from ._fastcopy import STREAMING as _STREAMING, copy as _stream_copy
+except ImportError:          # not built (no C compiler at install): numpy copies everything
+    _STREAMING, _stream_copy = False, None
+
+__all__ = ["Copier", "SPLIT_BYTES", "STREAM_BYTES", "byte_view", "copy_bytes", "default_threads", "streaming"]
 
 #: Copies of fewer bytes in all run on the calling thread alone.
 SPLIT_BYTES = 8 << 20
 #: Parts are cut at multiples of this (whole pages; the distance between source and
 #: destination addresses, which decides memcpy's speed, is the same in every part).
 _GRAIN = 64 << 10
+
+#: A copy of at least this many bytes streams past the cache (when :func:`streaming`).
+STREAM_BYTES = 1 << 20
 
 #: ``(dst, src)``: ``src`` is a 1-D uint8 array, or anything with ``nbytes`` that slices
 #: like one (e.g. :class:`rlinf.transports.cma.Remote`).
@@ -71,9 +89,44 @@ def split(pairs: Sequence[Pair], parts: int) -> list[list[Pair]]:
     return out
 
 
+def streaming() -> bool:
+    """True where large copies use streaming stores (the C extension is built, x86-64)."""
+    return bool(_STREAMING)
+
+
+def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
+    """Copy ``src`` into ``dst`` (numpy arrays of the same shape), releasing the GIL:
+    streamed past the cache from :data:`STREAM_BYTES` on where :func:`streaming`, else
+    (also for arrays that are not C-contiguous) by ``np.copyto``."""
+    if _STREAMING and src.nbytes >= STREAM_BYTES and dst.flags.c_contiguous and dst.flags.writeable \
+            and src.flags.c_contiguous and dst.dtype == src.dtype and dst.shape == src.shape:
+        _stream_copy(dst, src)
+    else:
+        np.copyto(dst, src)
+
+
+def byte_view(x: Any) -> np.ndarray | None:
+    """A 1-D uint8 numpy view of the bytes of ``x`` (a numpy array or a torch tensor)
+    when they are contiguous in host memory as they are, else None (a GPU tensor, a
+    strided one, a conjugate or negative view, whose bytes are not its values).
+
+    Buffer lifetime: the view shares ``x``'s memory and keeps it alive."""
+    if type(x).__module__.startswith("torch"):
+        if x.device.type != "cpu" or not x.is_contiguous() or x.is_conj() or x.is_neg():
+            return None
+        if not x.numel():
+            return np.empty(0, np.uint8)
+        import torch
+
+        return x.detach().reshape(-1).view(torch.uint8).numpy()
+    if not x.flags.c_contiguous:
+        return None
+    return x.reshape(-1).view(np.uint8)
+
+
 def _copy_all(pairs: Sequence[Pair]) -> None:
     for dst, src in pairs:
-        np.copyto(dst, src)
+        copy_bytes(dst, src)
 
 
 class Copier:
@@ -101,7 +154,7 @@ class Copier:
 
     def copy(self, pairs: Sequence[Pair], fn: Callable[[Sequence[Pair]], None] = _copy_all) -> None:
         """Copy each ``src`` into its ``dst`` (of equal sizes) with ``fn(pairs)`` (by
-        default ``np.copyto`` pair by pair), each part of a large copy on its own thread."""
+        default :func:`copy_bytes` pair by pair), each part of a large copy on its own thread."""
         if self.threads == 1 or sum(src.nbytes for _, src in pairs) < self.split_bytes:
             fn(pairs)
             return

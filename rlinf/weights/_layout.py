@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..util.copier import Copier
+from ..util.copier import Copier, byte_view
 
 __all__ = ["Layout", "flatten", "match", "pack", "unpack", "fresh", "build", "describe_path"]
 
@@ -160,18 +160,6 @@ def match(layouts: list[Layout], targets: list[tuple[tuple, Any]]) -> list[tuple
     return out
 
 
-def _bytes_of(x: Any) -> np.ndarray | None:
-    """A 1-D uint8 numpy view of ``x``'s bytes when it is a contiguous CPU leaf, else None."""
-    if _is_torch(x):
-        if x.device.type != "cpu" or not x.is_contiguous():
-            return None
-        x = x.detach().reshape(-1)
-        return x.view(_torch().uint8).numpy() if x.numel() else np.empty(0, np.uint8)
-    if not x.flags.c_contiguous:
-        return None
-    return x.reshape(-1).view(np.uint8)
-
-
 def _torch():
     import torch   # optional dependency: only trees with torch tensors get here
 
@@ -204,7 +192,7 @@ def pack(layout: Layout, leaves: list[Any], buf: np.ndarray, copier: Copier) -> 
         n = layout.sizes[i]
         if not n:
             continue
-        raw = _bytes_of(x)
+        raw = byte_view(x)
         if raw is not None:
             pairs.append((buf[layout.offsets[i]:layout.offsets[i] + n], raw))
         else:
@@ -224,7 +212,7 @@ def unpack(layout: Layout, buf: np.ndarray, targets: list[Any], order: list[int]
         n = layout.sizes[i]
         if not n:
             continue
-        raw = _bytes_of(target)
+        raw = byte_view(target)
         if raw is not None:
             pairs.append((raw, buf[layout.offsets[i] - base:layout.offsets[i] - base + n]))
         else:
@@ -247,7 +235,7 @@ def unpack_range(layout: Layout, buf: np.ndarray, lo: int, hi: int, targets: dic
         off, n = layout.offsets[i], layout.sizes[i]
         target = targets.get(i)
         if n and off + n > lo and target is not None:
-            raw = _bytes_of(target)
+            raw = byte_view(target)
             if raw is not None:
                 a, b = max(lo, off), min(hi, off + n)
                 pairs.append((raw[a - off:b - off], buf[a:b]))

@@ -411,8 +411,8 @@ class WeightStore:
                 at, data = item
                 if at != start or not isinstance(data, np.ndarray) or data.nbytes != end - start:
                     raise RlinfError(f"weight store {self.name!r}: a chunk at {at} does not fit the layout")
-                await self._run(np.copyto, buf[start:end], data.reshape(-1).view(np.uint8), size=end - start,
-                                running=running)
+                await self._run(self._copier.copy, [(buf[start:end], data.reshape(-1).view(np.uint8))],
+                                size=end - start, running=running)
                 if stream is not None:
                     self._send_all(stream.land(end))
                 await self._run(unpack_range, layout, buf, start, end, by_leaf, self._copier,

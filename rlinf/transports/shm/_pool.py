@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import leftovers
 from .. import descriptors
-from ...util.copier import Copier
+from ...util.copier import Copier, copy_bytes
 from ...util.memory import page_aligned
 from ._common import default_cap, SHM_DIR, _NUMPY_COPY, _prefault, _slot_size, _U8
 
@@ -100,7 +100,7 @@ def copy_into(dst: np.ndarray, buffers: Sequence[Any], offsets: Sequence[int], c
         copier.copy(large)
     else:
         for d, src in large:
-            np.copyto(d, src)
+            copy_bytes(d, src)
 
 
 def copy_out(buffers: Sequence[Any]) -> list:
