@@ -8,7 +8,16 @@ zmq.asyncio over TCP, plain and CURVE. Each row is the median over ``--repeats``
 the rows interleaved. Targets (``../shared/BENCHMARKS.md``): P1x p50 <= 2x the raw
 uvloop echo, encryption on; P2x >= 2x zmq.asyncio with CURVE.
 
+Where the two ends run decides the raw echo's round trip on a VM: on two vCPUs each
+wakeup crosses CPUs (an inter-processor interrupt, a hypervisor exit: ~80 us per round
+trip on our 2-vCPU machines), on one vCPU it does not (~11 us), and an unpinned pair
+lands on either, so unpinned runs are bimodal. ``--placement`` pins every program of
+node 0 and of node 1 (``taskset``): ``split`` (node 0 on CPU 0, node 1 on CPU 1: two
+machines' worth of CPUs) and ``shared`` (both on CPU 0), and ``free`` (unpinned); one
+table per placement, the rows interleaved within it.
+
     python benchmarks/nodes_p2p.py [--repeats 3] [--rtts 2000] [--messages 20000]
+                                   [--placement split,shared]
 
 Needs root (network namespaces); exits 2 when emulated nodes cannot be built here.
 """
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -193,35 +203,60 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rtts", type=int, default=2000, help="64 B round trips per run")
     parser.add_argument("--messages", type=int, default=20000, help="1 KiB messages per run")
+    parser.add_argument("--placement", default="split,shared",
+                        help=f"comma-separated, of {', '.join(_PLACEMENTS)} (see above)")
     args = parser.parse_args()
+    placements = [p for p in args.placement.split(",") if p]
+    unknown = sorted(set(placements) - set(_PLACEMENTS))
+    if unknown:
+        parser.error(f"unknown placement(s) {unknown}; choose from {', '.join(_PLACEMENTS)}")
     reason = netns.probe()
     if reason:
         print(f"skipped: {reason}")
         return 2
-    runs: dict[str, list[dict]] = {name: [] for name, _ in _ROWS}
-    links = set()
+    if "split" in placements and len(os.sched_getaffinity(0)) < 2:
+        print("placement 'split' skipped: fewer than 2 CPUs here")
+        placements.remove("split")
+    links: set[str] = set()
     with netns.Nodes(2) as nodes:
-        nodes.start_manager(0)
-        for _ in range(args.repeats):
-            for name, (what, how) in _ROWS:
-                if what == "raw":
-                    runs[name].append(_raw(nodes, how, args.rtts, args.messages))
-                else:
-                    got = _rlinf(nodes, how, args.rtts, args.messages)
-                    links.add(f"{name}: {got['link'].split(':')[0]}")
-                    runs[name].append({k: got[k] for k in ("p50_us", "p99_us", "rate")})
-    rows = {name: {k: statistics.median(r[k] for r in rs) for k in ("p50_us", "p99_us", "rate")}
+        nodes.start_manager(0)          # unpinned: it only answers lookups
+        for placement in placements:
+            nodes.cpus = dict(_PLACEMENTS[placement])
+            _table(placement, _measure(nodes, args, links), args)
+    print(json.dumps({"links": sorted(links)}))
+    return 0
+
+
+#: node index -> CPUs its measured programs are pinned to
+_PLACEMENTS = {"split": {0: "0", 1: "1"}, "shared": {0: "0", 1: "0"}, "free": {}}
+
+
+def _measure(nodes: netns.Nodes, args: argparse.Namespace, links: set[str]) -> dict[str, dict]:
+    """Every row ``args.repeats`` times, interleaved: the medians per row."""
+    runs: dict[str, list[dict]] = {name: [] for name, _ in _ROWS}
+    for _ in range(args.repeats):
+        for name, (what, how) in _ROWS:
+            if what == "raw":
+                runs[name].append(_raw(nodes, how, args.rtts, args.messages))
+            else:
+                got = _rlinf(nodes, how, args.rtts, args.messages)
+                links.add(f"{name}: {got['link'].split(':')[0]}")
+                runs[name].append({k: got[k] for k in ("p50_us", "p99_us", "rate")})
+    return {name: {k: statistics.median(r[k] for r in rs) for k in ("p50_us", "p99_us", "rate")}
             for name, rs in runs.items()}
+
+
+def _table(placement: str, rows: dict[str, dict], args: argparse.Namespace) -> None:
     echo, curve = rows["raw uvloop TCP echo"], rows["raw zmq.asyncio TCP, CURVE"]
-    print(f"two namespaces over a bridge; medians of {args.repeats} runs ({args.rtts} round trips, "
-          f"{args.messages} x 1 KiB each)")
-    print(f"| path | 64 B RTT p50 us | p99 us | p50 / raw echo | 1 KiB msgs/s | / zmq CURVE |")
+    where = {"split": "node 0 on CPU 0, node 1 on CPU 1", "shared": "both nodes on CPU 0",
+             "free": "unpinned"}[placement]
+    print(f"\nplacement {placement} ({where}): two namespaces over a bridge; medians of {args.repeats} runs "
+          f"({args.rtts} round trips, {args.messages} x 1 KiB each)")
+    print("| path | 64 B RTT p50 us | p99 us | p50 / raw echo | 1 KiB msgs/s | / zmq CURVE |")
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():
         print(f"| {name} | {r['p50_us']:.0f} | {r['p99_us']:.0f} | {r['p50_us'] / echo['p50_us']:.2f}x | "
               f"{r['rate']:,.0f} | {r['rate'] / curve['rate']:.2f}x |")
-    print(json.dumps({"links": sorted(links), "runs": runs}))
-    return 0
 
 
 if __name__ == "__main__":

@@ -373,6 +373,9 @@ class Nodes:
         self.processes: list[NodeProcess] = []
         self.token = secrets.token_hex(16)
         self.manager: str | None = None
+        #: node index -> CPU list (``taskset -c`` syntax): programs started there from now
+        #: on run pinned to it (benchmarks compare placements; tests leave it empty)
+        self.cpus: dict[int, str] = {}
         self._closed = False
         _open.add(self)
         try:
@@ -431,7 +434,10 @@ class Nodes:
         return _run(self.enter(i) + ["sh", "-c", script], timeout=timeout)
 
     def spawn(self, i: int, argv: list[str], *, name: str | None = None, env: dict | None = None) -> NodeProcess:
-        """Start ``argv`` inside node ``i``; killed at :meth:`close` if still running."""
+        """Start ``argv`` inside node ``i`` (pinned to ``cpus[i]`` if set); killed at
+        :meth:`close` if still running."""
+        if i in self.cpus:
+            argv = ["taskset", "-c", self.cpus[i], *argv]      # execs argv: the pid stays
         proc = NodeProcess(self.nodes[i], name or argv[0], argv, env or self.env())
         self.processes.append(proc)
         return proc
