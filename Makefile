@@ -26,4 +26,4 @@ bench: install
 	$(PY) -m rlinf bench
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache build rlinf/util/_fastcopy*.so

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..util.copier import STREAM_BYTES, byte_view, copy_bytes
+from ..util.copier import STREAM_BYTES, byte_view, copy_bytes, wrote
 
 __all__ = ["copy_into"]
 
@@ -136,9 +136,10 @@ def copy_into(target: Any, source: Any, path: str = "$") -> None:
 
         with torch.no_grad():
             for t, s in torch_pairs:
-                raw = byte_view(t) if t.nbytes >= STREAM_BYTES else None
-                src = byte_view(s) if raw is not None else None
+                raw = byte_view(t, write=True)
+                src = byte_view(s) if raw is not None and raw.nbytes >= STREAM_BYTES else None
                 if src is not None:
                     copy_bytes(raw, src)
+                    wrote(t)
                 else:
                     t.copy_(s)

@@ -87,13 +87,16 @@ static PyObject *fastcopy_copy(PyObject *self, PyObject *const *args, Py_ssize_t
     char *dp = (char *)d.buf;
     const char *sp = (const char *)s.buf;
     size_t n = (size_t)d.len;
-    int overlap = dp < sp + n && sp < dp + n;
-    Py_BEGIN_ALLOW_THREADS
-    if (overlap)
-        memmove(dp, sp, n);
-    else
-        stream_copy(dp, sp, n);
-    Py_END_ALLOW_THREADS
+    uintptr_t d0 = (uintptr_t)dp, s0 = (uintptr_t)sp;   /* two objects' addresses: compare as integers */
+    int overlap = d0 < s0 + n && s0 < d0 + n;
+    if (n > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        if (overlap)
+            memmove(dp, sp, n);
+        else
+            stream_copy(dp, sp, n);
+        Py_END_ALLOW_THREADS
+    }
     PyBuffer_Release(&s);
     PyBuffer_Release(&d);
     Py_RETURN_NONE;

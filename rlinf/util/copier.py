@@ -24,10 +24,12 @@ streaming (non-temporal) stores, by the C extension ``rlinf.util._fastcopy`` (bu
 install where a C compiler is found). glibc's ``memcpy`` streams only above a threshold
 it derives from the last-level cache size, and a VM that reports the host's whole L3
 (480 MiB here) puts it near 360 MiB: below it, every destination line is read before it
-is written. Copying a 1 GiB state dict's 290 tensors took 85 ms on two threads with
-``np.copyto`` against 48 ms for one 1 GiB copy; streamed, 8 MiB copies run at 10.2
-instead of 6.6 GB/s on one thread (20.0 vs 12.4 on two). Data that is still in the
-cache copies faster through it (1 MiB: 28 vs 19 GB/s when hot), hence the threshold.
+is written. Measured here (one thread, GB/s, ``np.copyto`` / streamed): data not in the
+cache (a state dict's tensors, a message produced a while ago) 6.8 / 11.5 at 2 MiB, 7.2 /
+13.2 at 32 MiB; the same buffers copied again and again (in the cache) 13.3 / 17.3 at 2
+MiB, 14.3 / 13.8 at 32 MiB, but 28.3 / 22.4 at 1 MiB, which fits the 4 MiB L2: hence
+the threshold. A 1 GiB state dict's 290 tensors pack on two threads in 85 ms with
+``np.copyto``, 61 ms streamed (one 1 GiB copy: 50 ms).
 
 Buffer lifetime: the copy has finished, in every part, when :meth:`Copier.copy` returns;
 it keeps no reference to the arrays.
@@ -47,7 +49,8 @@ try:
 except ImportError:          # not built (no C compiler at install): numpy copies everything
     _STREAMING, _stream_copy = False, None
 
-__all__ = ["Copier", "SPLIT_BYTES", "STREAM_BYTES", "byte_view", "copy_bytes", "default_threads", "streaming"]
+__all__ = ["Copier", "SPLIT_BYTES", "STREAM_BYTES", "byte_view", "copy_bytes", "default_threads", "streaming",
+           "wrote"]
 
 #: Copies of fewer bytes in all run on the calling thread alone.
 SPLIT_BYTES = 8 << 20
@@ -56,7 +59,7 @@ SPLIT_BYTES = 8 << 20
 _GRAIN = 64 << 10
 
 #: A copy of at least this many bytes streams past the cache (when :func:`streaming`).
-STREAM_BYTES = 1 << 20
+STREAM_BYTES = 2 << 20
 
 #: ``(dst, src)``: ``src`` is a 1-D uint8 array, or anything with ``nbytes`` that slices
 #: like one (e.g. :class:`rlinf.transports.cma.Remote`).
@@ -99,29 +102,47 @@ def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
     streamed past the cache from :data:`STREAM_BYTES` on where :func:`streaming`, else
     (also for arrays that are not C-contiguous) by ``np.copyto``."""
     if _STREAMING and src.nbytes >= STREAM_BYTES and dst.flags.c_contiguous and dst.flags.writeable \
-            and src.flags.c_contiguous and dst.dtype == src.dtype and dst.shape == src.shape:
+            and src.flags.c_contiguous and dst.dtype == src.dtype and not dst.dtype.hasobject \
+            and dst.shape == src.shape:       # (objects are references: never copied as bytes)
         _stream_copy(dst, src)
     else:
         np.copyto(dst, src)
 
 
-def byte_view(x: Any) -> np.ndarray | None:
+def byte_view(x: Any, *, write: bool = False) -> np.ndarray | None:
     """A 1-D uint8 numpy view of the bytes of ``x`` (a numpy array or a torch tensor)
-    when they are contiguous in host memory as they are, else None (a GPU tensor, a
-    strided one, a conjugate or negative view, whose bytes are not its values).
+    when they are its values, contiguous in host memory, else None: a GPU, sparse,
+    quantized or strided tensor, a conjugate or negative view, an array of objects.
+    ``write``: the caller writes through the view (then calls :func:`wrote`); also None
+    for what torch would refuse an in-place write to (an inference tensor outside
+    inference mode), so that the caller's fallback raises torch's own error.
 
     Buffer lifetime: the view shares ``x``'s memory and keeps it alive."""
     if type(x).__module__.startswith("torch"):
-        if x.device.type != "cpu" or not x.is_contiguous() or x.is_conj() or x.is_neg():
+        import torch
+
+        if (x.layout is not torch.strided or x.is_quantized or x.device.type != "cpu" or not x.is_contiguous()
+                or x.is_conj() or x.is_neg()):
+            return None
+        if write and ((x.is_inference() and not torch.is_inference_mode_enabled())
+                      or not hasattr(torch.autograd.graph, "increment_version")):
             return None
         if not x.numel():
             return np.empty(0, np.uint8)
-        import torch
-
         return x.detach().reshape(-1).view(torch.uint8).numpy()
-    if not x.flags.c_contiguous:
+    if x.dtype.hasobject or not x.flags.c_contiguous:
         return None
     return x.reshape(-1).view(np.uint8)
+
+
+def wrote(x: Any) -> None:
+    """``x`` was written through ``byte_view(x, write=True)``: a torch tensor's version
+    counter moves on as an in-place ``copy_`` moves it (autograd then refuses a backward
+    through a graph that saved the old values); nothing for a numpy array."""
+    if type(x).__module__.startswith("torch"):
+        import torch
+
+        torch.autograd.graph.increment_version(x)
 
 
 def _copy_all(pairs: Sequence[Pair]) -> None:

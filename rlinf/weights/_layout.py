@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..util.copier import Copier, byte_view
+from ..util.copier import Copier, byte_view, wrote
 
 __all__ = ["Layout", "flatten", "match", "pack", "unpack", "fresh", "build", "describe_path"]
 
@@ -197,7 +197,15 @@ def pack(layout: Layout, leaves: list[Any], buf: np.ndarray, copier: Copier) -> 
             pairs.append((buf[layout.offsets[i]:layout.offsets[i] + n], raw))
         else:
             others.append((_typed(buf, layout, i, "t" if _is_torch(x) else "n"), x))
+    _copy_pairs(copier, pairs, [], others)
+
+
+def _copy_pairs(copier: Copier, pairs: list, written: list, others: list) -> None:
+    """The byte copies (then the targets written through byte views are told, see
+    :func:`~rlinf.util.copier.wrote`), then the typed ones."""
     copier.copy(pairs)
+    for target in written:
+        wrote(target)
     for dst, src in others:
         _typed_copy(dst, src)
 
@@ -207,19 +215,18 @@ def unpack(layout: Layout, buf: np.ndarray, targets: list[Any], order: list[int]
     """Copy leaf ``order[j]`` of the bucket into ``targets[j]`` for every ``j``, from
     ``buf``: the bucket's bytes from offset ``base`` on (thread-safe). Returns when every
     target holds its bytes."""
-    pairs, others = [], []
+    pairs, others, written = [], [], []
     for target, i in zip(targets, order):
         n = layout.sizes[i]
         if not n:
             continue
-        raw = byte_view(target)
+        raw = byte_view(target, write=True)
         if raw is not None:
             pairs.append((raw, buf[layout.offsets[i] - base:layout.offsets[i] - base + n]))
+            written.append(target)
         else:
             others.append((target, _typed(buf, layout, i, "t" if _is_torch(target) else "n", base)))
-    copier.copy(pairs)
-    for dst, src in others:
-        _typed_copy(dst, src)
+    _copy_pairs(copier, pairs, written, others)
 
 
 def unpack_range(layout: Layout, buf: np.ndarray, lo: int, hi: int, targets: dict[int, Any],
@@ -229,22 +236,21 @@ def unpack_range(layout: Layout, buf: np.ndarray, lo: int, hi: int, targets: dic
     array), for a shard that lands in order: a contiguous CPU target gets that part of
     its bytes; another one (GPU, non-contiguous) its whole leaf, at the range that ends
     it (every byte before ``hi`` is in ``buf`` then). Thread-safe."""
-    pairs, others = [], []
+    pairs, others, written = [], [], []
     i = max(0, bisect.bisect_right(layout.offsets, lo) - 1)
     while i < len(layout.offsets) and layout.offsets[i] < hi:
         off, n = layout.offsets[i], layout.sizes[i]
         target = targets.get(i)
         if n and off + n > lo and target is not None:
-            raw = byte_view(target)
+            raw = byte_view(target, write=True)
             if raw is not None:
                 a, b = max(lo, off), min(hi, off + n)
                 pairs.append((raw[a - off:b - off], buf[a:b]))
+                written.append(target)
             elif off + n <= hi:
                 others.append((target, _typed(buf, layout, i, "t" if _is_torch(target) else "n")))
         i += 1
-    copier.copy(pairs)
-    for dst, src in others:
-        _typed_copy(dst, src)
+    _copy_pairs(copier, pairs, written, others)
 
 
 def fresh(layouts: list[Layout]) -> tuple[Any, list[list[Any]]]:

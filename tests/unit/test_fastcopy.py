@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import platform
 import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import warnings
 
 import numpy as np
 import pytest
 
 from rlinf.util import copier
+from pathlib import Path
+
 from rlinf.util.copier import STREAM_BYTES, byte_view, copy_bytes, streaming
 
 try:
@@ -22,11 +29,14 @@ needs_ext = pytest.mark.skipif(_fastcopy is None, reason="rlinf.util._fastcopy n
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
-def test_the_extension_is_built_where_a_compiler_is():
-    """An install that found a C compiler on x86-64 must have built the streaming copy:
-    a silent build failure would quietly cost large copies ~1.6x."""
-    if not (_X86 and (shutil.which("cc") or shutil.which("gcc"))):
-        pytest.skip("no C compiler on an x86-64 machine here: rlinf copies with numpy")
+def test_the_extension_is_built_where_it_can_be():
+    """An install on x86-64 with a C compiler and Python's headers must have built the
+    streaming copy: a silent build failure would quietly slow every large copy."""
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not (_X86 and shutil.which(compiler) and headers.exists()):
+        pytest.skip(f"cannot build here (x86-64: {_X86}, compiler {compiler!r}: {bool(shutil.which(compiler))}, "
+                    f"{headers}: {headers.exists()}): rlinf copies with numpy")
     assert _fastcopy is not None, "rlinf.util._fastcopy was not built: reinstall (pip install -e .)"
     assert streaming()
 
@@ -108,3 +118,87 @@ def test_byte_view_of_arrays_and_tensors():
     c = torch.tensor([1 + 2j, 3 - 1j]).conj()
     assert byte_view(c) is None                          # its bytes are not its values
     assert byte_view(torch.empty(0)).nbytes == 0
+
+
+# -- what must never be copied as bytes, and what torch must still see (review of afd595b)
+
+def _child(code: str) -> subprocess.CompletedProcess:
+    """In a child process: a raw copy of object references crashes the interpreter."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_object_arrays_are_copied_as_references_not_bytes():
+    r = _child("""
+        import gc, numpy as np
+        from rlinf.codec import decode, encode
+        from rlinf.codec.into import copy_into
+        n = 400_000                                    # 3 MiB of pointers: past STREAM_BYTES
+        target = {"x": np.empty(n, object)}
+        copy_into(target, decode(*encode({"x": np.array([str(i) * 3 for i in range(n)], dtype=object)})))
+        gc.collect()
+        assert target["x"][7] == "777" and sum(len(s) for s in target["x"]) > 0
+        del target; gc.collect(); print("ok")
+    """)
+    assert r.returncode == 0 and "ok" in r.stdout, (r.returncode, r.stderr[-500:])
+
+
+def test_string_dtype_arrays_are_not_copied_as_bytes():
+    dtypes = pytest.importorskip("numpy.dtypes")
+    if not hasattr(dtypes, "StringDType"):
+        pytest.skip("numpy without StringDType")
+    r = _child("""
+        import numpy as np
+        from numpy.dtypes import StringDType
+        from rlinf.codec.into import copy_into
+        n = 200_000
+        src = np.array(["x" * 40 + str(i) for i in range(n)], dtype=StringDType())
+        dst = np.empty(n, StringDType())
+        copy_into(dst, src); del src
+        assert dst[5] == "x" * 40 + "5"; del dst; print("ok")
+    """)
+    assert r.returncode == 0 and "ok" in r.stdout and not r.stderr, (r.returncode, r.stderr[-500:])
+
+
+def test_recv_into_a_parameter_moves_its_version_as_copy_does():
+    """autograd must refuse a backward through a graph that saved the old values."""
+    torch = pytest.importorskip("torch")
+    from rlinf.codec.into import copy_into
+    p = torch.ones(STREAM_BYTES // 4 * 2, requires_grad=True)
+    y = (p * p).sum()
+    before = p._version
+    copy_into(p, torch.full(p.shape, 3.0))
+    assert p._version > before and p[0].item() == 3.0
+    with pytest.raises(RuntimeError, match="inplace operation"):
+        y.backward()
+
+
+def test_tensors_whose_bytes_are_not_their_values_copy_by_value():
+    torch = pytest.importorskip("torch")
+    from rlinf.codec import decode, encode
+    from rlinf.codec.into import copy_into
+    n = STREAM_BYTES                                    # int8: past the threshold
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s = torch.quantize_per_tensor(torch.linspace(-1, 1, n), 0.01, 3, torch.qint8)
+        t = torch.quantize_per_tensor(torch.zeros(n), 0.5, 0, torch.qint8)
+        copy_into(t, s)
+        assert torch.equal(t.dequantize(), s.dequantize())
+        assert byte_view(s) is None
+        sparse = torch.sparse_coo_tensor(torch.tensor([[0, 5]]), torch.tensor([1., 2.]), (1 << 20,))
+        target = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([0.]), (1 << 20,))
+        copy_into({"w": target}, decode(*encode({"w": sparse})))
+        assert target.to_dense()[5].item() == 2.0 and byte_view(sparse) is None
+
+
+def test_an_inference_tensor_is_refused_as_torch_refuses_it():
+    torch = pytest.importorskip("torch")
+    from rlinf.codec.into import copy_into
+    with torch.inference_mode():
+        t = torch.zeros(STREAM_BYTES)
+    with pytest.raises(RuntimeError, match="[Ii]nference"):
+        copy_into(t, torch.ones(STREAM_BYTES))
+    assert byte_view(t) is not None and byte_view(t, write=True) is None
+    with torch.inference_mode():                        # where torch allows it, so do we
+        copy_into(t, torch.ones(STREAM_BYTES))
+    assert t[-1].item() == 1.0

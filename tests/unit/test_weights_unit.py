@@ -45,6 +45,28 @@ def test_layout_round_trip_through_a_bucket():
     assert torch.equal(out[1], tree[1])
 
 
+def test_a_pull_into_parameters_moves_their_versions_as_copy_does():
+    """Copied as bytes (contiguous CPU targets), a pull still tells autograd: a backward
+    through a graph that saved the old weights is refused, whole or landed in chunks."""
+    tree = {"w": torch.randn(3 << 19), "b": torch.randn(8)}          # 6 MiB: streamed where built
+    layout, leaves = Layout.of(tree)
+    bucket = np.zeros(layout.total, np.uint8)
+    pack(layout, leaves, bucket, Copier(2))
+    for whole in (True, False):
+        into = {"w": torch.zeros(3 << 19, requires_grad=True), "b": torch.zeros(8, requires_grad=True)}
+        loss = (into["w"] * into["w"]).sum() + (into["b"] * into["b"]).sum()
+        [(targets, order)] = match([layout], flatten(into)[1])
+        with torch.no_grad():
+            if whole:
+                unpack(layout, bucket, targets, order, Copier(2))
+            else:
+                unpack_range(layout, bucket, 0, layout.total, dict(zip(order, targets)), Copier(2))
+        assert torch.equal(into["w"], tree["w"]) and torch.equal(into["b"], tree["b"])
+        assert into["w"]._version > 0 and into["b"]._version > 0
+        with pytest.raises(RuntimeError, match="inplace operation"):
+            loss.backward()
+
+
 def test_match_checks_everything_before_anything_is_copied():
     layout, _ = Layout.of({"x": torch.zeros(2, 2), "y": {"z": torch.zeros(3)}})
     _, targets = flatten({"y": {"z": torch.zeros(3)}, "x": torch.zeros(2, 2)})

@@ -84,9 +84,10 @@ class Recycler:
 def copy_into(dst: np.ndarray, buffers: Sequence[Any], offsets: Sequence[int], copier: Copier | None = None) -> None:
     """Copy ``buffers`` into the uint8 array ``dst`` at ``offsets`` (thread-safe).
 
-    Buffers of 1 MiB and more are copied by numpy, which releases the GIL (by
-    ``copier`` when given: split across threads once they add up to enough), smaller
-    ones by a memoryview assignment, which costs a third as much per call."""
+    Buffers of 1 MiB and more are copied by :func:`~rlinf.util.copier.copy_bytes`,
+    which releases the GIL and streams the large ones (by ``copier`` when given: split
+    across threads once they add up to enough), smaller ones by a memoryview
+    assignment, which costs a third as much per call."""
     whole = memoryview(dst)
     large = []
     for buf, off in zip(buffers, offsets):
