@@ -11,8 +11,10 @@ W1: a bf16 state dict shaped like a ~0.5B-parameter transformer (hidden 896, MLP
     bytes, and broadcasting tensor by tensor (each timed broadcast + barrier at rank
     0); and the copy floor: one memcpy of the bytes (the capture, split across 2
     threads) followed by 3 copies of them run at once in 3 threads (the pullers'
-    copies), as concurrently as the cores allow, all into memory already paged in.
-    Ray is not installed here.
+    copies), as concurrently as the cores allow, all into memory already paged in; and
+    Ray when installed: ``ray.put`` of the state dict (its tensors as numpy arrays, which
+    Ray stores without pickling and hands out zero-copy), then 3 actors ``ray.get`` it
+    and copy it into their preallocated tensors, timed from the put until all 3 copied.
 W2 (loopback, CPU-bound): the same state dict (a quarter of W1's size: 6 pullers hold a
     copy each) from the publisher's node to 3 other emulated nodes (``RLINF_NODE_ID``)
     with 2 pullers each, beside one raw TCP transfer of the same bytes between two
@@ -272,6 +274,47 @@ def _gloo(total: int, rounds: int) -> dict[str, float]:
                 p.kill()
 
 
+# ----------------------------------------------------------------------------- Ray
+def _ray(total: int, rounds: int) -> float | None:
+    """``ray.put`` + ``ray.get`` in 3 actors copying into their own tensors (median
+    seconds), or None when Ray is not installed."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    import torch
+
+    @ray.remote(num_cpus=0)
+    class Puller:
+        def __init__(self, shapes: list) -> None:      # (not make_state: Ray's workers lack this module)
+            torch.set_num_threads(1)
+            self.into = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes}
+
+        def pull(self, refs: list) -> bool:
+            arrays = ray.get(refs[0])       # zero-copy views of the object store
+            with torch.no_grad():
+                for k, a in arrays.items():
+                    self.into[k].view(torch.int16).copy_(torch.from_numpy(a))
+            return True
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, object_store_memory=3 * total,
+             runtime_env={"env_vars": dict(_ONE)})
+    try:
+        actors = [Puller.remote(state_dict_shapes(total)) for _ in range(PULLERS)]
+        ray.get([a.__ray_ready__.remote() for a in actors])
+        state = {k: t.view(torch.int16).numpy() for k, t in make_state(total).items()}
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            ref = ray.put(state)
+            ray.get([a.pull.remote([ref]) for a in actors])
+            times.append(time.perf_counter() - t0)
+            del ref
+        return statistics.median(times[WARMUP:])
+    finally:
+        ray.shutdown()
+
+
 # ----------------------------------------------------------------------------- the floor
 def _at_once(pairs: list) -> None:
     threads = [threading.Thread(target=copy_bytes, args=pair) for pair in pairs]
@@ -306,6 +349,7 @@ def run(quick: bool = False, gib: float | None = None) -> list[Row]:
     rl, tensors, size = run_loop(_w1_rlinf(total, rounds))
     floor = _floor(size, rounds)
     gloo = _gloo(total, rounds)
+    ray_s = _ray(total, rounds)
     torn, pulls, seen = run_loop(_w3(100 if quick else 1000, 40 if quick else 200))
     w2_total = total if quick else total // 4
     w2 = run_loop(_w2_rlinf(w2_total, rounds))
@@ -316,6 +360,7 @@ def run(quick: bool = False, gib: float | None = None) -> list[Row]:
         Row(label, rl, "gloo broadcast per tensor", gloo["per_tensor"], "s", target=">= 4x"),
         Row(label, rl, "copy floor (capture + 3 copies at once)", floor, "s", target="the real target",
             note="ratio < 1: how close to the floor"),
+        *([Row(label, rl, "Ray: ray.put + ray.get in 3 actors", ray_s, "s")] if ray_s is not None else []),
         Row(f"W2 loopback (CPU-bound) {w2_total / 2**20:.0f} MiB, 3 emulated nodes x 2 pullers", w2,
             "one raw TCP transfer (loopback)", raw, "s", target="<= 1.5x on links: weights_nodes.py",
             note="a chain of 3 relays streaming 8 MiB chunks, local pullers copying as they land"),
