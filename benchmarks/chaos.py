@@ -745,17 +745,21 @@ def check(soak: Soak) -> Report:
 
     # -- fault to error -----------------------------------------------------------------------
     latencies = []
-    for f in soak.faults:
+    for i, f in enumerate(soak.faults):
         counts[f"faults: {f.kind}"] += 1
         if f.kind == "rate_limit":
             continue
         hit = {address(k) for k in f.hit}
+        # an error counts for this fault until the next fault on the same workers began
+        # (a short stall of w:4 followed by a cut of its node's link: the cut's error)
+        later = [g.start for g in soak.faults[i + 1:] if g.kind != "rate_limit" and set(g.hit) & set(f.hit)]
+        until = min([f.end + 5, *later])
         first = None
         for r in runs:
             if r.addr in hit or r.killed is not None and r.killed < f.start:
                 continue
             for e in r.events:
-                if e.get("err") != LOST or not f.start <= e["now"] <= f.end + 5:
+                if e.get("err") != LOST or not f.start <= e["now"] <= until:
                     continue
                 if e["kind"] == "s" and e["dst"] in hit or e["kind"] == "re" and e["src"] in hit:
                     first = e["now"] if first is None else min(first, e["now"])
