@@ -819,19 +819,21 @@ def format_report(report: Report, seconds: float) -> str:
 
 def dump(soak: Soak, path: str) -> None:
     """Every fault, event and process log (its last lines) as JSON lines, times relative
-    to the first fault, for reading a failure: ``{"w": "w:3", "inc": 0, "kind": ..., "t": ...}``."""
+    to the first fault, for reading a failure: ``{"w": "w:3", "inc": 0, "kind": ..., "t": ...}``.
+    Times keep microseconds: :func:`check` orders events by them (a loss must be told
+    after the delivery before it), and milliseconds tie."""
     import json
 
     with open(path, "w") as f:
         for fault in soak.faults:
-            f.write(json.dumps({"fault": fault.kind, "target": fault.target, "t": round(fault.start - soak.t0, 3),
-                                "end": round(fault.end - soak.t0, 3), "detail": fault.detail}) + "\n")
+            f.write(json.dumps({"fault": fault.kind, "target": fault.target, "t": round(fault.start - soak.t0, 6),
+                                "end": round(fault.end - soak.t0, 6), "detail": fault.detail}) + "\n")
         if soak.owner is not None:
             f.write(json.dumps({"w": "owner:0", "log": list(soak.owner.log)}) + "\n")
         for r in soak.all_incs():
             f.write(json.dumps({"w": r.addr, "inc": r.inc, "log": list(r.proc.log)}) + "\n")
             for e in r.events:
-                f.write(json.dumps({"w": r.addr, "inc": r.inc, "t": round(e["now"] - soak.t0, 3),
+                f.write(json.dumps({"w": r.addr, "inc": r.inc, "t": round(e["now"] - soak.t0, 6),
                                     **{k: v for k, v in e.items() if k != "now"}}) + "\n")
 
 
