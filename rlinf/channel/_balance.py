@@ -87,7 +87,11 @@ def place_shared(core: Any, key: Any, again: bool = False) -> None:
     if not members or not all(h.rate[1] > 0 or h.hint for h in members):
         return
     items = list(core.shared.pop(key, ()))
+    kept = None
     if again and sum(len(h.assigned.get(key, ())) for h in members) <= REPLACE_MAX:
+        # what each had (restored below unless placing again ends sooner, by the estimates)
+        kept = (_makespan(members, core.clock()), [list(h.assigned.get(key, ())) for h in members]) \
+            if not items else None
         for h in members:
             mine = h.assigned.pop(key, ())
             h.add_pending(-len(mine), -sum(it.weight for it in mine))
@@ -109,10 +113,22 @@ def place_shared(core: Any, key: Any, again: bool = False) -> None:
             h = members[among[i]]
             insert_by_id(h.assigned, key, item)
             h.add_pending(1, item.weight)
+    if kept is not None and placed and _makespan(members, core.clock()) >= kept[0] - 1e-9:
+        for h, old in zip(members, kept[1]):    # not sooner: the placement stays as it was
+            mine = h.assigned.pop(key, ())
+            h.add_pending(len(old) - len(mine), sum(it.weight for it in old) - sum(it.weight for it in mine))
+            if old:
+                h.assigned[key] = collections.deque(old)
     for h in members:           # (placement failed: those that wait compete for the shared queue)
         if placed:
             h.placed_speed = _speed(h)
         core._serve(h, key)
+
+
+def _makespan(members: list[Handle], now: float) -> float:
+    """When the last of ``members`` is expected to be done with what it has (:func:`_ahead`)."""
+    ends = [info.pending_weight / info.speed for info in (_ahead(h, now) for h in members) if info.speed]
+    return max(ends, default=0.0)
 
 
 def _eligible(key: Any, items: list, members: list[Handle]) -> list[tuple[list, list[int]]]:

@@ -107,6 +107,15 @@ def test_performance_aware_balances_every_step_from_the_first(items):
     assert max(imbalances) <= 0.15 and statistics.median(imbalances) <= 0.05, imbalances
 
 
+def test_placing_again_never_undoes_a_placement_that_ends_as_soon():
+    """With exact speeds the first placement is LPT's; placing it again after each report
+    at the end of a backlog (each item only among the consumers sent nothing newer)
+    used to end some steps 10-33% apart (48 items, 20 steps: worst 32.5%). Placing again
+    is kept only when it is expected to end sooner: every step stays within 3%."""
+    imbalances = _steps("performance_aware", 48, 20)
+    assert max(imbalances) <= 0.03, imbalances
+
+
 def test_speed_blind_policies_do_not_balance_the_same_workload():
     """The same simulation tells balance apart: round robin ignores speed."""
     assert statistics.median(_steps("round_robin", 48, 4)) > 0.5
