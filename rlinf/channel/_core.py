@@ -24,7 +24,7 @@ import time
 from typing import Any, Callable
 
 from ..util.bounded import Doubling, Recent
-from . import _lost
+from . import _ahead, _lost
 from ._balance import place_shared, speed_changed, steal
 from ._guard import PolicyGuard
 from ._pacing import Pacing
@@ -89,6 +89,7 @@ class ChannelCore:
         self._keys_looked = Doubling()       # when to forget idle keys again (_forget_idle_keys)
         self.forgotten = Recent()            # (src, hid) -> the Handle forgotten while taken for lost
         self.pacing = Pacing(max_staleness, batch_size, lambda h, rid, value: send(h, ("reply", rid, value)))
+        self.timers: list = []               # items to send ahead, recalls (_ahead: the server runs them)
 
     def __repr__(self) -> str:
         return (f"<ChannelCore {self.name} queued={self.queued} live={self.live_total} "
@@ -255,6 +256,8 @@ class ChannelCore:
     def _op_get(self, h: Handle, rid: int, key: Any, max_items: int | None, target: float | None,
                 memory: int | None) -> None:
         self._join(h, key, memory)
+        if h.ahead is not None and _ahead.on_get(self, h, key):
+            return                 # answered by the item sent ahead to it (_ahead)
         h.requests.setdefault(key, collections.deque()).append(Request(rid, key, max_items, target))
         self._serve(h, key)
 
@@ -273,6 +276,8 @@ class ChannelCore:
     def _op_took(self, h: Handle, ids: list, ack: bool) -> None:
         ack = bool(ack)
         inflight, working = h.inflight, h.working
+        if h.ahead is not None and h.ahead.ids:
+            _ahead.on_took(self, h, [inflight[i] for i in ids if i in inflight])
         if ack or self.closed:
             for item_id in ids:
                 item = inflight.pop(item_id, None)
@@ -297,6 +302,8 @@ class ChannelCore:
 
     def _op_unget(self, h: Handle, ids: list) -> None:
         back = [h.inflight.pop(i) for i in ids if i in h.inflight]
+        if h.ahead is not None:
+            _ahead.on_unget(h, ids)
         for item in back:
             h.add_pending(-1, -item.weight)
         self._requeue(back)
@@ -321,6 +328,8 @@ class ChannelCore:
         if first is None or not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
             return
         h.meter.update(weight, float(seconds))
+        if h.ahead is not None:
+            _ahead.on_done(h, float(seconds))
         if self.batching:       # a first or a new speed: what waits may be placed (again)
             speed_changed(self, h, weight, float(seconds))
         now = self.clock()
@@ -555,6 +564,8 @@ class ChannelCore:
                 wanting = self.wanting.setdefault(key, collections.deque())
                 if h not in wanting:
                     wanting.append(h)
+                if self.timers:       # an item sent ahead to a consumer still busy comes back
+                    _ahead.recall_overdue(self, key, self.clock())
 
     def _serve_wanting(self, key: Any) -> None:
         """Hand items to waiting consumers of ``key`` in turn (FIFO competition)."""
@@ -582,6 +593,8 @@ class ChannelCore:
                 return False
             requests.popleft()
             self.send(h, ("items", request.rid, key, [(it.id, it.weight, it.payload) for it in items]))
+            if self.batching:
+                _ahead.sent(self, h, key, items, answer=True)
             return True
         credit = h.credit.get(key, 0)
         if credit > 0:   # prefetch: as many items as the credit covers, in one op

@@ -32,6 +32,7 @@ __all__ = ["HandleBase", "MAX_COUNT", "chain", "check_key", "check_weight", "def
 log = logging.getLogger("rlinf.channel")
 
 _hids = itertools.count(1)
+_NO_KEY = object()
 _KEY_TYPES = (str, int, bytes, type(None))
 _MEMORY_PERIOD = 0.1
 _MAX_BATCH = 1024      # ops per message before a tight loop flushes (and put yields once)
@@ -156,6 +157,7 @@ class HandleBase:
         self._acc_credit: dict[Any, int] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._gets: dict[int, asyncio.Future] = {}
+        self._get_keys: dict[int, Any] = {}    # rid -> the key of a get at prefetch=0 (for items sent ahead)
         self._error: Callable[[], BaseException] | None = None
         self._detached = False
         self._drained = False
@@ -256,6 +258,7 @@ class HandleBase:
 
     def _abandon(self, rid: int, future: asyncio.Future) -> None:
         """Give up get ``rid`` without losing an item (idempotent)."""
+        self._get_keys.pop(rid, None)
         if self._gets.pop(rid, None) is None:
             return
         if not future.done():
@@ -282,9 +285,10 @@ class HandleBase:
         if working:                 # the items of the previous get are finished
             self._add_done(working, now - self._working_since)
             self._working = []
-        credit = self._acc_credit[key] = self._acc_credit.get(key, 0) + 1
-        if credit * 2 >= self._prefetch:
-            self._must_yield = True
+        if self._prefetch:         # (an item the channel sent ahead at prefetch=0 returns no credit)
+            credit = self._acc_credit[key] = self._acc_credit.get(key, 0) + 1
+            if credit * 2 >= self._prefetch:
+                self._must_yield = True
         try:
             obj = unpack(self._codec, payload)
         except (DecodeError, ValueError) as exc:
@@ -302,6 +306,22 @@ class HandleBase:
             self._working.append(item_id)
             self._working_since = now
         return obj
+
+    def _from_buffer(self, key: Any, buffer: collections.deque, max_items: int | None, target: float | None,
+                     ack: bool) -> list[Any]:
+        """The ``get_batch`` rule applied to the items buffered here (not empty)."""
+        taken, total = [], 0.0
+        while buffer:
+            weight = buffer[0][1]
+            if taken and ((max_items and len(taken) >= max_items) or (target is not None and total + weight > target)):
+                break
+            taken.append(buffer.popleft())
+            total += weight
+            if max_items and len(taken) >= max_items:
+                break
+        if self._prefetch:
+            self._credit(key, len(taken))
+        return self._deliver(taken, ack)
 
     def _deliver(self, items: list, ack: bool) -> list[Any]:
         objects = []
@@ -472,6 +492,15 @@ class HandleBase:
                         future.set_result(items)
                     else:                   # its get was abandoned: give the items back
                         self._op(("unget", [i[0] for i in items]))
+            elif kind == "ahead":
+                self._ahead(op[1], op[2])
+            elif kind == "recall":       # give back what is still buffered of those (_ahead)
+                buffer, ids = self._buffers.get(op[1]), set(op[2])
+                back = [i for i in buffer if i[0] in ids] if buffer else []
+                for entry in back:
+                    buffer.remove(entry)
+                if back:
+                    self._op(("unget", [i[0] for i in back]))
             elif kind == "end":
                 rid, key = op[1], op[2]
                 self._ended.add(key)
@@ -507,8 +536,21 @@ class HandleBase:
                     if not future.done():
                         future.set_exception(EndOfChannel(f"channel {self.name!r} is closed and drained"))
                 self._gets.clear()
+                self._get_keys.clear()
                 for key in list(self._buffer_waiters):
                     self._wake(key)
+
+    def _ahead(self, key: Any, items: list) -> None:
+        """The channel sent ``items`` of ``key`` ahead (prefetch=0, :mod:`rlinf.channel._ahead`):
+        in order, one each, they answer the gets of ``key`` waiting here (the channel takes
+        each get it receives while items are ahead here as answered by one), and the rest
+        wait in the buffer for the next gets."""
+        waiting = [f for rid, f in self._gets.items() if self._get_keys.get(rid, _NO_KEY) == key and not f.done()]
+        for future, item in zip(waiting, items):
+            future.set_result([item])      # one item per get: the channel counts one per get
+        if len(items) > len(waiting):
+            self._buffers.setdefault(key, collections.deque()).extend(items[len(waiting):])
+            self._wake(key)
 
     def _forgotten(self, processed: int) -> None:
         """The server forgot this handle while it took its worker for lost (and gave
@@ -574,6 +616,7 @@ class HandleBase:
                 if not future.done():
                     future.set_exception(error())
             table.clear()
+        self._get_keys.clear()
         self._fail_puts(error)
         for key in list(self._buffer_waiters):
             self._wake(key)

@@ -351,10 +351,11 @@ class Channel(HandleBase):
         return await self._get_items(key, max_items, target_weight, ack, self._core.timeout_of(timeout))
 
     def get_nowait(self, key: Any = None, *, ack: bool = False) -> Any:
-        """Take an item already prefetched into this handle (``prefetch`` > 0).
+        """Take an item already in this handle: prefetched (``prefetch`` > 0) or sent ahead.
 
         Raises:
-            WouldBlock: no item of ``key`` is buffered here (always, without prefetch).
+            WouldBlock: no item of ``key`` is buffered here (prefetched, or sent ahead at
+                ``prefetch=0`` under a batch policy).
             EndOfChannel: the channel is closed and nothing of ``key`` is left.
         """
         check_key(key)
@@ -377,6 +378,11 @@ class Channel(HandleBase):
             task = self._loop.create_task(self.get(key, math.inf, ack=ack))
         else:
             self._check_consumer(key)
+            buffer = self._buffers.get(key)
+            if buffer and self._error is None:      # sent ahead by the channel (_ahead): taken now
+                future = self._loop.create_future()
+                future.set_result(self._take_buffered(key, buffer, ack))
+                return Work(future, f"get from channel {self.name}")
             self._report_done()
             rid, future = self._start_get(key, 1, None)
             task = self._loop.create_task(self._finish_get_one(rid, future, ack))
@@ -431,8 +437,11 @@ class Channel(HandleBase):
         check_key(key)
         self._check_consumer(key)
         self._report_done()
+        buffer = self._buffers.get(key)
         if self._prefetch:
             items = await self._get_buffered(key, max_items, target, ack, timeout)
+        elif buffer:        # sent ahead by the channel (_ahead)
+            items = self._from_buffer(key, buffer, max_items, target, ack)
         else:
             rid, future = self._start_get(key, max_items, target)
             items = await self._finish_get(rid, future, ack, timeout)
@@ -443,6 +452,7 @@ class Channel(HandleBase):
     def _start_get(self, key: Any, max_items: int | None, target: float | None) -> tuple[int, asyncio.Future]:
         rid = next(self._rids)
         future = self._gets[rid] = self._loop.create_future()
+        self._get_keys[rid] = key
         self._op(("get", rid, key, max_items, target, self._memory_now()))
         return rid, future
 
@@ -456,6 +466,7 @@ class Channel(HandleBase):
                 raise CommTimeoutError(f"channel {self.name!r}: no item within {timeout} s") from None
             raise
         self._gets.pop(rid, None)
+        self._get_keys.pop(rid, None)
         return self._deliver(items, ack)
 
     async def _get_buffered(self, key: Any, max_items: int | None, target: float | None, ack: bool,
@@ -482,17 +493,7 @@ class Channel(HandleBase):
                                 waiters.remove(waiter)
             except TimeoutError:
                 raise CommTimeoutError(f"channel {self.name!r}: no item within {timeout} s") from None
-        taken, total = [], 0.0
-        while buffer:
-            weight = buffer[0][1]
-            if taken and ((max_items and len(taken) >= max_items) or (target is not None and total + weight > target)):
-                break
-            taken.append(buffer.popleft())
-            total += weight
-            if max_items and len(taken) >= max_items:
-                break
-        self._credit(key, len(taken))
-        return self._deliver(taken, ack)
+        return self._from_buffer(key, buffer, max_items, target, ack)
 
     # -- channel-wide ----------------------------------------------------------------------
     async def close(self, timeout: float | None = None) -> None:

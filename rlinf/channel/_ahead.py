@@ -1,0 +1,253 @@
+"""Sending a consumer its next item just before it needs it. No I/O.
+
+With a batch policy (``performance_aware``), a consumer at ``prefetch=0`` would pay a
+round trip per item: it finishes an item, asks, waits for the answer. Items that take
+about as long as that round trip (a fast consumer's, a few ms) lose a large share of
+its time to it, and prefetching (``prefetch=1``) commits every consumer's next item long
+before it is needed, which costs the end of a step its placement.
+
+So the channel sends a consumer its next items (the oldest of those placed for it: one,
+or as many as fit in :data:`AHEAD_SPAN` of its work, as each message costs the consumer
+the time to read it) on its own, *ahead*, when it expects the consumer to finish its
+current work within the time they take to reach it: ``current end - AHEAD_LEAD``. They
+arrive as the consumer asks. A consumer has one such group ahead per key at a time (the
+next is sent once it took them all): its items are committed :data:`AHEAD_LEAD` before
+they are needed, not a whole item's time as with ``prefetch=1``. The consumer's
+current end is estimated in the channel's clock minus the one-way delay to the
+consumer (an answer sent at ``t`` is started at ``t + d``; the next one must leave at
+that end ``- d``): an item sent as an answer ends at ``t + weight / speed``; one sent
+ahead, at the previous end plus its own time; when the consumer reports taking it (at
+``t``), at ``t - round trip + weight / speed``, the round trip measured on answered
+gets (the time between an answer and the next get, less the work the consumer
+reported).
+
+The handle's rule (mirrored by the client, :mod:`rlinf.channel._handle`): items sent
+ahead answer, one each and in order, the gets of their key waiting at the consumer
+when they arrive (the rest wait in its buffer for its next gets); the channel, receiving
+a ``get`` while items are ahead at that consumer, takes it as answered by the oldest of
+them. Both hold because items are sent ahead only while no get of that consumer and key
+waits in the channel: every get waiting at the consumer when they arrive was sent
+before they arrived and is received after they were sent.
+
+Items sent ahead and not taken :data:`RECALL_GRACE` (or the consumer's current work's
+time, if longer) after the consumer was expected to be done with its current work,
+while another consumer of their key waits, are recalled: the consumer gives back those
+it has not taken yet (for the others its "took" is on its way), and they are placed
+again. A consumer that stops calling ``get`` thus holds no item that others wait for.
+This is work stealing (an item recalled may go to a consumer that got newer ones), so
+only where stealing is on; without it, an item placed for a consumer stays its own
+whether it was sent ahead or not.
+
+Only under batch policies (the items are placed per consumer anyway; with ``fifo``
+consumers compete for items only when idle), only for consumers at ``prefetch=0``
+(with ``prefetch`` the consumer asks ahead itself), only once the consumer's speed is
+known, and only an item already placed for it that comes next in put order: the
+consumer still gets its items in put order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Any
+
+from ._state import Handle
+
+__all__ = ["AHEAD_LEAD", "RECALL_GRACE", "GAP_DECAY", "Ahead", "sent", "on_get", "on_done", "on_took", "on_unget",
+           "run_due", "next_due", "recall_overdue"]
+
+#: Seconds before the consumer's expected end of its current item that its next item is
+#: sent: what the estimate may be off by (timer resolution, scheduling on a busy machine).
+AHEAD_LEAD = 0.002
+#: Items sent ahead at once cover this many seconds of the consumer's work (at least
+#: one item): a consumer whose items take a few ms is sent two or three per message, as
+#: each message costs it the time to read it (a fraction of a ms in Python).
+AHEAD_SPAN = 0.03
+#: Seconds past a consumer's expected end (at least its current item's time) after which
+#: an item sent ahead and not taken is recalled, if another consumer waits for items.
+RECALL_GRACE = 0.05
+#: Weight of the previous round-trip estimate in the next (exponential average).
+GAP_DECAY = 0.8
+
+_seq = itertools.count()
+
+
+class Ahead:
+    """What the channel keeps per consumer for sending ahead (``Handle.ahead``)."""
+
+    __slots__ = ("ids", "end", "work", "gap", "reply_at", "done_seconds", "recall_at")
+
+    def __init__(self) -> None:
+        self.ids: dict[Any, list[int]] = {}   # key -> ids sent ahead, not yet taken (at most one)
+        self.end = 0.0                        # expected end of its current work (channel clock - one way)
+        self.work = 0.0                       # the expected seconds of its current work
+        self.gap: float | None = None         # round trip: answer -> next get, less the work reported
+        self.reply_at: float | None = None    # when its last get was answered (for the next gap sample)
+        self.done_seconds: float | None = None   # the work it reported since
+        self.recall_at: dict[Any, float] = {}    # key -> when the item ahead is overdue
+
+
+def _state(h: Handle) -> Ahead:
+    state = h.ahead
+    if state is None:
+        state = h.ahead = Ahead()
+    return state
+
+
+def _speed(h: Handle) -> float:
+    return h.rate[0] / h.rate[1] if h.rate[1] > 0 else (h.hint or 0.0)
+
+
+def _eligible(core: Any, h: Handle, key: Any) -> bool:
+    """``h`` may be sent items of ``key`` ahead: a batch policy, ``prefetch=0``, a speed."""
+    return core.batching and key not in h.credit and _speed(h) > 0 and not h.dead and not h.lost
+
+
+def _schedule(core: Any, when: float, kind: str, h: Handle, key: Any) -> None:
+    heapq.heappush(core.timers, (when, next(_seq), kind, h, key))
+
+
+def sent(core: Any, h: Handle, key: Any, items: list, *, answer: bool) -> None:
+    """``items`` were just sent to ``h`` (``answer``: to a get of its; else ahead): its
+    expected end moves, and its next item is due to go ahead then, less the lead."""
+    if not _eligible(core, h, key):
+        return
+    state = _state(h)
+    now = core.clock()
+    work = state.work = sum(it.weight for it in items) / _speed(h)
+    if answer:
+        state.reply_at, state.done_seconds = now, None
+        state.end = now + work
+    else:
+        state.end = max(state.end, now) + work
+    if answer:
+        _schedule(core, state.end - AHEAD_LEAD, "push", h, key)
+
+
+def on_get(core: Any, h: Handle, key: Any) -> bool:
+    """``h`` asks for an item of ``key``: True if an item sent ahead answers it (see the
+    module docs). Else a round-trip sample is taken, when its last answer is all it did."""
+    state = h.ahead
+    if state is None:
+        return False
+    ids = state.ids.get(key)
+    if ids:
+        item = h.inflight.get(ids.pop(0))
+        state.recall_at.pop(key, None)
+        if not ids:
+            del state.ids[key]
+            if item is not None:
+                _started(core, h, item)
+        return True
+    if state.reply_at is not None and state.done_seconds is not None and not h.inflight and not h.working:
+        sample = max(core.clock() - state.reply_at - state.done_seconds, 0.0)
+        state.gap = sample if state.gap is None else state.gap * GAP_DECAY + sample * (1 - GAP_DECAY)
+        state.reply_at = None
+    return False
+
+
+def on_done(h: Handle, seconds: float) -> None:
+    """``h`` reported ``seconds`` of work (for the round-trip sample of its next get)."""
+    state = h.ahead
+    if state is not None and state.reply_at is not None:
+        state.done_seconds = (state.done_seconds or 0.0) + seconds
+
+
+def on_took(core: Any, h: Handle, items: list) -> None:
+    """``h`` took ``items``: once it took all it had ahead, the next are due (:func:`_started`)."""
+    state = h.ahead
+    if state is None or not state.ids:
+        return
+    for item in items:
+        ids = state.ids.get(item.key)
+        if ids and item.id in ids:
+            ids.remove(item.id)
+            state.recall_at.pop(item.key, None)
+            if not ids:
+                del state.ids[item.key]
+                _started(core, h, item)
+
+
+def _started(core: Any, h: Handle, item: Any) -> None:
+    """``h`` reported (a get or a "took") starting ``item``, the last it had ahead: it
+    started it about a round trip ago; its next items are due at its expected end."""
+    if _eligible(core, h, item.key):
+        state = h.ahead
+        state.end = core.clock() - (state.gap or 0.0) + item.weight / _speed(h)
+        _schedule(core, state.end - AHEAD_LEAD, "push", h, item.key)
+
+
+def on_unget(h: Handle, item_ids: list) -> None:
+    """Items of ``h``'s came back (recalled, or its handle detaches)."""
+    state = h.ahead
+    if state is None or not state.ids:
+        return
+    for key, ids in list(state.ids.items()):
+        for item_id in item_ids:
+            if item_id in ids:
+                ids.remove(item_id)
+                state.recall_at.pop(key, None)
+        if not ids:
+            del state.ids[key]
+
+
+def next_due(core: Any) -> float | None:
+    """When :func:`run_due` has something to do next (channel clock), or None."""
+    return core.timers[0][0] if core.timers else None
+
+
+def run_due(core: Any) -> None:
+    """Send ahead and recall what is due by now."""
+    timers = core.timers
+    now = core.clock()
+    while timers and timers[0][0] <= now:
+        _when, _seq_no, kind, h, key = heapq.heappop(timers)
+        if kind == "push":
+            _push(core, h, key, now)
+        else:
+            recall_overdue(core, key, now)
+
+
+def _push(core: Any, h: Handle, key: Any, now: float) -> None:
+    """Send ``h`` its next item of ``key`` ahead, if it is still at work, asks nothing
+    (a waiting get is answered the usual way), has none ahead and the item that comes
+    next in put order was placed for it."""
+    state = h.ahead
+    if state is None or not _eligible(core, h, key) or state.ids.get(key) or h.requests.get(key):
+        return
+    if not (h.inflight or h.working):
+        return                           # idle, and not asking: it does not want items now
+    speed, items, work = _speed(h), [], 0.0
+    while not items or work < AHEAD_SPAN:
+        mine, shared = h.assigned.get(key), core.shared.get(key)
+        if not mine or (shared and shared[0].id < mine[0].id) or (items and work + mine[0].weight / speed > AHEAD_SPAN):
+            break
+        got = core._collect(h, key, 1, None)
+        if not got:
+            break
+        items += got
+        work += got[0].weight / speed
+    if not items:
+        return
+    state.ids.setdefault(key, []).extend(it.id for it in items)
+    core.send(h, ("ahead", key, [(it.id, it.weight, it.payload) for it in items]))
+    deadline = state.end + max(RECALL_GRACE, state.work)
+    sent(core, h, key, items, answer=False)
+    state.recall_at[key] = deadline
+    _schedule(core, deadline, "recall", h, key)
+
+
+def recall_overdue(core: Any, key: Any, now: float) -> None:
+    """With work stealing: recall the items of ``key`` sent ahead and overdue (their
+    consumer still on its previous one past its deadline), if a consumer of ``key`` waits."""
+    members = core.consumers.get(key, ())
+    if not core.work_stealing or not any(m.wants(key) and not m.dead and not m.lost for m in members):
+        return
+    for m in members:
+        state = m.ahead
+        if state is None:
+            continue
+        deadline = state.recall_at.get(key)
+        if deadline is not None and deadline <= now and state.ids.get(key):
+            del state.recall_at[key]
+            core.send(m, ("recall", key, list(state.ids[key])))
