@@ -16,11 +16,14 @@ Q3: 4 consumer processes with speeds 1, 1, 2, 4 (weight units per second, scaled
     at a time (prefetch=0). Per step: imbalance = (max busy - min busy) / mean busy and
     the step time; medians over the steps, per policy.
 Q3b (``--only q3b``): the same per step, first step included, with 48 items per step
-    (0.5 s) and 256 (0.5 s, where a fast consumer's items take ~1 ms, and 2 s), for fifo, RLinf's least-loaded dispatch (:class:`LeastLoaded`, fewest pending
-    items) and performance_aware; step time against the LPT oracle (longest item first
-    to the consumer that finishes it first, knowing every weight and speed). Then 256 in
-    0.5 s again with ``prefetch=1`` (what docs/channel.md advises for items that short:
-    the next item is on its way while one is worked on, instead of a round trip each).
+    (0.5 s) and 256 (0.5 s, where the speed-4 consumer's items take 2.4 ms at the median,
+    and 2 s), for fifo, RLinf's least-loaded dispatch (:class:`LeastLoaded`, fewest
+    pending items) and performance_aware; step time against the LPT oracle (longest item
+    first to the consumer that finishes it first, knowing every weight and speed). Then
+    256 in 0.5 s again with ``prefetch=1``, a reference (the consumer asks ahead itself;
+    at prefetch=0 performance_aware sends each consumer its next items just before it
+    needs them). A performance_aware step over 15% is printed with each consumer's busy
+    time, time between items, first start and last end, and the weights it worked.
 
 ``--quick`` (what ``rlinf bench --quick`` and the test suite run) sends fewer items,
 times fewer Q2 items and Q3 steps (3 steps of 128 items, ~0.2 s), makes Q2's object of
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import random
 import shutil
@@ -245,12 +249,17 @@ async def _q3_consumer(comm, names: list[str], scale: float, prefetch: int = 0):
         await ch.stats(timeout=60)
         await comm.send("attached", "driver:0", tag=2)
         try:
+            end = None
             while True:
                 step, weight = await work
                 t0 = time.perf_counter()
                 time.sleep(weight / speed * scale)     # "work" for weight / speed
-                busy = time.perf_counter() - t0
-                await comm.send((step, comm.address, busy), "driver:0", tag=3)
+                t1 = time.perf_counter()
+                # (diagnostics: the time from its previous item's end to this one's start, reporting
+                # it, asking and waiting; when this one started and ended, same clock as the driver's)
+                await comm.send((step, comm.address, t1 - t0, weight, t0 - end if end else 0.0, t0, t1),
+                                "driver:0", tag=3)
+                end = t1
                 work = ch.async_get()
         except rlinf.EndOfChannel:
             pass
@@ -297,17 +306,27 @@ async def _q3_rlinf(steps: int, items: int, seed: int, step_seconds: float,
 async def _q3_run(comm, ch, group, weights, scale) -> dict:
     for address in group.addresses:
         await comm.recv(address, tag=2)
-    imbalances, step_times, ideal = [], [], []
+    imbalances, step_times, ideal, per_step = [], [], [], []
     for step, ws in enumerate(weights):
         busy = {a: 0.0 for a in group.addresses}
+        # per consumer, for the diagnostics: the weights it worked in order, its time between items,
+        # when its first item started and its last ended (from the step's start)
+        got: dict = {a: [] for a in group.addresses}
+        between, first, last = dict.fromkeys(busy, 0.0), dict.fromkeys(busy, math.inf), dict.fromkeys(busy, 0.0)
         t0 = time.perf_counter()
         for w in ws:
             await ch.put((step, w), weight=w)
         for _ in ws:
-            (s, address, b), _src = await comm.recv_any(tag=3, timeout=120)
+            (s, address, b, w, gap, start, end), _src = await comm.recv_any(tag=3, timeout=120)
             assert s == step
             busy[address] += b
+            got[address].append(round(w, 2))
+            between[address] += gap if got[address][1:] else 0.0     # (not the gap between steps)
+            first[address], last[address] = min(first[address], start - t0), max(last[address], end - t0)
         step_times.append(time.perf_counter() - t0)
+        per_step.append({name: [round(d[a], 4) for a in busy] for name, d in
+                         (("busy", busy), ("between", between), ("first", first), ("last", last))})
+        per_step[-1]["weights"] = list(got.values())
         values = list(busy.values())
         imbalances.append((max(values) - min(values)) / statistics.fmean(values))
         ideal.append(sum(ws) / sum(SPEEDS) * scale)
@@ -315,7 +334,7 @@ async def _q3_run(comm, ch, group, weights, scale) -> dict:
     await ch.close()
     return {"imbalance": statistics.median(imbalances), "max_imbalance": max(imbalances),
             "step_time": statistics.median(step_times), "ideal": statistics.median(ideal), "step_times": step_times,
-            "imbalances": imbalances, "stats": str(stats)}
+            "imbalances": imbalances, "stats": str(stats), "per_step": per_step}
 
 
 # ------------------------------------------------------------------------------------ main
@@ -390,6 +409,9 @@ def _run_q3b(quick: bool) -> list[Row]:
             vs = [t / o for t, o in zip(r["step_times"], r["oracle"])]
             print(f"Q3b {items}/step {policy}: steps {[f'{x:.0%}' for x in r['imbalances']]}, step time "
                   f"{statistics.median(vs):.2f}x LPT (worst {max(vs):.2f}x)", file=sys.stderr)
+            for step, x in enumerate(r["imbalances"]) if policy == "performance_aware" else ():
+                if x > 0.15:    # each consumer's (speeds 1, 1, 2, 4) busy time, times and items, in order
+                    print(f"  step {step} {x:.0%}: {r['per_step'][step]}", file=sys.stderr)
             rows.append(Row(f"Q3b {items}/step worst step imbalance, {policy}", r["max_imbalance"] * 100, "-", None,
                             "%", False, "<= 15%", f"first {r['imbalances'][0]:.0%}, median {r['imbalance']:.1%}"))
             rows.append(Row(f"Q3b {items}/step step time, {policy}", statistics.median(r["step_times"]),
