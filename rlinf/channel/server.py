@@ -172,7 +172,10 @@ class ChannelServer:
         self._timer = None
         if self.core.finished:
             return
-        _ahead.run_due(self.core)
+        try:
+            _ahead.run_due(self.core)
+        except Exception:    # (a bug: logged; the gets of those consumers are still answered)
+            log.exception("channel %s: sending items ahead failed", self.name)
         self._arm()
 
     def _on_gone(self, address: str, incarnation: str) -> None:

@@ -39,6 +39,33 @@ async def test_a_busy_consumer_gets_its_next_items_ahead_once_and_in_put_order(d
         await ch.close()
 
 
+async def test_batches_and_acked_gets_take_what_was_sent_ahead_in_order(driver, comms):
+    """get_batch takes from what arrived ahead (by the get_batch rule), get(ack=True) too;
+    nothing is lost, duplicated or reordered."""
+    async with asyncio.timeout(60):
+        ch = await driver.create_channel("ahead-batch", policy="performance_aware", in_process=True)
+        (comm,) = await comms(1)
+        consumer = await comm.channel("ahead-batch", speed=100.0)
+        first = consumer.async_get(ack=True)
+        await consumer.stats(timeout=10)
+        n = 40
+        for i in range(n):
+            await ch.put(i, weight=1.0)
+        got = [await first]
+        consumer.task_done(got[0])
+        while len(got) < n:
+            await asyncio.sleep(0.02)
+            if len(got) % 2:
+                got += await consumer.get_batch(max_items=4, timeout=10)
+            else:
+                item = await consumer.get(timeout=10, ack=True)
+                consumer.task_done(item)
+                got.append(item)
+        assert got == list(range(n))
+        assert consumer.unacked == 0 and not consumer._buffers.get(None)
+        await ch.close()
+
+
 async def test_what_went_ahead_to_a_consumer_that_stopped_asking_goes_to_one_that_waits(driver, comms):
     """a takes one item and never asks again: the item sent ahead to it while it "worked"
     is recalled once another consumer waits, given back, and taken by b (stealing, on by
