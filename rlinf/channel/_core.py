@@ -27,6 +27,7 @@ from ..util.bounded import Doubling, Recent
 from . import _ahead, _lost
 from ._balance import place_shared, speed_changed, steal
 from ._guard import PolicyGuard
+from ._keys import forget_idle_keys
 from ._pacing import Pacing
 from ._snapshot import count_rate, snapshot
 from ._state import Handle, Item, Request, insert_by_id
@@ -86,7 +87,7 @@ class ChannelCore:
         self.bytes_in = self.bytes_out = 0
         self._rates: collections.deque[list] = collections.deque()   # [second, puts, gets]
         self._deferred: set | None = None   # keys to serve once the current batch is applied
-        self._keys_looked = Doubling()       # when to forget idle keys again (_forget_idle_keys)
+        self.keys_looked = Doubling()       # when to forget idle keys again (_keys)
         self.forgotten = Recent()            # (src, hid) -> the Handle forgotten while taken for lost
         self.pacing = Pacing(max_staleness, batch_size, lambda h, rid, value: send(h, ("reply", rid, value)))
         self.timers: list = []               # items to send ahead, recalls (_ahead: the server runs them)
@@ -142,29 +143,8 @@ class ChannelCore:
                     place_shared(self, key)
                 self._serve_wanting(key)
         self._grant()
-        if self._keys_looked.due(len(self.live)):
-            self._forget_idle_keys()
-
-    def _forget_idle_keys(self) -> None:
-        """Forget the keys under which nothing is queued, in flight or waited for. A
-        channel keyed by episode or request id sees each key for a while, then never
-        again: its per-key state must not grow for good. (A consumer with ``prefetch``
-        keeps the credit of every key it got from, so its keys are kept.) A key used
-        again starts afresh: its consumers join it with their next get."""
-        for key in [k for k, n in self.live.items() if n == 0]:
-            members = self.consumers.get(key, ())
-            if self.shared.get(key) or any(h.wants(key) or h.assigned.get(key) for h in members):
-                continue
-            for h in members:
-                h.keys.discard(key)
-                h.requests.pop(key, None)
-                h.assigned.pop(key, None)
-                h.credit.pop(key, None)
-                h.last_sent.pop(key, None)
-            for table in (self.shared, self.consumers, self.wanting, self.key_len, self.key_weight, self.live,
-                          self.pacing.stale_by_key):
-                table.pop(key, None)
-        self._keys_looked.looked(len(self.live))
+        if self.keys_looked.due(len(self.live)):
+            forget_idle_keys(self)
 
     def _hello(self, src: str, hid: int, rid: int, incarnation: str, node_id: str, name: str,
                speed: float | None = None) -> Handle:
