@@ -236,7 +236,10 @@ class ChannelServer:
         if out is None:
             out = self._out[key] = [[], False]
         ops = out[0]
-        if op[0] == "items":
+        if op[0] == "ahead":       # items sent ahead (_ahead): large ones go out of band too
+            if any(i[2] is not None and i[2][0] == 2 for i in op[2]):
+                out[1] = True
+        elif op[0] == "items":
             if any(i[2] is not None and i[2][0] == 2 for i in op[3]):
                 out[1] = True
             last = ops[-1] if ops else None
@@ -253,7 +256,12 @@ class ChannelServer:
         out, self._out = self._out, {}
         for (src, hid), (ops, large) in out.items():
             try:
-                future = self.comm.internal.start_send(encode_ops(ops, large), src, reply_tag(hid))
+                message = encode_ops(ops, large)
+            except Exception:     # (a bug) lost for that handle alone: the others' ops still go
+                log.exception("channel %s: could not encode %d ops for %s", self.name, len(ops), src)
+                continue
+            try:
+                future = self.comm.internal.start_send(message, src, reply_tag(hid))
             except PeerLostError:
                 # taken for lost: kept in order for it in case it comes back (dropped
                 # once its handle is forgotten)

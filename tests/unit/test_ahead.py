@@ -178,3 +178,56 @@ def test_a_consumer_that_leaves_gives_back_what_was_sent_ahead():
     t.ops("a:0", ("bye",))
     t.ops("b:0", ("done", [2], 1.0), ("get", 901, None, 1, None, None))
     assert t.items("b:0") == [[3]]
+
+
+def test_large_items_sent_ahead_travel_out_of_band():
+    """The server marks a message with large items ahead as large; the wire moves their
+    arrays out of band and gives them back on the other side."""
+    import numpy as np
+
+    from rlinf.channel._wire import decode_ops, encode_ops
+    from rlinf.channel.server import ChannelServer
+
+    big = np.arange(10, dtype=np.uint8)
+    op = ("ahead", ("k", 1), [(1, 1.0, (2, b"h", [big])), (2, 1.0, (1, [3], b"abc"))])
+    server = ChannelServer("c", manager="tcp://127.0.0.1:1", token="t")
+    server._flush_scheduled = True        # (no loop here: nothing is scheduled)
+    server._send(_FakeHandle("a:0", 1), op)
+    [(ops, large)] = server._out.values()
+    assert ops == [op] and large
+    blob, buffers = encode_ops(ops, large)
+    assert buffers == [big]
+    [back] = decode_ops([blob, buffers])
+    assert back[1] == ("k", 1) and back[2][0][2][2][0] is big and back[2][1][2] == (1, (3,), b"abc")
+
+
+class _Done:
+    @staticmethod
+    def done() -> bool:
+        return True
+
+
+class _FakeHandle:
+    def __init__(self, src: str, hid: int) -> None:
+        self.src, self.hid = src, hid
+
+
+def test_ops_that_cannot_be_encoded_for_one_handle_do_not_stop_the_others():
+    from rlinf.channel.server import ChannelServer
+
+    sent = []
+
+    class _Internal:
+        @staticmethod
+        def start_send(message, dst, tag):
+            sent.append(dst)
+            return _Done()
+
+    class _Comm:
+        internal = _Internal()
+
+    server = ChannelServer("c", manager="tcp://127.0.0.1:1", token="t")
+    server.comm = _Comm()
+    server._out = {("bad:0", 1): [[("items", 1, object(), [])], False], ("good:0", 1): [[("end", 1, None)], False]}
+    server._flush()
+    assert sent == ["good:0"] and server._out == {}
