@@ -2,47 +2,52 @@
 
 With a batch policy (``performance_aware``), a consumer at ``prefetch=0`` would pay a
 round trip per item: it finishes an item, asks, waits for the answer. Items that take
-about as long as that round trip (a fast consumer's, a few ms) lose a large share of
-its time to it, and prefetching (``prefetch=1``) commits every consumer's next item long
+about as long as that round trip (a fast consumer's, a few ms) lose a large share of its
+time to it, and prefetching (``prefetch=1``) commits every consumer's next item long
 before it is needed, which costs the end of a step its placement.
 
 So the channel sends a consumer its next items (the oldest of those placed for it: one,
 or as many as fit in :data:`AHEAD_SPAN` of its work, as each message costs the consumer
-the time to read it) on its own, *ahead*, when it expects the consumer to finish its
-current work within the time they take to reach it: ``current end - AHEAD_LEAD``. They
-arrive as the consumer asks. A consumer has one such group ahead per key at a time (the
-next is sent once it took them all): its items are committed :data:`AHEAD_LEAD` before
-they are needed, not a whole item's time as with ``prefetch=1``. The consumer's
-current end is estimated in the channel's clock minus the one-way delay to the
-consumer (an answer sent at ``t`` is started at ``t + d``; the next one must leave at
-that end ``- d``): an item sent as an answer ends at ``t + weight / speed``; one sent
-ahead, at the previous end plus its own time; when the consumer reports taking it (at
-``t``), at ``t - round trip + weight / speed``, the round trip measured on answered
-gets (the time between an answer and the next get, less the work the consumer
-reported).
+the time to read it, within :data:`AHEAD_MAX_ITEMS` and :data:`AHEAD_MAX_BYTES`) on its
+own, *ahead*, when it expects the consumer to finish its current work within the time
+they take to reach it: ``current end - AHEAD_LEAD``. They arrive as the consumer asks. A
+consumer has one such group ahead per key at a time (the next is sent once it took them
+all): its items are committed :data:`AHEAD_LEAD` before they are needed, not a whole
+item's time as with ``prefetch=1``. The consumer's current end is estimated in the
+channel's clock minus the one-way delay to the consumer (an answer sent at ``t`` is
+started at ``t + d``; the next one must leave at that end ``- d``): an item sent as an
+answer ends at ``t + weight / speed``; one sent ahead, at the previous end plus its own
+time; when the consumer reports taking it (at ``t``), at ``t - round trip + weight /
+speed``, the round trip measured on answered gets (the time between an answer and the
+next get, less the work the consumer reported).
 
 The handle's rule (mirrored by the client, :mod:`rlinf.channel._handle`): items sent
-ahead answer, one each and in order, the gets of their key waiting at the consumer
-when they arrive (the rest wait in its buffer for its next gets); the channel, receiving
-a ``get`` while items are ahead at that consumer, takes it as answered by the oldest of
+ahead answer, one each and in order, the gets of their key waiting at the consumer when
+they arrive (the rest wait in its buffer for its next gets); the channel, receiving a
+``get`` while items are ahead at that consumer, takes it as answered by the oldest of
 them. Both hold because items are sent ahead only while no get of that consumer and key
-waits in the channel: every get waiting at the consumer when they arrive was sent
-before they arrived and is received after they were sent.
+waits in the channel: every get waiting at the consumer when they arrive was sent before
+they arrived and is received after they were sent.
+
+A ``get_batch`` that took every item ahead it had asks for the rest with a *top-up* get
+(its ``took`` of those first, so none is ahead then): answered at once with what there
+is for it (:func:`top_up`), maybe nothing, never left waiting.
 
 Items sent ahead and not taken :data:`RECALL_GRACE` (or the consumer's current work's
-time, if longer) after the consumer was expected to be done with its current work,
-while another consumer of their key waits, are recalled: the consumer gives back those
-it has not taken yet (for the others its "took" is on its way), and they are placed
-again. A consumer that stops calling ``get`` thus holds no item that others wait for.
-This is work stealing (an item recalled may go to a consumer that got newer ones), so
-only where stealing is on; without it, an item placed for a consumer stays its own
-whether it was sent ahead or not.
+time, if longer) after the consumer was expected to be done with its current work, while
+another consumer of their key waits (or once one waits, if none did then), are recalled:
+the consumer gives back those it has not taken yet (for the others its "took" is on its
+way), and they are placed again. A consumer that stops calling ``get`` thus holds no
+item that others wait for. This is work stealing (an item recalled may go to a consumer
+that got newer ones), so only where stealing is on; without it, an item placed for a
+consumer stays its own whether it was sent ahead or not.
 
 Only under batch policies (the items are placed per consumer anyway; with ``fifo``
-consumers compete for items only when idle), only for consumers at ``prefetch=0``
-(with ``prefetch`` the consumer asks ahead itself), only once the consumer's speed is
-known, and only an item already placed for it that comes next in put order: the
-consumer still gets its items in put order.
+consumers compete for items only when idle), only for consumers at ``prefetch=0`` (with
+``prefetch`` the consumer asks ahead itself), only without ``max_staleness`` (an item
+ahead would escape the floor that ``advance`` raises: the consumer would take it stale),
+only once the consumer's speed is known, and only an item already placed for it that
+comes next in put order: the consumer still gets its items in put order.
 """
 
 from __future__ import annotations
@@ -53,8 +58,8 @@ from typing import Any
 
 from ._state import Handle
 
-__all__ = ["AHEAD_LEAD", "RECALL_GRACE", "GAP_DECAY", "Ahead", "sent", "on_get", "on_done", "on_took", "on_unget",
-           "run_due", "next_due", "recall_overdue"]
+__all__ = ["AHEAD_LEAD", "AHEAD_SPAN", "AHEAD_MAX_ITEMS", "AHEAD_MAX_BYTES", "RECALL_GRACE", "GAP_DECAY", "Ahead",
+           "sent", "on_get", "on_done", "on_took", "on_unget", "top_up", "run_due", "next_due", "recall_overdue"]
 
 #: Seconds before the consumer's expected end of its current item that its next item is
 #: sent: what the estimate may be off by (timer resolution, scheduling on a busy machine).
@@ -63,6 +68,10 @@ AHEAD_LEAD = 0.002
 #: one item): a consumer whose items take a few ms is sent two or three per message, as
 #: each message costs it the time to read it (a fraction of a ms in Python).
 AHEAD_SPAN = 0.03
+#: At most this many items, and this many payload bytes (past the first item), go ahead
+#: at once: items of weight 0 (or cheap by the consumer's speed) would otherwise all go.
+AHEAD_MAX_ITEMS = 64
+AHEAD_MAX_BYTES = 8 << 20
 #: Seconds past a consumer's expected end (at least its current item's time) after which
 #: an item sent ahead and not taken is recalled, if another consumer waits for items.
 RECALL_GRACE = 0.05
@@ -99,8 +108,10 @@ def _speed(h: Handle) -> float:
 
 
 def _eligible(core: Any, h: Handle, key: Any) -> bool:
-    """``h`` may be sent items of ``key`` ahead: a batch policy, ``prefetch=0``, a speed."""
-    return core.batching and key not in h.credit and _speed(h) > 0 and not h.dead and not h.lost
+    """``h`` may be sent items of ``key`` ahead: a batch policy, ``prefetch=0``, a speed,
+    no staleness bound (an item ahead would escape the floor raised by ``advance``)."""
+    return (core.batching and key not in h.credit and _speed(h) > 0 and not h.dead and not h.lost
+            and core.pacing.max_staleness is None)
 
 
 def _schedule(core: Any, when: float, kind: str, h: Handle, key: Any) -> None:
@@ -133,7 +144,7 @@ def on_get(core: Any, h: Handle, key: Any) -> bool:
     ids = state.ids.get(key)
     if ids:
         item = h.inflight.get(ids.pop(0))
-        state.recall_at.pop(key, None)
+        _no_recall(core, state, key)
         if not ids:
             del state.ids[key]
             if item is not None:
@@ -162,7 +173,7 @@ def on_took(core: Any, h: Handle, items: list) -> None:
         ids = state.ids.get(item.key)
         if ids and item.id in ids:
             ids.remove(item.id)
-            state.recall_at.pop(item.key, None)
+            _no_recall(core, state, item.key)
             if not ids:
                 del state.ids[item.key]
                 _started(core, h, item)
@@ -177,7 +188,7 @@ def _started(core: Any, h: Handle, item: Any) -> None:
         _schedule(core, state.end - AHEAD_LEAD, "push", h, item.key)
 
 
-def on_unget(h: Handle, item_ids: list) -> None:
+def on_unget(core: Any, h: Handle, item_ids: list) -> None:
     """Items of ``h``'s came back (recalled, or its handle detaches)."""
     state = h.ahead
     if state is None or not state.ids:
@@ -186,9 +197,30 @@ def on_unget(h: Handle, item_ids: list) -> None:
         for item_id in item_ids:
             if item_id in ids:
                 ids.remove(item_id)
-                state.recall_at.pop(key, None)
+                _no_recall(core, state, key)
         if not ids:
             del state.ids[key]
+
+
+def _no_recall(core: Any, state: Ahead, key: Any) -> None:
+    """No recall of ``key`` is due at this consumer any more (see ``core.recalls``)."""
+    if state.recall_at.pop(key, None) is not None:
+        left = core.recalls.get(key, 0) - 1
+        if left > 0:
+            core.recalls[key] = left
+        else:
+            core.recalls.pop(key, None)
+
+
+def top_up(core: Any, h: Handle, rid: int, key: Any, max_items: int | None, target: float | None) -> None:
+    """Answer ``h``'s get ``rid`` at once with what is there for it now, maybe nothing:
+    it is the rest of a ``get_batch`` that took every item sent ahead that it had (the
+    client's ``took`` of them came first), which must not wait."""
+    items = core._collect(h, key, max_items or 0, target)
+    core.send(h, ("items", rid, key, [(it.id, it.weight, it.payload) for it in items]))
+    if items:
+        sent(core, h, key, items, answer=True)
+        core._grant()
 
 
 def next_due(core: Any) -> float | None:
@@ -217,37 +249,51 @@ def _push(core: Any, h: Handle, key: Any, now: float) -> None:
         return
     if not (h.inflight or h.working):
         return                           # idle, and not asking: it does not want items now
-    speed, items, work = _speed(h), [], 0.0
-    while not items or work < AHEAD_SPAN:
+    speed, items, work, nbytes = _speed(h), [], 0.0, 0
+    while not items or (work < AHEAD_SPAN and len(items) < AHEAD_MAX_ITEMS):
         mine, shared = h.assigned.get(key), core.shared.get(key)
-        if not mine or (shared and shared[0].id < mine[0].id) or (items and work + mine[0].weight / speed > AHEAD_SPAN):
+        if not mine or (shared and shared[0].id < mine[0].id) or (items and (
+                work + mine[0].weight / speed > AHEAD_SPAN or nbytes + mine[0].nbytes > AHEAD_MAX_BYTES)):
             break
         got = core._collect(h, key, 1, None)
         if not got:
             break
         items += got
         work += got[0].weight / speed
+        nbytes += got[0].nbytes
     if not items:
         return
     state.ids.setdefault(key, []).extend(it.id for it in items)
     core.send(h, ("ahead", key, [(it.id, it.weight, it.payload) for it in items]))
     deadline = state.end + max(RECALL_GRACE, state.work)
     sent(core, h, key, items, answer=False)
+    if key not in state.recall_at:
+        core.recalls[key] = core.recalls.get(key, 0) + 1
     state.recall_at[key] = deadline
     _schedule(core, deadline, "recall", h, key)
+    core._grant()          # the queue has room again: a producer held by maxsize may put
 
 
 def recall_overdue(core: Any, key: Any, now: float) -> None:
     """With work stealing: recall the items of ``key`` sent ahead and overdue (their
-    consumer still on its previous one past its deadline), if a consumer of ``key`` waits."""
+    consumer still on its previous one past its deadline), if a consumer of ``key`` waits.
+    Run when such a deadline passes and when a consumer starts to wait (the deadline may
+    have passed while none waited: ``core.recalls`` counts those pending per key)."""
     members = core.consumers.get(key, ())
     if not core.work_stealing or not any(m.wants(key) and not m.dead and not m.lost for m in members):
         return
+    pending = 0
     for m in members:
         state = m.ahead
-        if state is None:
+        deadline = state.recall_at.get(key) if state is not None else None
+        if deadline is None:
             continue
-        deadline = state.recall_at.get(key)
-        if deadline is not None and deadline <= now and state.ids.get(key):
-            del state.recall_at[key]
+        if deadline <= now and state.ids.get(key):
+            _no_recall(core, state, key)
             core.send(m, ("recall", key, list(state.ids[key])))
+        else:
+            pending += 1
+    if pending:                  # (counted again: a consumer that left kept none)
+        core.recalls[key] = pending
+    else:
+        core.recalls.pop(key, None)

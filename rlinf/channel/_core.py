@@ -91,6 +91,7 @@ class ChannelCore:
         self.forgotten = Recent()            # (src, hid) -> the Handle forgotten while taken for lost
         self.pacing = Pacing(max_staleness, batch_size, lambda h, rid, value: send(h, ("reply", rid, value)))
         self.timers: list = []               # items to send ahead, recalls (_ahead: the server runs them)
+        self.recalls: dict[Any, int] = {}    # key -> consumers with items of it ahead, a recall due (_ahead)
 
     def __repr__(self) -> str:
         return (f"<ChannelCore {self.name} queued={self.queued} live={self.live_total} "
@@ -234,10 +235,12 @@ class ChannelCore:
         h.revoking = False
 
     def _op_get(self, h: Handle, rid: int, key: Any, max_items: int | None, target: float | None,
-                memory: int | None) -> None:
+                memory: int | None, now: bool = False) -> None:
         self._join(h, key, memory)
         if h.ahead is not None and _ahead.on_get(self, h, key):
             return                 # answered by the item sent ahead to it (_ahead)
+        if now:                    # a batch taken from items sent ahead, topped up (_ahead)
+            return _ahead.top_up(self, h, rid, key, max_items, target)
         h.requests.setdefault(key, collections.deque()).append(Request(rid, key, max_items, target))
         self._serve(h, key)
 
@@ -283,7 +286,7 @@ class ChannelCore:
     def _op_unget(self, h: Handle, ids: list) -> None:
         back = [h.inflight.pop(i) for i in ids if i in h.inflight]
         if h.ahead is not None:
-            _ahead.on_unget(h, ids)
+            _ahead.on_unget(self, h, ids)
         for item in back:
             h.add_pending(-1, -item.weight)
         self._requeue(back)
@@ -544,7 +547,7 @@ class ChannelCore:
                 wanting = self.wanting.setdefault(key, collections.deque())
                 if h not in wanting:
                     wanting.append(h)
-                if self.timers:       # an item sent ahead to a consumer still busy comes back
+                if self.recalls.get(key):   # an item sent ahead to a consumer still busy comes back
                     _ahead.recall_overdue(self, key, self.clock())
 
     def _serve_wanting(self, key: Any) -> None:

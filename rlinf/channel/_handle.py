@@ -258,7 +258,7 @@ class HandleBase:
 
     def _abandon(self, rid: int, future: asyncio.Future) -> None:
         """Give up get ``rid`` without losing an item (idempotent)."""
-        self._get_keys.pop(rid, None)
+        key = self._get_keys.pop(rid, _NO_KEY)
         if self._gets.pop(rid, None) is None:
             return
         if not future.done():
@@ -266,7 +266,11 @@ class HandleBase:
         if future.cancelled():
             self._op(("cancel", rid))          # an answer still on its way is given back
         elif future.exception() is None:       # answered, never returned: give them back
-            self._op(("unget", [i[0] for i in future.result()]))
+            buffer = self._buffers.get(key) if not self._prefetch else None
+            if buffer:      # before the rest of the items sent ahead with them: kept, in order
+                buffer.extendleft(reversed(future.result()))
+            else:
+                self._op(("unget", [i[0] for i in future.result()]))
 
     def _ensure_credit(self, key: Any) -> None:
         if key not in self._credited:
@@ -323,7 +327,28 @@ class HandleBase:
             self._credit(key, len(taken))
         return self._deliver(taken, ack)
 
-    def _deliver(self, items: list, ack: bool) -> list[Any]:
+    async def _from_ahead(self, key: Any, buffer: collections.deque, max_items: int | None, target: float | None,
+                          ack: bool, timeout: float | None) -> list[Any]:
+        """``get_batch`` at ``prefetch=0`` with items sent ahead buffered here (not empty):
+        those, by the ``get_batch`` rule, then, if it took them all and has room (and no
+        ``target``), what else the channel has for it now (a get it answers at once, maybe
+        with nothing, as its ``took`` of those came first: the module docs of
+        :mod:`rlinf.channel._ahead`). Cancelled or timed out meanwhile: those stay here."""
+        if target is not None or (max_items and len(buffer) >= max_items) or self._error is not None:
+            return self._from_buffer(key, buffer, max_items, target, ack)
+        taken = list(buffer)
+        buffer.clear()
+        self._took([i[0] for i in taken], ack)
+        rid, future = self._start_get(key, max_items - len(taken) if max_items else None, None, True)
+        try:
+            more = await self._finish_get(rid, future, ack, timeout, deliver=False)
+        except BaseException:
+            buffer.extendleft(reversed(taken))      # reported taken: taken again later, in order
+            raise
+        self._took([i[0] for i in more], ack)
+        return self._deliver([*taken, *more], ack, took=False)
+
+    def _deliver(self, items: list, ack: bool, took: bool = True) -> list[Any]:
         objects = []
         for item_id, _weight, payload in items:
             try:
@@ -332,7 +357,8 @@ class HandleBase:
                 back = [i[0] for i in items if i[0] != item_id]
                 raise self._drop_undecodable(item_id, back, exc) from exc
         ids = [i[0] for i in items]
-        self._took(ids, ack)
+        if took:
+            self._took(ids, ack)
         now = self._clock()
         if ack:
             for (item_id, _w, _p), obj in zip(items, objects):

@@ -440,8 +440,8 @@ class Channel(HandleBase):
         buffer = self._buffers.get(key)
         if self._prefetch:
             items = await self._get_buffered(key, max_items, target, ack, timeout)
-        elif buffer:        # sent ahead by the channel (_ahead)
-            items = self._from_buffer(key, buffer, max_items, target, ack)
+        elif buffer:        # sent ahead by the channel (_ahead), topped up by it
+            items = await self._from_ahead(key, buffer, max_items, target, ack, timeout)
         else:
             rid, future = self._start_get(key, max_items, target)
             items = await self._finish_get(rid, future, ack, timeout)
@@ -449,14 +449,17 @@ class Channel(HandleBase):
             trace.span("channel", "channel.get", started, channel=self.name, items=len(items))
         return items
 
-    def _start_get(self, key: Any, max_items: int | None, target: float | None) -> tuple[int, asyncio.Future]:
+    def _start_get(self, key: Any, max_items: int | None, target: float | None,
+                   now: bool = False) -> tuple[int, asyncio.Future]:
         rid = next(self._rids)
         future = self._gets[rid] = self._loop.create_future()
         self._get_keys[rid] = key
-        self._op(("get", rid, key, max_items, target, self._memory_now()))
+        self._op(("get", rid, key, max_items, target, self._memory_now(), True) if now
+                 else ("get", rid, key, max_items, target, self._memory_now()))
         return rid, future
 
-    async def _finish_get(self, rid: int, future: asyncio.Future, ack: bool, timeout: float | None) -> list[Any]:
+    async def _finish_get(self, rid: int, future: asyncio.Future, ack: bool, timeout: float | None,
+                          deliver: bool = True) -> list[Any]:
         try:
             async with asyncio.timeout(timeout):
                 items = await future
@@ -467,7 +470,7 @@ class Channel(HandleBase):
             raise
         self._gets.pop(rid, None)
         self._get_keys.pop(rid, None)
-        return self._deliver(items, ack)
+        return self._deliver(items, ack) if deliver else items
 
     async def _get_buffered(self, key: Any, max_items: int | None, target: float | None, ack: bool,
                             timeout: float | None) -> list[Any]:

@@ -76,14 +76,20 @@ def test_short_items_go_ahead_in_groups_that_cover_the_span_in_put_order():
     assert following[0] == group[-1] + 1
 
 
-def test_gets_received_while_items_are_ahead_are_answered_by_them_one_each():
+def _first_group(n: int) -> tuple[Harness, list[int]]:
+    """a (1 ms per item) took item 1 of ``n``: the ids of the group then sent ahead."""
     t = _harness({"a:0": 1000.0})
     t.get("a:0")
-    t.put("p:0", *[1] * 100)
+    t.put("p:0", *[1] * n)
     t.items("a:0")
     t.took("a:0", [1])
     _run_until(t, t.now + 1.0)
     [group] = _ahead_ids(t, "a:0")
+    return t, group
+
+
+def test_gets_received_while_items_are_ahead_are_answered_by_them_one_each():
+    t, group = _first_group(100)
     assert len(group) >= 3
     for _ in range(2):                    # two gets that crossed the group on the way
         t.get("a:0")
@@ -180,6 +186,97 @@ def test_a_consumer_that_leaves_gives_back_what_was_sent_ahead():
     assert t.items("b:0") == [[3]]
 
 
+def _run_all(t: Harness, until: float) -> None:
+    """What the server's timer does: run the due timers, each at its time, up to ``until``."""
+    while t.core.timers and t.core.timers[0][0] <= until:
+        _run_until(t, max(t.now, t.core.timers[0][0]))
+    t.now = until
+
+
+def test_an_item_ahead_overdue_while_none_waited_is_recalled_once_one_waits():
+    """b stops asking with item 3 ahead; its recall deadline passes while a is still busy
+    (no one waits then, no timer is left): a's get later must still bring item 3 back."""
+    t = _harness({"a:0": 1.0, "b:0": 1.0})
+    t.get("a:0")
+    t.get("b:0")
+    t.put("p:0", 10, 1, 1)               # LPT: a gets the 10, b gets 1 and 1
+    assert t.items("a:0") == [[1]] and t.items("b:0") == [[2]]
+    t.took("a:0", [1])
+    t.took("b:0", [2])
+    _run_all(t, t.now + 1.0)
+    assert _ahead_ids(t, "b:0") == [[3]]
+    _run_all(t, t.now + 9.0)
+    assert not t.core.timers
+    t.ops("a:0", ("done", [1], 10.0))
+    t.get("a:0")
+    assert [op for op in t.drain("b:0") if op[0] == "recall"] == [("recall", None, [3])]
+    t.ops("b:0", ("unget", [3]))
+    assert t.items("a:0") == [[3]]
+    assert not t.core.recalls             # nothing more is due to be recalled
+
+
+def test_cheap_items_go_ahead_at_most_max_items_at_once():
+    t = _harness({"a:0": 1.0})
+    t.get("a:0")
+    t.put("p:0", 1, *[0] * 500)           # weight 0: no time at all by its speed
+    assert t.items("a:0") == [[1]]
+    t.took("a:0", [1])
+    _run_all(t, t.now + 1.0)
+    assert _ahead_ids(t, "a:0") == [list(range(2, 2 + _ahead.AHEAD_MAX_ITEMS))]
+
+
+def test_large_items_go_ahead_within_max_bytes_past_the_first():
+    t = _harness({"a:0": 1000.0})
+    t.get("a:0")
+    size = _ahead.AHEAD_MAX_BYTES // 3 + 1            # three do not fit, two do
+    t.ops("p:0", *[("put", None, 1.0, size, b"x") for _ in range(10)])
+    assert t.items("a:0") == [[1]]
+    t.took("a:0", [1])
+    _run_all(t, t.now + 1.0)
+    assert _ahead_ids(t, "a:0") == [[2, 3]]
+
+
+def test_nothing_goes_ahead_under_a_staleness_bound():
+    """An item ahead would escape the floor that advance() raises (it would be handed out
+    stale): with max_staleness, gets are answered as they come."""
+    t = _harness({"a:0": 1.0}, max_staleness=0)
+    t.get("a:0")
+    t.ops("p:0", *[("put", None, 1.0, 0, b"x", 0, 0) for _ in range(4)])
+    assert t.items("a:0") == [[1]]
+    t.took("a:0", [1])
+    for _ in range(3):
+        _run_all(t, t.now + 1.0)
+    assert _ahead_ids(t, "a:0") == [] and not t.core.timers
+
+
+def test_a_top_up_get_is_answered_at_once_with_what_there_is_maybe_nothing():
+    """The rest of a get_batch that took every item sent ahead: it must not wait."""
+    t, group = _first_group(12)
+    t.took("a:0", group)
+    t.ops("a:0", ("get", 900, None, 100, None, None, True))
+    [answer] = [op for op in t.drain("a:0") if op[0] == "items"]
+    assert answer[1] == 900 and [i[0] for i in answer[3]] == list(range(group[-1] + 1, 13))
+    t.ops("a:0", ("get", 901, None, 100, None, None, True))
+    assert [op for op in t.drain("a:0") if op[0] == "items"] == [("items", 901, None, [])]
+    assert not t.core.handles[("a:0", 1)].requests.get(None)     # nothing left waiting
+
+
+def test_sending_ahead_frees_queue_space_for_a_producer_held_by_maxsize():
+    t = _harness({"a:0": 1000.0}, maxsize=4)
+    t.get("a:0")
+    for _ in range(10):                   # put while space is granted (item 1 goes to a at once)
+        t.put("p:0", 1)
+        t.ops("p:0", ("want", 1, False))
+        if ("grant", 1) not in t.drain("p:0"):
+            break
+    assert t.core._free() == 0            # full: the producer waits for space
+    assert t.items("a:0") == [[1]]
+    t.took("a:0", [1])
+    _run_all(t, t.now + 1.0)
+    assert _ahead_ids(t, "a:0")
+    assert ("grant", 1) in t.drain("p:0")      # at once, not at the next message the channel gets
+
+
 def test_large_items_sent_ahead_travel_out_of_band():
     """The server marks a message with large items ahead as large; the wire moves their
     arrays out of band and gives them back on the other side."""
@@ -231,3 +328,59 @@ def test_ops_that_cannot_be_encoded_for_one_handle_do_not_stop_the_others():
     server._out = {("bad:0", 1): [[("items", 1, object(), [])], False], ("good:0", 1): [[("end", 1, None)], False]}
     server._flush()
     assert sent == ["good:0"] and server._out == {}
+
+
+async def test_a_get_given_up_as_items_sent_ahead_answer_it_keeps_them_in_order():
+    """A get that times out (or is cancelled) just as a group sent ahead answers it: its
+    item goes back before the rest of the group, here, not to the channel (after them)."""
+    import asyncio
+
+    from rlinf.channel import Channel
+    from rlinf.channel._payload import pack
+
+    from .test_channel_unit import _CommBeforeOpen
+
+    ch = Channel(_CommBeforeOpen(), "c")
+    ch._loop = asyncio.get_running_loop()
+    ch._flush_scheduled = True            # (the ops stay here to be looked at)
+    rid, future = ch._start_get(None, 1, None)
+    ch._on_ops([("ahead", None, [(i, 1.0, pack(ch._codec, f"item{i}")[0]) for i in (1, 2, 3)])])
+    assert future.done()
+    ch._abandon(rid, future)
+    assert [i[0] for i in ch._buffers[None]] == [1, 2, 3]
+    assert not [op for op in ch._ops if op[0] == "unget"]
+    assert [ch.get_nowait() for _ in range(3)] == ["item1", "item2", "item3"]
+
+
+async def test_a_batch_topped_up_and_given_up_keeps_the_items_sent_ahead():
+    """get_batch took both items sent ahead and asks the channel for more; cancelled before
+    the answer, those two stay here, in order, for the next get."""
+    import asyncio
+
+    from rlinf.channel import Channel
+    from rlinf.channel._payload import pack
+
+    from .test_channel_unit import _CommBeforeOpen
+
+    class _Comm(_CommBeforeOpen):
+        class internal(_CommBeforeOpen.internal):
+            trace = None
+
+            @staticmethod
+            def timeout_of(timeout):
+                return timeout
+
+    ch = Channel(_Comm(), "c")
+    ch._loop = asyncio.get_running_loop()
+    ch._flush_scheduled = True
+    ch._on_ops([("ahead", None, [(i, 1.0, pack(ch._codec, f"item{i}")[0]) for i in (1, 2)])])
+    batch = asyncio.ensure_future(ch.get_batch(max_items=10, timeout=10))
+    async with asyncio.timeout(5):
+        while not [op for op in ch._ops if op[0] == "get"]:
+            await asyncio.sleep(0)
+    [get] = [op for op in ch._ops if op[0] == "get"]
+    assert get[3] == 8 and get[6] is True and ch._acc_took == {False: [1, 2]}   # took, then top-up
+    batch.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await batch
+    assert [ch.get_nowait() for _ in range(2)] == ["item1", "item2"]
