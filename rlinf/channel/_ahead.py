@@ -22,16 +22,24 @@ speed``, the round trip measured on answered gets (the time between an answer an
 next get, less the work the consumer reported).
 
 The handle's rule (mirrored by the client, :mod:`rlinf.channel._handle`): items sent
-ahead answer, one each and in order, the gets of their key waiting at the consumer when
-they arrive (the rest wait in its buffer for its next gets); the channel, receiving a
-``get`` while items are ahead at that consumer, takes it as answered by the oldest of
-them. Both hold because items are sent ahead only while no get of that consumer and key
+ahead answer, in order, the gets of their key waiting at the consumer when they arrive,
+each as many as its ``get_batch`` rule takes of them (:func:`batch_len`; a ``get``, one;
+the rest wait in its buffer for its next gets); the channel, receiving a ``get`` while
+items are ahead at that consumer, takes it as answered by as many of the oldest of them.
+Both hold because items are sent ahead only while no get of that consumer and key
 waits in the channel: every get waiting at the consumer when they arrive was sent before
 they arrived and is received after they were sent.
 
-A ``get_batch`` that took every item ahead it had asks for the rest with a *top-up* get
-(its ``took`` of those first, so none is ahead then): answered at once with what there
-is for it (:func:`top_up`), maybe nothing, never left waiting.
+Nor are items sent ahead while an answer of that key to that consumer is not reported
+taken (:func:`_push` holds them until its ``took``, or its return): the get it answered
+may have been given up, and the answer then comes back (``unget``) after what went
+ahead meanwhile, which the consumer would take first.
+
+A ``get_batch`` that took every item ahead it had asks for the rest with a *top-up* get:
+answered at once with what there is for it after them (:func:`top_up`), maybe nothing,
+never left waiting, and never by items sent ahead. Its ``took`` of those leaves with the
+answer's, once that is there: given up before, they stay at the consumer and ahead for
+the channel (taken by its next gets, recalled, or given back if it detaches).
 
 Items sent ahead and not taken :data:`RECALL_GRACE` (or the consumer's current work's
 time, if longer) after the consumer was expected to be done with its current work, while
@@ -59,7 +67,8 @@ from typing import Any
 from ._state import Handle
 
 __all__ = ["AHEAD_LEAD", "AHEAD_SPAN", "AHEAD_MAX_ITEMS", "AHEAD_MAX_BYTES", "RECALL_GRACE", "GAP_DECAY", "Ahead",
-           "sent", "on_get", "on_done", "on_took", "on_unget", "top_up", "run_due", "next_due", "recall_overdue"]
+           "sent", "on_get", "batch_len", "on_done", "on_took", "on_unget", "top_up", "resumed", "run_due",
+           "next_due", "recall_overdue"]
 
 #: Seconds before the consumer's expected end of its current item that its next item is
 #: sent: what the estimate may be off by (timer resolution, scheduling on a busy machine).
@@ -84,7 +93,7 @@ _seq = itertools.count()
 class Ahead:
     """What the channel keeps per consumer for sending ahead (``Handle.ahead``)."""
 
-    __slots__ = ("ids", "end", "work", "gap", "reply_at", "done_seconds", "recall_at")
+    __slots__ = ("ids", "end", "work", "gap", "reply_at", "done_seconds", "recall_at", "held")
 
     def __init__(self) -> None:
         self.ids: dict[Any, list[int]] = {}   # key -> ids sent ahead, not yet taken (at most one)
@@ -94,6 +103,7 @@ class Ahead:
         self.reply_at: float | None = None    # when its last get was answered (for the next gap sample)
         self.done_seconds: float | None = None   # the work it reported since
         self.recall_at: dict[Any, float] = {}    # key -> when the item ahead is overdue
+        self.held: set = set()                   # keys whose send ahead waits for a "took" (_push)
 
 
 def _state(h: Handle) -> Ahead:
@@ -135,15 +145,20 @@ def sent(core: Any, h: Handle, key: Any, items: list, *, answer: bool) -> None:
         _schedule(core, state.end - AHEAD_LEAD, "push", h, key)
 
 
-def on_get(core: Any, h: Handle, key: Any) -> bool:
-    """``h`` asks for an item of ``key``: True if an item sent ahead answers it (see the
-    module docs). Else a round-trip sample is taken, when its last answer is all it did."""
+def on_get(core: Any, h: Handle, key: Any, max_items: int | None = 1, target: float | None = None) -> bool:
+    """``h`` asks for items of ``key`` (a get: at most ``max_items``, None for no limit,
+    within ``target``): True if items sent ahead answer it, the oldest, as many as the
+    ``get_batch`` rule takes of them (:func:`batch_len`; see the module docs). Else a
+    round-trip sample is taken, when its last answer is all it did."""
     state = h.ahead
     if state is None:
         return False
     ids = state.ids.get(key)
     if ids:
-        item = h.inflight.get(ids.pop(0))
+        inflight = h.inflight
+        n = batch_len([inflight[i].weight if i in inflight else 0.0 for i in ids], max_items, target)
+        item = inflight.get(ids[n - 1])
+        del ids[:n]
         _no_recall(core, state, key)
         if not ids:
             del state.ids[key]
@@ -157,6 +172,20 @@ def on_get(core: Any, h: Handle, key: Any) -> bool:
     return False
 
 
+def batch_len(weights: list[float], max_items: int | None, target: float | None) -> int:
+    """How many of items weighing ``weights`` (not empty) one get takes by the
+    ``get_batch`` rule: the first always, then while at most ``max_items`` (None or 0:
+    no limit) and a total weight <= ``target`` (None: no limit). The channel and the
+    client apply it alike to items sent ahead, for the gets that cross them."""
+    n, total = 1, weights[0]
+    while n < len(weights) and not (max_items and n >= max_items):
+        if target is not None and total + weights[n] > target:
+            break
+        total += weights[n]
+        n += 1
+    return n
+
+
 def on_done(h: Handle, seconds: float) -> None:
     """``h`` reported ``seconds`` of work (for the round-trip sample of its next get)."""
     state = h.ahead
@@ -165,9 +194,10 @@ def on_done(h: Handle, seconds: float) -> None:
 
 
 def on_took(core: Any, h: Handle, items: list) -> None:
-    """``h`` took ``items``: once it took all it had ahead, the next are due (:func:`_started`)."""
+    """``h`` took ``items`` (still in flight): once it took all it had ahead, the next are
+    due (:func:`_started`); once it took an answer that held them (:func:`_push`), too."""
     state = h.ahead
-    if state is None or not state.ids:
+    if state is None or not (state.ids or state.held):
         return
     for item in items:
         ids = state.ids.get(item.key)
@@ -177,6 +207,16 @@ def on_took(core: Any, h: Handle, items: list) -> None:
             if not ids:
                 del state.ids[item.key]
                 _started(core, h, item)
+        elif item.key in state.held:
+            _release(core, h, state, item.key)
+
+
+def _release(core: Any, h: Handle, state: Ahead, key: Any) -> None:
+    """An answer of ``key`` that held sending ahead (:func:`_push`) was taken or came back:
+    the next items are due at the expected end (``_push`` checks again)."""
+    state.held.discard(key)
+    if _eligible(core, h, key):
+        _schedule(core, max(core.clock(), state.end - AHEAD_LEAD), "push", h, key)
 
 
 def _started(core: Any, h: Handle, item: Any) -> None:
@@ -188,18 +228,22 @@ def _started(core: Any, h: Handle, item: Any) -> None:
         _schedule(core, state.end - AHEAD_LEAD, "push", h, item.key)
 
 
-def on_unget(core: Any, h: Handle, item_ids: list) -> None:
-    """Items of ``h``'s came back (recalled, or its handle detaches)."""
+def on_unget(core: Any, h: Handle, items: list) -> None:
+    """``items`` of ``h``'s came back (recalled, given back by an abandoned get, or its
+    handle detaches); already out of flight."""
     state = h.ahead
-    if state is None or not state.ids:
+    if state is None or not (state.ids or state.held):
         return
-    for key, ids in list(state.ids.items()):
-        for item_id in item_ids:
-            if item_id in ids:
-                ids.remove(item_id)
-                _no_recall(core, state, key)
-        if not ids:
-            del state.ids[key]
+    for item in items:
+        key = item.key
+        ids = state.ids.get(key)
+        if ids and item.id in ids:
+            ids.remove(item.id)
+            _no_recall(core, state, key)
+            if not ids:
+                del state.ids[key]
+        elif key in state.held:
+            _release(core, h, state, key)
 
 
 def _no_recall(core: Any, state: Ahead, key: Any) -> None:
@@ -214,13 +258,27 @@ def _no_recall(core: Any, state: Ahead, key: Any) -> None:
 
 def top_up(core: Any, h: Handle, rid: int, key: Any, max_items: int | None, target: float | None) -> None:
     """Answer ``h``'s get ``rid`` at once with what is there for it now, maybe nothing:
-    it is the rest of a ``get_batch`` that took every item sent ahead that it had (the
-    client's ``took`` of them came first), which must not wait."""
+    it is the rest of a ``get_batch`` that took every item sent ahead that it had (they
+    stay ahead until its ``took`` of them, with this answer's), which must not wait."""
     items = core._collect(h, key, max_items or 0, target)
     core.send(h, ("items", rid, key, [(it.id, it.weight, it.payload) for it in items]))
     if items:
         sent(core, h, key, items, answer=True)
         core._grant()
+
+
+def resumed(core: Any, h: Handle) -> None:
+    """``h``, taken for lost, is back: the items it has ahead count among the recalls due
+    again (:func:`recall_overdue` dropped it from ``core.recalls`` while it was away), and
+    those overdue are recalled now if another consumer waits."""
+    state = h.ahead
+    if state is None:
+        return
+    now = core.clock()
+    for key in list(state.recall_at):
+        core.recalls[key] = sum(1 for m in core.consumers.get(key, ())
+                                if m.ahead is not None and key in m.ahead.recall_at)
+        recall_overdue(core, key, now)
 
 
 def next_due(core: Any) -> float | None:
@@ -249,6 +307,15 @@ def _push(core: Any, h: Handle, key: Any, now: float) -> None:
         return
     if not (h.inflight or h.working):
         return                           # idle, and not asking: it does not want items now
+    mine, shared = h.assigned.get(key), core.shared.get(key)
+    if not mine or (shared and shared[0].id < mine[0].id):
+        return                           # its next item is not placed for it (yet)
+    if any(it.key == key for it in h.inflight.values()):
+        # An answer of this key not reported taken yet: its get may have been given up,
+        # and the answer come back (unget) after items sent ahead now, which the consumer
+        # would then take first. Held until it reports taking it (or it comes back).
+        state.held.add(key)
+        return
     speed, items, work, nbytes = _speed(h), [], 0.0, 0
     while not items or (work < AHEAD_SPAN and len(items) < AHEAD_MAX_ITEMS):
         mine, shared = h.assigned.get(key), core.shared.get(key)

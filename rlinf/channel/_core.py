@@ -237,10 +237,10 @@ class ChannelCore:
     def _op_get(self, h: Handle, rid: int, key: Any, max_items: int | None, target: float | None,
                 memory: int | None, now: bool = False) -> None:
         self._join(h, key, memory)
-        if h.ahead is not None and _ahead.on_get(self, h, key):
-            return                 # answered by the item sent ahead to it (_ahead)
-        if now:                    # a batch taken from items sent ahead, topped up (_ahead)
+        if now:        # a batch taken from items sent ahead, topped up: never answered by them (_ahead)
             return _ahead.top_up(self, h, rid, key, max_items, target)
+        if h.ahead is not None and _ahead.on_get(self, h, key, max_items, target):
+            return                 # answered by items sent ahead to it (_ahead)
         h.requests.setdefault(key, collections.deque()).append(Request(rid, key, max_items, target))
         self._serve(h, key)
 
@@ -259,7 +259,7 @@ class ChannelCore:
     def _op_took(self, h: Handle, ids: list, ack: bool) -> None:
         ack = bool(ack)
         inflight, working = h.inflight, h.working
-        if h.ahead is not None and h.ahead.ids:
+        if h.ahead is not None and (h.ahead.ids or h.ahead.held):
             _ahead.on_took(self, h, [inflight[i] for i in ids if i in inflight])
         if ack or self.closed:
             for item_id in ids:
@@ -286,7 +286,7 @@ class ChannelCore:
     def _op_unget(self, h: Handle, ids: list) -> None:
         back = [h.inflight.pop(i) for i in ids if i in h.inflight]
         if h.ahead is not None:
-            _ahead.on_unget(self, h, ids)
+            _ahead.on_unget(self, h, back)
         for item in back:
             h.add_pending(-1, -item.weight)
         self._requeue(back)

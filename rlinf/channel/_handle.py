@@ -23,6 +23,7 @@ from ..core.interface import Core
 from ..errors import (ClosedError, CommTimeoutError, DecodeError, EndOfChannel, PeerLostError, ProtocolError,
                       RlinfError)
 from ..util.futures import retrieve
+from ._ahead import batch_len
 from ._payload import decoded, unpack
 from ._wire import decode_ops, encode_ops
 from .server import REQUEST_TAG, check_name, reply_tag, server_address
@@ -157,7 +158,7 @@ class HandleBase:
         self._acc_credit: dict[Any, int] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._gets: dict[int, asyncio.Future] = {}
-        self._get_keys: dict[int, Any] = {}    # rid -> the key of a get at prefetch=0 (for items sent ahead)
+        self._get_keys: dict[int, tuple] = {}  # rid -> (key, max_items, target) of a get at prefetch=0 (_ahead)
         self._error: Callable[[], BaseException] | None = None
         self._detached = False
         self._drained = False
@@ -258,7 +259,7 @@ class HandleBase:
 
     def _abandon(self, rid: int, future: asyncio.Future) -> None:
         """Give up get ``rid`` without losing an item (idempotent)."""
-        key = self._get_keys.pop(rid, _NO_KEY)
+        key = self._get_keys.pop(rid, (_NO_KEY,))[0]
         if self._gets.pop(rid, None) is None:
             return
         if not future.done():
@@ -331,24 +332,26 @@ class HandleBase:
                           ack: bool, timeout: float | None) -> list[Any]:
         """``get_batch`` at ``prefetch=0`` with items sent ahead buffered here (not empty):
         those, by the ``get_batch`` rule, then, if it took them all and has room (and no
-        ``target``), what else the channel has for it now (a get it answers at once, maybe
-        with nothing, as its ``took`` of those came first: the module docs of
-        :mod:`rlinf.channel._ahead`). Cancelled or timed out meanwhile: those stay here."""
+        ``target``), what else the channel has for it now (a *top-up* get it answers at
+        once, maybe with nothing, and never with items sent ahead: the module docs of
+        :mod:`rlinf.channel._ahead`). Their ``took`` leaves with the answer's, once it is
+        here: cancelled meanwhile, those stay here, still ahead for the channel (recalled,
+        or given back on detach, like any); timed out, the batch is those alone."""
         if target is not None or (max_items and len(buffer) >= max_items) or self._error is not None:
             return self._from_buffer(key, buffer, max_items, target, ack)
         taken = list(buffer)
         buffer.clear()
-        self._took([i[0] for i in taken], ack)
         rid, future = self._start_get(key, max_items - len(taken) if max_items else None, None, True)
         try:
             more = await self._finish_get(rid, future, ack, timeout, deliver=False)
+        except CommTimeoutError:
+            more = []        # (the top-up's answer, if any, goes back: _abandon)
         except BaseException:
-            buffer.extendleft(reversed(taken))      # reported taken: taken again later, in order
+            buffer.extendleft(reversed(taken))      # not reported taken: taken later, in order
             raise
-        self._took([i[0] for i in more], ack)
-        return self._deliver([*taken, *more], ack, took=False)
+        return self._deliver([*taken, *more], ack)
 
-    def _deliver(self, items: list, ack: bool, took: bool = True) -> list[Any]:
+    def _deliver(self, items: list, ack: bool) -> list[Any]:
         objects = []
         for item_id, _weight, payload in items:
             try:
@@ -357,8 +360,7 @@ class HandleBase:
                 back = [i[0] for i in items if i[0] != item_id]
                 raise self._drop_undecodable(item_id, back, exc) from exc
         ids = [i[0] for i in items]
-        if took:
-            self._took(ids, ack)
+        self._took(ids, ack)
         now = self._clock()
         if ack:
             for (item_id, _w, _p), obj in zip(items, objects):
@@ -516,8 +518,10 @@ class HandleBase:
                     future = self._gets.get(rid)
                     if future is not None and not future.done():
                         future.set_result(items)
-                    else:                   # its get was abandoned: give the items back
-                        self._op(("unget", [i[0] for i in items]))
+                    else:       # its get was given up: to a get waiting here (prefetch=0), else back
+                        back = items if self._prefetch else self._answer_waiting(key, items)
+                        if back:
+                            self._op(("unget", [i[0] for i in back]))
             elif kind == "ahead":
                 self._ahead(op[1], op[2])
             elif kind == "recall":       # give back what is still buffered of those (_ahead)
@@ -571,12 +575,27 @@ class HandleBase:
         in order, one each, they answer the gets of ``key`` waiting here (the channel takes
         each get it receives while items are ahead here as answered by one), and the rest
         wait in the buffer for the next gets."""
-        waiting = [f for rid, f in self._gets.items() if self._get_keys.get(rid, _NO_KEY) == key and not f.done()]
-        for future, item in zip(waiting, items):
-            future.set_result([item])      # one item per get: the channel counts one per get
-        if len(items) > len(waiting):
-            self._buffers.setdefault(key, collections.deque()).extend(items[len(waiting):])
+        items = self._answer_waiting(key, items)
+        if items:
+            self._buffers.setdefault(key, collections.deque()).extend(items)
             self._wake(key)
+
+    def _answer_waiting(self, key: Any, items: list) -> list:
+        """Answer the gets of ``key`` waiting here (prefetch=0), oldest first, with
+        ``items`` in order, each as many as its ``get_batch`` rule takes (what the channel
+        counts for items sent ahead: :func:`rlinf.channel._ahead.batch_len`). Items sent
+        ahead answer them so; so do the items of a get given up (answered meanwhile): they
+        are older than what the waiting get's own answer will bring (that one then comes
+        back here). Returns the items left over."""
+        for rid, future in self._gets.items():
+            if not items:
+                break
+            wanted = self._get_keys.get(rid)
+            if wanted is not None and wanted[0] == key and not future.done():
+                n = batch_len([i[1] for i in items], wanted[1], wanted[2])
+                future.set_result(items[:n])
+                items = items[n:]
+        return items
 
     def _forgotten(self, processed: int) -> None:
         """The server forgot this handle while it took its worker for lost (and gave

@@ -453,7 +453,8 @@ class Channel(HandleBase):
                    now: bool = False) -> tuple[int, asyncio.Future]:
         rid = next(self._rids)
         future = self._gets[rid] = self._loop.create_future()
-        self._get_keys[rid] = key
+        if not now:      # (a top-up get is never answered by items sent ahead)
+            self._get_keys[rid] = (key, max_items, target)
         self._op(("get", rid, key, max_items, target, self._memory_now(), True) if now
                  else ("get", rid, key, max_items, target, self._memory_now()))
         return rid, future

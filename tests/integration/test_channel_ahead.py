@@ -165,3 +165,62 @@ async def test_get_batch_takes_what_was_sent_ahead_and_what_else_is_there(driver
         assert await c.get_batch(max_items=10, timeout=10) == list(range(1, 11))
         assert await c.get_batch(max_items=10, timeout=10) == [11]
         await ch.close()
+
+
+async def _drain_rest(ch, comm, name: str) -> list:
+    """Close the channel; a new consumer takes what is left: the items, in its order."""
+    d = await comm.channel(name, speed=1000.0)
+    await ch.close()
+    got = []
+    while True:
+        try:
+            got += await d.get_batch(timeout=10)
+        except EndOfChannel:
+            return got
+
+
+@pytest.mark.parametrize("detach_at_once", [True, False])
+async def test_a_batch_given_up_while_topping_up_then_detached_loses_nothing(driver, comms, detach_at_once):
+    """get_batch took the items sent ahead and asks for the rest; cancelled before the
+    answer, they stay with the handle, still ahead for the channel: detached, they go back."""
+    async with asyncio.timeout(60):
+        name = f"ahead-topup-cancel-{detach_at_once}"
+        ch = await driver.create_channel(name, policy="performance_aware", in_process=True)
+        comm, other = await comms(2)
+        c = await comm.channel(name, speed=20.0)
+        first = c.async_get()
+        await c.stats(timeout=10)
+        for i in range(6):
+            await ch.put(i, weight=1.0)
+        assert await first == 0
+        await until(lambda: c._buffers.get(None), what="an item sent ahead")
+        ahead = [i[0] for i in c._buffers[None]]
+        batch = asyncio.ensure_future(c.get_batch(max_items=10, timeout=10))
+        await asyncio.sleep(0)                    # it took them and sent its top-up
+        batch.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await batch
+        assert [i[0] for i in c._buffers[None]] == ahead
+        if not detach_at_once:                    # the top-up's answer comes back (unget)
+            await c.stats(timeout=10)
+        await c.detach()
+        assert sorted(await _drain_rest(ch, other, name)) == [1, 2, 3, 4, 5]
+
+
+async def test_a_get_given_up_with_its_answer_on_the_way_keeps_put_order(driver, comms):
+    """The answer of a get given up comes back (unget): no items go ahead meanwhile (they
+    would come first), so the consumer still gets its items in put order."""
+    async with asyncio.timeout(60):
+        ch, c, first = await _one_waiting(driver, comms, "ahead-abandon", 1e6, ack=True)
+        await ch.put(0, weight=1.0)
+        assert await first == 0                   # never task_done: the declared speed holds
+        for i in range(1, 6):
+            await ch.put(i, weight=1.0)
+        await ch.flush()                          # placed for c
+        get = asyncio.ensure_future(c.get(timeout=10))
+        await asyncio.sleep(0)                    # its get is on its way
+        get.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await get
+        assert [await c.get(timeout=10) for _ in range(5)] == [1, 2, 3, 4, 5]
+        await ch.close()

@@ -298,6 +298,88 @@ def test_large_items_sent_ahead_travel_out_of_band():
     assert back[1] == ("k", 1) and back[2][0][2][2][0] is big and back[2][1][2] == (1, (3,), b"abc")
 
 
+def test_a_top_up_get_is_never_answered_by_the_items_ahead():
+    """The client sends a top-up before its "took" of the items ahead it took (that leaves
+    with the top-up's answer): the channel answers with the items after them, and counts
+    them as ahead until that "took" (a top-up given up loses none of them)."""
+    t, group = _first_group(12)
+    t.ops("a:0", ("get", 900, None, 100, None, None, True))
+    [answer] = [op for op in t.drain("a:0") if op[0] == "items"]
+    assert answer[1] == 900 and [i[0] for i in answer[3]] == list(range(group[-1] + 1, 13))
+    h = t.core.handles[("a:0", 1)]
+    assert h.ahead.ids[None] == group
+    t.ops("a:0", ("cancel", 900), ("unget", answer_ids := [i[0] for i in answer[3]]))   # given up
+    t.ops("a:0", ("unget", group))        # and detached: every item is back, none retired
+    assert sorted(it.id for it in t.core.handles[("a:0", 1)].assigned[None]) == [*group, *answer_ids]
+
+
+def test_a_get_that_crosses_a_group_takes_as_many_as_its_batch_rule_allows():
+    """A get_batch received while items are ahead is answered by as many of them as the
+    get_batch rule takes (the client gives it the same), not one."""
+    t, group = _first_group(100)
+    assert len(group) >= 4
+    h = t.core.handles[("a:0", 1)]
+    t.get("a:0", max_items=2)
+    assert h.ahead.ids[None] == group[2:]
+    t.get("a:0", max_items=None)          # every item there: the rest of the group
+    assert t.items("a:0") == [] and not h.ahead.ids and not h.requests.get(None)
+    assert _ahead.batch_len([1.0, 1.0, 5.0, 1.0], None, 3.0) == 2
+    assert _ahead.batch_len([5.0, 1.0], 3, 3.0) == 1 and _ahead.batch_len([1.0] * 9, 3, None) == 3
+
+
+def test_no_group_goes_ahead_while_an_answer_is_not_reported_taken():
+    """The get that an answer was for may have been given up: the answer then comes back
+    (unget) after a group sent ahead meanwhile, which the consumer would take first. So
+    the next group waits for the answer's "took", or goes out with it if it came back."""
+    t = _harness({"a:0": 1000.0})
+    t.get("a:0")
+    t.put("p:0", *[1] * 100)
+    assert t.items("a:0") == [[1]]
+    t.took("a:0", [1])
+    t.get("a:0")
+    assert t.items("a:0") == [[2]]
+    _run_all(t, t.now + 1.0)
+    assert _ahead_ids(t, "a:0") == []     # item 2 not reported taken yet
+    t.ops("a:0", ("cancel", t.rid), ("unget", [2]))     # its get was given up
+    _run_all(t, t.now + 1.0)
+    [group] = _ahead_ids(t, "a:0")
+    assert group[0] == 2 and group == list(range(2, 2 + len(group)))
+    t.took("a:0", group)
+    t.get("a:0")
+    [[answer]] = t.items("a:0")
+    _run_all(t, t.now + 1.0)
+    assert _ahead_ids(t, "a:0") == []     # held again
+    t.took("a:0", [answer])               # taken: the next group goes
+    _run_all(t, t.now + 1.0)
+    assert _ahead_ids(t, "a:0")[0][0] == answer + 1
+
+
+def test_an_item_ahead_of_a_consumer_back_from_lost_is_recalled_when_another_waits():
+    """b is taken for lost with item 3 ahead, and its recall deadline passes while it is
+    away (its item stays its own then); back, it stops calling get: a, waiting, gets it."""
+    from rlinf.channel import _lost
+
+    t = _harness({"a:0": 1.0, "b:0": 1.0})
+    t.get("a:0")
+    t.get("b:0")
+    t.put("p:0", 10, 1, 1)
+    t.took("a:0", [1])
+    t.took("b:0", [2])
+    _run_all(t, t.now + 1.0)
+    assert _ahead_ids(t, "b:0") == [[3]]
+    t.drain("a:0")
+    _lost.suspend(t.core, "b:0", "")
+    t.ops("a:0", ("done", [1], 10.0))
+    t.get("a:0")
+    _run_all(t, t.now + 9.0)
+    assert [op for op in t.drain("b:0") if op[0] == "recall"] == []    # away: not recalled
+    t.ops("b:0", ("done", [2], 1.0))      # back
+    assert not t.core.handles[("b:0", 1)].lost
+    assert [op for op in t.drain("b:0") if op[0] == "recall"] == [("recall", None, [3])]
+    t.ops("b:0", ("unget", [3]))
+    assert t.items("a:0") == [[3]]
+
+
 class _Done:
     @staticmethod
     def done() -> bool:
@@ -357,8 +439,68 @@ async def test_a_batch_topped_up_and_given_up_keeps_the_items_sent_ahead():
     the answer, those two stay here, in order, for the next get."""
     import asyncio
 
-    from rlinf.channel import Channel
+    ch = _client()
+    ch._on_ops([("ahead", None, [(i, 1.0, _packed(ch, i)) for i in (1, 2)])])
+    batch = asyncio.ensure_future(ch.get_batch(max_items=10, timeout=10))
+    async with asyncio.timeout(5):
+        while not [op for op in ch._ops if op[0] == "get"]:
+            await asyncio.sleep(0)
+    [get] = [op for op in ch._ops if op[0] == "get"]
+    # the top-up, and no "took" of 1, 2 before its answer: given up now, the channel
+    # must still count them as ahead here (taken later, recalled, or given back on detach)
+    assert get[3] == 8 and get[6] is True and not ch._acc_took
+    batch.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await batch
+    assert not ch._acc_took and ("cancel", get[1]) in ch._ops
+    assert [ch.get_nowait() for _ in range(2)] == ["item1", "item2"]
+    assert ch._acc_took == {False: [1, 2]}
+
+
+async def test_a_batch_with_items_ahead_here_and_no_time_to_top_up_returns_them():
+    """get_batch(timeout=0) with items sent ahead buffered: those, not CommTimeoutError;
+    the top-up is withdrawn (what it may bring goes back)."""
+    import asyncio
+
+    ch = _client()
+    ch._on_ops([("ahead", None, [(i, 1.0, _packed(ch, i)) for i in (1, 2)])])
+    async with asyncio.timeout(5):
+        assert await ch.get_batch(max_items=10, timeout=0) == ["item1", "item2"]
+    [get] = [op for op in ch._ops if op[0] == "get"]
+    assert ("cancel", get[1]) in ch._ops and ch._acc_took == {False: [1, 2]}
+
+
+async def test_a_waiting_get_batch_gets_the_whole_group_that_arrived():
+    """A get_batch waiting here when a group sent ahead arrives takes as many as its rule
+    allows (what the channel counts for it), a get one, the rest stay buffered."""
+    import asyncio
+
+    ch = _client()
+    batch = asyncio.ensure_future(ch.get_batch(max_items=3, timeout=10))
+    async with asyncio.timeout(5):
+        while not [op for op in ch._ops if op[0] == "get"]:
+            await asyncio.sleep(0)
+    one = asyncio.ensure_future(ch.get(timeout=10))
+    async with asyncio.timeout(5):
+        while len([op for op in ch._ops if op[0] == "get"]) < 2:
+            await asyncio.sleep(0)
+    ch._on_ops([("ahead", None, [(i, 1.0, _packed(ch, i)) for i in range(1, 6)])])
+    async with asyncio.timeout(5):
+        assert await batch == ["item1", "item2", "item3"] and await one == "item4"
+    assert [i[0] for i in ch._buffers[None]] == [5]
+
+
+def _packed(ch, i: int):
     from rlinf.channel._payload import pack
+
+    return pack(ch._codec, f"item{i}")[0]
+
+
+def _client():
+    """A Channel handle that keeps its ops here (to be looked at), opened on this loop."""
+    import asyncio
+
+    from rlinf.channel import Channel
 
     from .test_channel_unit import _CommBeforeOpen
 
@@ -373,14 +515,24 @@ async def test_a_batch_topped_up_and_given_up_keeps_the_items_sent_ahead():
     ch = Channel(_Comm(), "c")
     ch._loop = asyncio.get_running_loop()
     ch._flush_scheduled = True
-    ch._on_ops([("ahead", None, [(i, 1.0, pack(ch._codec, f"item{i}")[0]) for i in (1, 2)])])
-    batch = asyncio.ensure_future(ch.get_batch(max_items=10, timeout=10))
+    return ch
+
+
+async def test_the_answer_of_a_get_given_up_goes_to_the_next_get_waiting_then_its_own_back():
+    """prefetch=0: get 1 is given up, get 2 sent before get 1's answer arrives. Get 1's
+    answer (older) answers get 2; get 2's own answer (newer) goes back: put order holds."""
+    import asyncio
+
+    ch = _client()
+    rid1, future1 = ch._start_get(None, 1, None)
+    ch._abandon(rid1, future1)
+    get2 = asyncio.ensure_future(ch.get(timeout=10))
     async with asyncio.timeout(5):
-        while not [op for op in ch._ops if op[0] == "get"]:
+        while len([op for op in ch._ops if op[0] == "get"]) < 2:
             await asyncio.sleep(0)
-    [get] = [op for op in ch._ops if op[0] == "get"]
-    assert get[3] == 8 and get[6] is True and ch._acc_took == {False: [1, 2]}   # took, then top-up
-    batch.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await batch
-    assert [ch.get_nowait() for _ in range(2)] == ["item1", "item2"]
+    rid2 = [op for op in ch._ops if op[0] == "get"][1][1]
+    ch._on_ops([("items", rid1, None, [(1, 1.0, _packed(ch, 1)), (2, 1.0, _packed(ch, 2))])])
+    ch._on_ops([("items", rid2, None, [(3, 1.0, _packed(ch, 3))])])
+    async with asyncio.timeout(5):
+        assert await get2 == "item1"
+    assert [op for op in ch._ops if op[0] == "unget"] == [("unget", [2]), ("unget", [3])]
