@@ -184,6 +184,7 @@ class HandleBase:
         self._working: list[int] = []
         self._working_since = 0.0
         self._unacked: dict[int, collections.deque] = {}
+        self._topping: dict[Any, set] = {}     # key -> ids recalled while a get_batch tops up (_from_ahead)
 
     @property
     def unacked(self) -> int:
@@ -342,13 +343,19 @@ class HandleBase:
         taken = list(buffer)
         buffer.clear()
         rid, future = self._start_get(key, max_items - len(taken) if max_items else None, None, True)
+        recalled = self._topping[key] = set()
         try:
             more = await self._finish_get(rid, future, ack, timeout, deliver=False)
         except CommTimeoutError:
             more = []        # (the top-up's answer, if any, goes back: _abandon)
         except BaseException:
-            buffer.extendleft(reversed(taken))      # not reported taken: taken later, in order
+            # not reported taken: taken later, in order; those recalled meanwhile go back
+            buffer.extendleft(reversed([i for i in taken if i[0] not in recalled]))
+            if recalled.intersection(i[0] for i in taken):
+                self._op(("unget", [i[0] for i in taken if i[0] in recalled]))
             raise
+        finally:
+            self._topping.pop(key, None)
         return self._deliver([*taken, *more], ack)
 
     def _deliver(self, items: list, ack: bool) -> list[Any]:
@@ -526,6 +533,8 @@ class HandleBase:
                 self._ahead(op[1], op[2])
             elif kind == "recall":       # give back what is still buffered of those (_ahead)
                 buffer, ids = self._buffers.get(op[1]), set(op[2])
+                if op[1] in self._topping:      # (taken by a get_batch topping up: back if it is given up)
+                    self._topping[op[1]].update(ids)
                 back = [i for i in buffer if i[0] in ids] if buffer else []
                 for entry in back:
                     buffer.remove(entry)

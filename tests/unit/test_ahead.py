@@ -439,12 +439,7 @@ async def test_a_batch_topped_up_and_given_up_keeps_the_items_sent_ahead():
     the answer, those two stay here, in order, for the next get."""
     import asyncio
 
-    ch = _client()
-    ch._on_ops([("ahead", None, [(i, 1.0, _packed(ch, i)) for i in (1, 2)])])
-    batch = asyncio.ensure_future(ch.get_batch(max_items=10, timeout=10))
-    async with asyncio.timeout(5):
-        while not [op for op in ch._ops if op[0] == "get"]:
-            await asyncio.sleep(0)
+    ch, batch = await _topping_up()
     [get] = [op for op in ch._ops if op[0] == "get"]
     # the top-up, and no "took" of 1, 2 before its answer: given up now, the channel
     # must still count them as ahead here (taken later, recalled, or given back on detach)
@@ -536,3 +531,31 @@ async def test_the_answer_of_a_get_given_up_goes_to_the_next_get_waiting_then_it
     async with asyncio.timeout(5):
         assert await get2 == "item1"
     assert [op for op in ch._ops if op[0] == "unget"] == [("unget", [2]), ("unget", [3])]
+
+
+async def test_items_recalled_while_a_batch_tops_up_go_back_if_it_is_given_up():
+    """A recall that arrives while get_batch tops up finds the items out of the buffer
+    (taken by it): given up, the batch gives those back rather than keeping them."""
+    import asyncio
+
+    ch, batch = await _topping_up()
+    ch._on_ops([("recall", None, [1, 2])])
+    batch.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await batch
+    assert ("unget", [1, 2]) in ch._ops and not ch._buffers.get(None) and not ch._acc_took
+    assert not ch._topping
+
+
+async def _topping_up():
+    """A client with items 1, 2 sent ahead, and a get_batch(max_items=10) that took them
+    and sent its top-up: (client, the get_batch's task)."""
+    import asyncio
+
+    ch = _client()
+    ch._on_ops([("ahead", None, [(i, 1.0, _packed(ch, i)) for i in (1, 2)])])
+    batch = asyncio.ensure_future(ch.get_batch(max_items=10, timeout=10))
+    async with asyncio.timeout(5):
+        while not [op for op in ch._ops if op[0] == "get"]:
+            await asyncio.sleep(0)
+    return ch, batch
