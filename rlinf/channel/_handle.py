@@ -329,35 +329,6 @@ class HandleBase:
             self._credit(key, len(taken))
         return self._deliver(taken, ack)
 
-    async def _from_ahead(self, key: Any, buffer: collections.deque, max_items: int | None, target: float | None,
-                          ack: bool, timeout: float | None) -> list[Any]:
-        """``get_batch`` at ``prefetch=0`` with items sent ahead buffered here (not empty):
-        those, by the ``get_batch`` rule, then, if it took them all and has room (and no
-        ``target``), what else the channel has for it now (a *top-up* get it answers at
-        once, maybe with nothing, and never with items sent ahead: the module docs of
-        :mod:`rlinf.channel._ahead`). Their ``took`` leaves with the answer's, once it is
-        here: cancelled meanwhile, those stay here, still ahead for the channel (recalled,
-        or given back on detach, like any); timed out, the batch is those alone."""
-        if target is not None or (max_items and len(buffer) >= max_items) or self._error is not None:
-            return self._from_buffer(key, buffer, max_items, target, ack)
-        taken = list(buffer)
-        buffer.clear()
-        rid, future = self._start_get(key, max_items - len(taken) if max_items else None, None, True)
-        recalled = self._topping[key] = set()
-        try:
-            more = await self._finish_get(rid, future, ack, timeout, deliver=False)
-        except CommTimeoutError:
-            more = []        # (the top-up's answer, if any, goes back: _abandon)
-        except BaseException:
-            # not reported taken: taken later, in order; those recalled meanwhile go back
-            buffer.extendleft(reversed([i for i in taken if i[0] not in recalled]))
-            if recalled.intersection(i[0] for i in taken):
-                self._op(("unget", [i[0] for i in taken if i[0] in recalled]))
-            raise
-        finally:
-            self._topping.pop(key, None)
-        return self._deliver([*taken, *more], ack)
-
     def _deliver(self, items: list, ack: bool) -> list[Any]:
         objects = []
         for item_id, _weight, payload in items:

@@ -22,7 +22,8 @@ from ..core.interface import SMALL_MESSAGE, Core, HasCore
 from ..core.work import Work
 from ..util.futures import retrieve
 from ._admit import Admission, check_count, check_version, current_admission
-from ._handle import MAX_COUNT, HandleBase, chain, check_key, check_weight, default_free_memory
+from ._gets import GetsBase
+from ._handle import MAX_COUNT, chain, check_key, check_weight, default_free_memory
 from ._pacing import check_pacing
 from ._payload import pack
 from .policies import make_policy
@@ -34,7 +35,7 @@ __all__ = ["Channel", "create_channel", "open_channel", "create_cluster_channel"
 log = logging.getLogger("rlinf.channel")
 
 
-class Channel(HandleBase):
+class Channel(GetsBase):
     """A handle to a channel: put items in, get them out. Get one with
     ``await comm.channel(name)`` or ``await comm.create_channel(name)``.
 
@@ -430,76 +431,6 @@ class Channel(HandleBase):
         except EndOfChannel:
             raise StopAsyncIteration from None
 
-    async def _get_items(self, key: Any, max_items: int | None, target: float | None, ack: bool,
-                         timeout: float | None) -> list[Any]:
-        trace = self._core.trace
-        started = trace.now() if trace is not None else 0
-        check_key(key)
-        self._check_consumer(key)
-        self._report_done()
-        buffer = self._buffers.get(key)
-        if self._prefetch:
-            items = await self._get_buffered(key, max_items, target, ack, timeout)
-        elif buffer:        # sent ahead by the channel (_ahead), topped up by it
-            items = await self._from_ahead(key, buffer, max_items, target, ack, timeout)
-        else:
-            rid, future = self._start_get(key, max_items, target)
-            items = await self._finish_get(rid, future, ack, timeout)
-        if trace is not None:
-            trace.span("channel", "channel.get", started, channel=self.name, items=len(items))
-        return items
-
-    def _start_get(self, key: Any, max_items: int | None, target: float | None,
-                   now: bool = False) -> tuple[int, asyncio.Future]:
-        rid = next(self._rids)
-        future = self._gets[rid] = self._loop.create_future()
-        if not now:      # (a top-up get is never answered by items sent ahead)
-            self._get_keys[rid] = (key, max_items, target)
-        self._op(("get", rid, key, max_items, target, self._memory_now(), True) if now
-                 else ("get", rid, key, max_items, target, self._memory_now()))
-        return rid, future
-
-    async def _finish_get(self, rid: int, future: asyncio.Future, ack: bool, timeout: float | None,
-                          deliver: bool = True) -> list[Any]:
-        try:
-            async with asyncio.timeout(timeout):
-                items = await future
-        except BaseException as exc:
-            self._abandon(rid, future)
-            if isinstance(exc, TimeoutError) and not isinstance(exc, RlinfError):
-                raise CommTimeoutError(f"channel {self.name!r}: no item within {timeout} s") from None
-            raise
-        self._gets.pop(rid, None)
-        self._get_keys.pop(rid, None)
-        return self._deliver(items, ack) if deliver else items
-
-    async def _get_buffered(self, key: Any, max_items: int | None, target: float | None, ack: bool,
-                            timeout: float | None) -> list[Any]:
-        self._ensure_credit(key)
-        buffer = self._buffers.setdefault(key, collections.deque())
-        if buffer and self._must_yield:
-            # A tight get loop served from the buffer never lets the loop run: yield once
-            # so the credit it returned goes out and the server keeps the buffer full.
-            self._must_yield = False
-            await asyncio.sleep(0)
-        if not buffer:   # (a buffered item is taken without setting up a timeout)
-            try:
-                async with asyncio.timeout(timeout):
-                    while not buffer:
-                        self._check_consumer(key)
-                        waiter = self._loop.create_future()
-                        self._buffer_waiters.setdefault(key, []).append(waiter)
-                        try:
-                            await waiter
-                        finally:
-                            waiters = self._buffer_waiters.get(key)
-                            if waiters and waiter in waiters:
-                                waiters.remove(waiter)
-            except TimeoutError:
-                raise CommTimeoutError(f"channel {self.name!r}: no item within {timeout} s") from None
-        return self._from_buffer(key, buffer, max_items, target, ack)
-
-    # -- channel-wide ----------------------------------------------------------------------
     async def close(self, timeout: float | None = None) -> None:
         """Close the channel for everyone: puts are refused from now on; consumers drain
         what is left, then get ``EndOfChannel``. The channel process exits once drained.
