@@ -40,7 +40,9 @@ answered at once with what there is for it after them (:func:`top_up`), maybe no
 never left waiting, and never by items sent ahead. Its ``took`` of those leaves with the
 answer's, once that is there: given up before, they stay at the consumer and ahead for
 the channel (taken by its next gets, recalled, or given back if it detaches; those
-recalled while it asked go back then).
+recalled while it asked go back then). Other gets of that key at the consumer wait for
+that answer before they ask: the channel would take one received meanwhile as answered
+by the items the batch took.
 
 Items sent ahead and not taken :data:`RECALL_GRACE` (or the consumer's current work's
 time, if longer) after the consumer was expected to be done with its current work, while

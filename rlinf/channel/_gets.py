@@ -28,17 +28,41 @@ class GetsBase(HandleBase):
         check_key(key)
         self._check_consumer(key)
         self._report_done()
-        buffer = self._buffers.get(key)
         if self._prefetch:
             items = await self._get_buffered(key, max_items, target, ack, timeout)
-        elif buffer:        # sent ahead by the channel (_ahead), topped up by it
-            items = await self._from_ahead(key, buffer, max_items, target, ack, timeout)
         else:
-            rid, future = self._start_get(key, max_items, target)
-            items = await self._finish_get(rid, future, ack, timeout)
+            items = await self._get_now(key, max_items, target, ack, timeout)
         if trace is not None:
             trace.span("channel", "channel.get", started, channel=self.name, items=len(items))
         return items
+
+    async def _get_now(self, key: Any, max_items: int | None, target: float | None, ack: bool,
+                       timeout: float | None) -> list[Any]:
+        """A get at ``prefetch=0``: from the items sent ahead buffered here (topped up by
+        the channel), else asked of it. While a ``get_batch`` of ``key`` tops up here, it
+        waits for that first (within ``timeout``): the channel still counts the items
+        that one took as ahead here, and would take a get sent meanwhile as answered by
+        them (:func:`rlinf.channel._ahead.on_get`)."""
+        if key in self._topping:
+            timeout = await self._after_top_up(key, timeout)
+            self._check_consumer(key)
+        buffer = self._buffers.get(key)
+        if buffer:        # sent ahead by the channel (_ahead), topped up by it
+            return await self._from_ahead(key, buffer, max_items, target, ack, timeout)
+        rid, future = self._start_get(key, max_items, target)
+        return await self._finish_get(rid, future, ack, timeout)
+
+    async def _after_top_up(self, key: Any, timeout: float | None) -> float | None:
+        """Wait until no ``get_batch`` of ``key`` tops up here. Returns the time left of
+        ``timeout``. Raises CommTimeoutError past it."""
+        deadline = None if timeout is None else self._loop.time() + timeout
+        try:
+            async with asyncio.timeout(timeout):
+                while key in self._topping:
+                    await self._topping[key][1].wait()
+        except TimeoutError:
+            raise CommTimeoutError(f"channel {self.name!r}: no item within {timeout} s") from None
+        return None if deadline is None else max(deadline - self._loop.time(), 0.0)
 
     def _start_get(self, key: Any, max_items: int | None, target: float | None,
                    now: bool = False) -> tuple[int, asyncio.Future]:
@@ -106,7 +130,7 @@ class GetsBase(HandleBase):
         taken = list(buffer)
         buffer.clear()
         rid, future = self._start_get(key, max_items - len(taken) if max_items else None, None, True)
-        recalled = self._topping[key] = set()
+        recalled, settled = self._topping[key] = (set(), asyncio.Event())
         try:
             more = await self._finish_get(rid, future, ack, timeout, deliver=False)
         except CommTimeoutError:
@@ -117,6 +141,7 @@ class GetsBase(HandleBase):
             if recalled.intersection(i[0] for i in taken):
                 self._op(("unget", [i[0] for i in taken if i[0] in recalled]))
             raise
-        finally:
+        finally:       # the gets of key waiting for it go on (_get_now)
             self._topping.pop(key, None)
+            settled.set()
         return self._deliver([*taken, *more], ack)

@@ -184,7 +184,8 @@ class HandleBase:
         self._working: list[int] = []
         self._working_since = 0.0
         self._unacked: dict[int, collections.deque] = {}
-        self._topping: dict[Any, set] = {}     # key -> ids recalled while a get_batch tops up (_from_ahead)
+        # key -> (ids recalled while a get_batch tops up, set once it settles): _gets._from_ahead
+        self._topping: dict[Any, tuple[set, asyncio.Event]] = {}
 
     @property
     def unacked(self) -> int:
@@ -505,7 +506,7 @@ class HandleBase:
             elif kind == "recall":       # give back what is still buffered of those (_ahead)
                 buffer, ids = self._buffers.get(op[1]), set(op[2])
                 if op[1] in self._topping:      # (taken by a get_batch topping up: back if it is given up)
-                    self._topping[op[1]].update(ids)
+                    self._topping[op[1]][0].update(ids)
                 back = [i for i in buffer if i[0] in ids] if buffer else []
                 for entry in back:
                     buffer.remove(entry)

@@ -373,9 +373,10 @@ class Channel(GetsBase):
         """Start a get now (its order is fixed by this call) and return its :class:`Work`
         (it has no timeout: wait on the Work with one)."""
         check_key(key)
-        if self._prefetch:
+        if self._prefetch or key in self._topping:    # (a get_batch tops up: after it, _get_now)
             self._check_consumer(key)
-            self._ensure_credit(key)
+            if self._prefetch:
+                self._ensure_credit(key)
             task = self._loop.create_task(self.get(key, math.inf, ack=ack))
         else:
             self._check_consumer(key)

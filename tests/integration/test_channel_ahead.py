@@ -224,3 +224,34 @@ async def test_a_get_given_up_with_its_answer_on_the_way_keeps_put_order(driver,
             await get
         assert [await c.get(timeout=10) for _ in range(5)] == [1, 2, 3, 4, 5]
         await ch.close()
+
+
+@pytest.mark.parametrize("then", ["put", "close"])
+async def test_a_get_racing_a_topping_up_get_batch_is_answered(driver, comms, then):
+    """Another task's get while get_batch tops up (the items it took still ahead for the
+    channel) is answered by the next item put, or ends as the channel closes: not taken by
+    the channel as answered by those items."""
+    async with asyncio.timeout(60):
+        name = f"ahead-topup-race-{then}"
+        ch, c, first = await _one_waiting(driver, comms, name, 20.0)
+        for i in range(6):
+            await ch.put(i, weight=1.0)
+        assert await first == 0
+        await until(lambda: c._buffers.get(None), what="an item sent ahead")
+        batch = asyncio.ensure_future(c.get_batch(max_items=10, timeout=10))
+        await asyncio.sleep(0)                    # it took the items ahead and sent its top-up
+        get = asyncio.ensure_future(c.get(timeout=10))
+        assert await batch == [1, 2, 3, 4, 5]
+        await until(lambda: c._gets, what="the get's op")
+        await c.stats(timeout=10)                 # the channel has the get
+        # Time passes beyond the batch's expected work (5 items at 20/s): nothing is due
+        # to go ahead then, and item 6 reaches the consumer only by answering its get.
+        await asyncio.sleep(0.3)
+        if then == "put":
+            await ch.put(6, weight=1.0)
+            assert await get == 6
+            await ch.close()
+        else:
+            await ch.close()
+            with pytest.raises(EndOfChannel):
+                await get

@@ -559,3 +559,68 @@ async def _topping_up():
         while not [op for op in ch._ops if op[0] == "get"]:
             await asyncio.sleep(0)
     return ch, batch
+
+
+async def _gets_sent(ch, n: int) -> list:
+    """The "get" ops of ``ch``, once there are ``n``."""
+    import asyncio
+
+    async with asyncio.timeout(5):
+        while len(gets := [op for op in ch._ops if op[0] == "get"]) < n:
+            await asyncio.sleep(0)
+    return gets
+
+
+async def test_gets_while_a_batch_tops_up_are_sent_after_its_answer_and_took():
+    """A get and an async_get of other tasks while get_batch tops up send their get ops
+    only once the top-up is answered, after the batch's "took": sent before, the channel
+    would take each as answered by the items the batch took (still ahead there)."""
+    import asyncio
+
+    ch, batch = await _topping_up()
+    one = asyncio.ensure_future(ch.get(timeout=10))
+    work = ch.async_get()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    [top_up] = await _gets_sent(ch, 1)
+    assert not one.done() and not work.done() and not ch._acc_took
+    ch._on_ops([("items", top_up[1], None, [(3, 1.0, _packed(ch, 3))])])
+    async with asyncio.timeout(5):
+        assert await batch == ["item1", "item2", "item3"]
+    _, get1, get2 = await _gets_sent(ch, 3)
+    assert ch._acc_took == {False: [1, 2, 3]}     # (a flush sends "took" ahead of the gets)
+    ch._on_ops([("items", get1[1], None, [(4, 1.0, _packed(ch, 4))]),
+                ("items", get2[1], None, [(5, 1.0, _packed(ch, 5))])])
+    async with asyncio.timeout(5):
+        assert await one == "item4" and await work == "item5"
+
+
+async def test_a_get_waiting_for_a_batch_given_up_while_topping_up_takes_the_items_ahead():
+    """The batch is cancelled while it tops up: the get waiting for it takes the oldest
+    item sent ahead (back in the buffer) and asks nothing; the top-up's answer goes back."""
+    import asyncio
+
+    ch, batch = await _topping_up()
+    one = asyncio.ensure_future(ch.get(timeout=10))
+    for _ in range(10):
+        await asyncio.sleep(0)
+    batch.cancel()
+    async with asyncio.timeout(5):
+        assert await one == "item1"
+    [top_up] = [op for op in ch._ops if op[0] == "get"]
+    ch._on_ops([("items", top_up[1], None, [(3, 1.0, _packed(ch, 3))])])
+    assert ("unget", [3]) in ch._ops and ch.get_nowait() == "item2"
+    assert batch.cancelled() and not ch._topping
+
+
+async def test_a_get_waiting_for_a_top_up_times_out_without_asking():
+    import asyncio
+
+    from rlinf import CommTimeoutError
+
+    ch, batch = await _topping_up()
+    async with asyncio.timeout(5):
+        with pytest.raises(CommTimeoutError):
+            await ch.get(timeout=0.05)
+    assert len([op for op in ch._ops if op[0] == "get"]) == 1 and not batch.done()
+    batch.cancel()
