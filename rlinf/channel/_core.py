@@ -24,9 +24,10 @@ import time
 from typing import Any, Callable
 
 from ..util.bounded import Doubling, Recent
-from . import _lost
+from . import _ahead, _lost
 from ._balance import place_shared, speed_changed, steal
 from ._guard import PolicyGuard
+from ._keys import forget_idle_keys
 from ._pacing import Pacing
 from ._snapshot import count_rate, snapshot
 from ._state import Handle, Item, Request, insert_by_id
@@ -86,9 +87,11 @@ class ChannelCore:
         self.bytes_in = self.bytes_out = 0
         self._rates: collections.deque[list] = collections.deque()   # [second, puts, gets]
         self._deferred: set | None = None   # keys to serve once the current batch is applied
-        self._keys_looked = Doubling()       # when to forget idle keys again (_forget_idle_keys)
+        self.keys_looked = Doubling()       # when to forget idle keys again (_keys)
         self.forgotten = Recent()            # (src, hid) -> the Handle forgotten while taken for lost
         self.pacing = Pacing(max_staleness, batch_size, lambda h, rid, value: send(h, ("reply", rid, value)))
+        self.timers: list = []               # items to send ahead, recalls (_ahead: the server runs them)
+        self.recalls: dict[Any, int] = {}    # key -> consumers with items of it ahead, a recall due (_ahead)
 
     def __repr__(self) -> str:
         return (f"<ChannelCore {self.name} queued={self.queued} live={self.live_total} "
@@ -141,29 +144,8 @@ class ChannelCore:
                     place_shared(self, key)
                 self._serve_wanting(key)
         self._grant()
-        if self._keys_looked.due(len(self.live)):
-            self._forget_idle_keys()
-
-    def _forget_idle_keys(self) -> None:
-        """Forget the keys under which nothing is queued, in flight or waited for. A
-        channel keyed by episode or request id sees each key for a while, then never
-        again: its per-key state must not grow for good. (A consumer with ``prefetch``
-        keeps the credit of every key it got from, so its keys are kept.) A key used
-        again starts afresh: its consumers join it with their next get."""
-        for key in [k for k, n in self.live.items() if n == 0]:
-            members = self.consumers.get(key, ())
-            if self.shared.get(key) or any(h.wants(key) or h.assigned.get(key) for h in members):
-                continue
-            for h in members:
-                h.keys.discard(key)
-                h.requests.pop(key, None)
-                h.assigned.pop(key, None)
-                h.credit.pop(key, None)
-                h.last_sent.pop(key, None)
-            for table in (self.shared, self.consumers, self.wanting, self.key_len, self.key_weight, self.live,
-                          self.pacing.stale_by_key):
-                table.pop(key, None)
-        self._keys_looked.looked(len(self.live))
+        if self.keys_looked.due(len(self.live)):
+            forget_idle_keys(self)
 
     def _hello(self, src: str, hid: int, rid: int, incarnation: str, node_id: str, name: str,
                speed: float | None = None) -> Handle:
@@ -253,8 +235,12 @@ class ChannelCore:
         h.revoking = False
 
     def _op_get(self, h: Handle, rid: int, key: Any, max_items: int | None, target: float | None,
-                memory: int | None) -> None:
+                memory: int | None, now: bool = False) -> None:
         self._join(h, key, memory)
+        if now:        # a batch taken from items sent ahead, topped up: never answered by them (_ahead)
+            return _ahead.top_up(self, h, rid, key, max_items, target)
+        if h.ahead is not None and _ahead.on_get(self, h, key, max_items, target):
+            return                 # answered by items sent ahead to it (_ahead)
         h.requests.setdefault(key, collections.deque()).append(Request(rid, key, max_items, target))
         self._serve(h, key)
 
@@ -273,6 +259,8 @@ class ChannelCore:
     def _op_took(self, h: Handle, ids: list, ack: bool) -> None:
         ack = bool(ack)
         inflight, working = h.inflight, h.working
+        if h.ahead is not None and (h.ahead.ids or h.ahead.held):
+            _ahead.on_took(self, h, [inflight[i] for i in ids if i in inflight])
         if ack or self.closed:
             for item_id in ids:
                 item = inflight.pop(item_id, None)
@@ -297,6 +285,8 @@ class ChannelCore:
 
     def _op_unget(self, h: Handle, ids: list) -> None:
         back = [h.inflight.pop(i) for i in ids if i in h.inflight]
+        if h.ahead is not None:
+            _ahead.on_unget(self, h, back)
         for item in back:
             h.add_pending(-1, -item.weight)
         self._requeue(back)
@@ -321,6 +311,8 @@ class ChannelCore:
         if first is None or not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
             return
         h.meter.update(weight, float(seconds))
+        if h.ahead is not None:
+            _ahead.on_done(h, float(seconds))
         if self.batching:       # a first or a new speed: what waits may be placed (again)
             speed_changed(self, h, weight, float(seconds))
         now = self.clock()
@@ -555,6 +547,8 @@ class ChannelCore:
                 wanting = self.wanting.setdefault(key, collections.deque())
                 if h not in wanting:
                     wanting.append(h)
+                if self.recalls.get(key):   # an item sent ahead to a consumer still busy comes back
+                    _ahead.recall_overdue(self, key, self.clock())
 
     def _serve_wanting(self, key: Any) -> None:
         """Hand items to waiting consumers of ``key`` in turn (FIFO competition)."""
@@ -582,6 +576,8 @@ class ChannelCore:
                 return False
             requests.popleft()
             self.send(h, ("items", request.rid, key, [(it.id, it.weight, it.payload) for it in items]))
+            if self.batching:
+                _ahead.sent(self, h, key, items, answer=True)
             return True
         credit = h.credit.get(key, 0)
         if credit > 0:   # prefetch: as many items as the credit covers, in one op

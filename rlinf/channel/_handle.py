@@ -23,6 +23,7 @@ from ..core.interface import Core
 from ..errors import (ClosedError, CommTimeoutError, DecodeError, EndOfChannel, PeerLostError, ProtocolError,
                       RlinfError)
 from ..util.futures import retrieve
+from ._ahead import batch_len
 from ._payload import decoded, unpack
 from ._wire import decode_ops, encode_ops
 from .server import REQUEST_TAG, check_name, reply_tag, server_address
@@ -32,6 +33,7 @@ __all__ = ["HandleBase", "MAX_COUNT", "chain", "check_key", "check_weight", "def
 log = logging.getLogger("rlinf.channel")
 
 _hids = itertools.count(1)
+_NO_KEY = object()
 _KEY_TYPES = (str, int, bytes, type(None))
 _MEMORY_PERIOD = 0.1
 _MAX_BATCH = 1024      # ops per message before a tight loop flushes (and put yields once)
@@ -156,6 +158,7 @@ class HandleBase:
         self._acc_credit: dict[Any, int] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._gets: dict[int, asyncio.Future] = {}
+        self._get_keys: dict[int, tuple] = {}  # rid -> (key, max_items, target) of a get at prefetch=0 (_ahead)
         self._error: Callable[[], BaseException] | None = None
         self._detached = False
         self._drained = False
@@ -181,6 +184,8 @@ class HandleBase:
         self._working: list[int] = []
         self._working_since = 0.0
         self._unacked: dict[int, collections.deque] = {}
+        # key -> (ids recalled while a get_batch tops up, set once it settles): _gets._from_ahead
+        self._topping: dict[Any, tuple[set, asyncio.Event]] = {}
 
     @property
     def unacked(self) -> int:
@@ -256,6 +261,7 @@ class HandleBase:
 
     def _abandon(self, rid: int, future: asyncio.Future) -> None:
         """Give up get ``rid`` without losing an item (idempotent)."""
+        key = self._get_keys.pop(rid, (_NO_KEY,))[0]
         if self._gets.pop(rid, None) is None:
             return
         if not future.done():
@@ -263,7 +269,11 @@ class HandleBase:
         if future.cancelled():
             self._op(("cancel", rid))          # an answer still on its way is given back
         elif future.exception() is None:       # answered, never returned: give them back
-            self._op(("unget", [i[0] for i in future.result()]))
+            buffer = self._buffers.get(key) if not self._prefetch else None
+            if buffer:      # before the rest of the items sent ahead with them: kept, in order
+                buffer.extendleft(reversed(future.result()))
+            else:
+                self._op(("unget", [i[0] for i in future.result()]))
 
     def _ensure_credit(self, key: Any) -> None:
         if key not in self._credited:
@@ -282,9 +292,10 @@ class HandleBase:
         if working:                 # the items of the previous get are finished
             self._add_done(working, now - self._working_since)
             self._working = []
-        credit = self._acc_credit[key] = self._acc_credit.get(key, 0) + 1
-        if credit * 2 >= self._prefetch:
-            self._must_yield = True
+        if self._prefetch:         # (an item the channel sent ahead at prefetch=0 returns no credit)
+            credit = self._acc_credit[key] = self._acc_credit.get(key, 0) + 1
+            if credit * 2 >= self._prefetch:
+                self._must_yield = True
         try:
             obj = unpack(self._codec, payload)
         except (DecodeError, ValueError) as exc:
@@ -302,6 +313,22 @@ class HandleBase:
             self._working.append(item_id)
             self._working_since = now
         return obj
+
+    def _from_buffer(self, key: Any, buffer: collections.deque, max_items: int | None, target: float | None,
+                     ack: bool) -> list[Any]:
+        """The ``get_batch`` rule applied to the items buffered here (not empty)."""
+        taken, total = [], 0.0
+        while buffer:
+            weight = buffer[0][1]
+            if taken and ((max_items and len(taken) >= max_items) or (target is not None and total + weight > target)):
+                break
+            taken.append(buffer.popleft())
+            total += weight
+            if max_items and len(taken) >= max_items:
+                break
+        if self._prefetch:
+            self._credit(key, len(taken))
+        return self._deliver(taken, ack)
 
     def _deliver(self, items: list, ack: bool) -> list[Any]:
         objects = []
@@ -470,8 +497,21 @@ class HandleBase:
                     future = self._gets.get(rid)
                     if future is not None and not future.done():
                         future.set_result(items)
-                    else:                   # its get was abandoned: give the items back
-                        self._op(("unget", [i[0] for i in items]))
+                    else:       # its get was given up: to a get waiting here (prefetch=0), else back
+                        back = items if self._prefetch else self._answer_waiting(key, items)
+                        if back:
+                            self._op(("unget", [i[0] for i in back]))
+            elif kind == "ahead":
+                self._ahead(op[1], op[2])
+            elif kind == "recall":       # give back what is still buffered of those (_ahead)
+                buffer, ids = self._buffers.get(op[1]), set(op[2])
+                if op[1] in self._topping:      # (taken by a get_batch topping up: back if it is given up)
+                    self._topping[op[1]][0].update(ids)
+                back = [i for i in buffer if i[0] in ids] if buffer else []
+                for entry in back:
+                    buffer.remove(entry)
+                if back:
+                    self._op(("unget", [i[0] for i in back]))
             elif kind == "end":
                 rid, key = op[1], op[2]
                 self._ended.add(key)
@@ -507,8 +547,36 @@ class HandleBase:
                     if not future.done():
                         future.set_exception(EndOfChannel(f"channel {self.name!r} is closed and drained"))
                 self._gets.clear()
+                self._get_keys.clear()
                 for key in list(self._buffer_waiters):
                     self._wake(key)
+
+    def _ahead(self, key: Any, items: list) -> None:
+        """The channel sent ``items`` of ``key`` ahead (prefetch=0, :mod:`rlinf.channel._ahead`):
+        in order, one each, they answer the gets of ``key`` waiting here (the channel takes
+        each get it receives while items are ahead here as answered by one), and the rest
+        wait in the buffer for the next gets."""
+        items = self._answer_waiting(key, items)
+        if items:
+            self._buffers.setdefault(key, collections.deque()).extend(items)
+            self._wake(key)
+
+    def _answer_waiting(self, key: Any, items: list) -> list:
+        """Answer the gets of ``key`` waiting here (prefetch=0), oldest first, with
+        ``items`` in order, each as many as its ``get_batch`` rule takes (what the channel
+        counts for items sent ahead: :func:`rlinf.channel._ahead.batch_len`). Items sent
+        ahead answer them so; so do the items of a get given up (answered meanwhile): they
+        are older than what the waiting get's own answer will bring (that one then comes
+        back here). Returns the items left over."""
+        for rid, future in self._gets.items():
+            if not items:
+                break
+            wanted = self._get_keys.get(rid)
+            if wanted is not None and wanted[0] == key and not future.done():
+                n = batch_len([i[1] for i in items], wanted[1], wanted[2])
+                future.set_result(items[:n])
+                items = items[n:]
+        return items
 
     def _forgotten(self, processed: int) -> None:
         """The server forgot this handle while it took its worker for lost (and gave
@@ -574,6 +642,7 @@ class HandleBase:
                 if not future.done():
                     future.set_exception(error())
             table.clear()
+        self._get_keys.clear()
         self._fail_puts(error)
         for key in list(self._buffer_waiters):
             self._wake(key)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from . import _ahead
 from ._state import Handle
 
 __all__ = ["FORGOTTEN_KEPT", "suspend", "resume", "expire", "tell_forgotten"]
@@ -51,6 +52,7 @@ def resume(core: Any, h: Handle) -> None:
         members = core.consumers.setdefault(key, [])
         if h not in members:
             members.append(h)
+    _ahead.resumed(core, h)      # its items ahead may be recalled again
     for key in list(h.keys):
         if h.wants(key):
             core._serve(h, key)

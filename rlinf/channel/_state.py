@@ -91,6 +91,7 @@ class Handle:
         self.last_sent: dict[Any, int] = {}     # key -> the newest item id sent (batch policies)
         self.rate = [0.0, 0.0]          # decayed sums of weight done and its seconds (_balance)
         self.hint: float | None = None  # the speed it declared, until measured
+        self.ahead: Any = None          # an _ahead.Ahead once it was answered under a batch policy
 
     def __repr__(self) -> str:
         return f"<Handle {self.name} pending={self.pending_count} leased={self.leased}>"

@@ -5,7 +5,8 @@ msgpack encoding of a list of ops (tuples such as ``("put", key, weight, nbytes,
 payload[, version, admission])``), and ``buffers`` holds the arrays of large payloads,
 which the communicator sends out of band (zero-copy, or through shared memory on one
 node). In the blob a large payload ``(2, header, [arrays])`` is written as ``(2,
-header, first, count)``, an index range into ``buffers``. Small payloads are plain
+header, first, count)``, an index range into ``buffers`` (in ``put`` ops and in the
+items of ``items`` and ``ahead`` ops). Small payloads are plain
 bytes inside the blob.
 
 msgpack packs the ops in C: this keeps the per-item cost of the channel a few
@@ -46,11 +47,20 @@ def encode_ops(ops: list, large: bool) -> list:
             if kind == "put" and op[4][0] == 2:
                 op = (kind, op[1], op[2], op[3], _out(op[4], buffers), *op[5:])
             elif kind == "items" and any(i[2][0] == 2 for i in op[3]):
-                op = (kind, op[1], op[2], [(i[0], i[1], _out(i[2], buffers) if i[2][0] == 2 else i[2])
-                                           for i in op[3]])
+                op = (kind, op[1], op[2], _items_out(op[3], buffers))
+            elif kind == "ahead" and any(i[2][0] == 2 for i in op[2]):
+                op = (kind, op[1], _items_out(op[2], buffers))
             fixed.append(op)
         ops = fixed
     return [_packb(ops, use_bin_type=True), buffers]
+
+
+def _items_out(items: list, buffers: list) -> list:
+    return [(i[0], i[1], _out(i[2], buffers) if i[2][0] == 2 else i[2]) for i in items]
+
+
+def _items_in(items: tuple, buffers: list) -> list:
+    return [(i[0], i[1], _in(i[2], buffers) if i[2][0] == 2 else i[2]) for i in items]
 
 
 def _in(payload: tuple, buffers: list) -> tuple:
@@ -79,8 +89,9 @@ def decode_ops(message: Any) -> list:
             if kind == "put" and op[4][0] == 2:
                 op = (kind, op[1], op[2], op[3], _in(op[4], buffers), *op[5:])
             elif kind == "items":
-                op = (kind, op[1], op[2], [(i[0], i[1], _in(i[2], buffers) if i[2][0] == 2 else i[2])
-                                           for i in op[3]])
+                op = (kind, op[1], op[2], _items_in(op[3], buffers))
+            elif kind == "ahead":           # items sent ahead (rlinf.channel._ahead)
+                op = (kind, op[1], _items_in(op[2], buffers))
             fixed.append(op)
         return fixed
     except ProtocolError:

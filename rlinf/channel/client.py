@@ -22,7 +22,8 @@ from ..core.interface import SMALL_MESSAGE, Core, HasCore
 from ..core.work import Work
 from ..util.futures import retrieve
 from ._admit import Admission, check_count, check_version, current_admission
-from ._handle import MAX_COUNT, HandleBase, chain, check_key, check_weight, default_free_memory
+from ._gets import GetsBase
+from ._handle import MAX_COUNT, chain, check_key, check_weight, default_free_memory
 from ._pacing import check_pacing
 from ._payload import pack
 from .policies import make_policy
@@ -34,7 +35,7 @@ __all__ = ["Channel", "create_channel", "open_channel", "create_cluster_channel"
 log = logging.getLogger("rlinf.channel")
 
 
-class Channel(HandleBase):
+class Channel(GetsBase):
     """A handle to a channel: put items in, get them out. Get one with
     ``await comm.channel(name)`` or ``await comm.create_channel(name)``.
 
@@ -351,10 +352,11 @@ class Channel(HandleBase):
         return await self._get_items(key, max_items, target_weight, ack, self._core.timeout_of(timeout))
 
     def get_nowait(self, key: Any = None, *, ack: bool = False) -> Any:
-        """Take an item already prefetched into this handle (``prefetch`` > 0).
+        """Take an item already in this handle: prefetched (``prefetch`` > 0) or sent ahead.
 
         Raises:
-            WouldBlock: no item of ``key`` is buffered here (always, without prefetch).
+            WouldBlock: no item of ``key`` is buffered here (prefetched, or sent ahead at
+                ``prefetch=0`` under a batch policy).
             EndOfChannel: the channel is closed and nothing of ``key`` is left.
         """
         check_key(key)
@@ -371,12 +373,18 @@ class Channel(HandleBase):
         """Start a get now (its order is fixed by this call) and return its :class:`Work`
         (it has no timeout: wait on the Work with one)."""
         check_key(key)
-        if self._prefetch:
+        if self._prefetch or key in self._topping:    # (a get_batch tops up: after it, _get_now)
             self._check_consumer(key)
-            self._ensure_credit(key)
+            if self._prefetch:
+                self._ensure_credit(key)
             task = self._loop.create_task(self.get(key, math.inf, ack=ack))
         else:
             self._check_consumer(key)
+            buffer = self._buffers.get(key)
+            if buffer and self._error is None:      # sent ahead by the channel (_ahead): taken now
+                future = self._loop.create_future()
+                future.set_result(self._take_buffered(key, buffer, ack))
+                return Work(future, f"get from channel {self.name}")
             self._report_done()
             rid, future = self._start_get(key, 1, None)
             task = self._loop.create_task(self._finish_get_one(rid, future, ack))
@@ -424,77 +432,6 @@ class Channel(HandleBase):
         except EndOfChannel:
             raise StopAsyncIteration from None
 
-    async def _get_items(self, key: Any, max_items: int | None, target: float | None, ack: bool,
-                         timeout: float | None) -> list[Any]:
-        trace = self._core.trace
-        started = trace.now() if trace is not None else 0
-        check_key(key)
-        self._check_consumer(key)
-        self._report_done()
-        if self._prefetch:
-            items = await self._get_buffered(key, max_items, target, ack, timeout)
-        else:
-            rid, future = self._start_get(key, max_items, target)
-            items = await self._finish_get(rid, future, ack, timeout)
-        if trace is not None:
-            trace.span("channel", "channel.get", started, channel=self.name, items=len(items))
-        return items
-
-    def _start_get(self, key: Any, max_items: int | None, target: float | None) -> tuple[int, asyncio.Future]:
-        rid = next(self._rids)
-        future = self._gets[rid] = self._loop.create_future()
-        self._op(("get", rid, key, max_items, target, self._memory_now()))
-        return rid, future
-
-    async def _finish_get(self, rid: int, future: asyncio.Future, ack: bool, timeout: float | None) -> list[Any]:
-        try:
-            async with asyncio.timeout(timeout):
-                items = await future
-        except BaseException as exc:
-            self._abandon(rid, future)
-            if isinstance(exc, TimeoutError) and not isinstance(exc, RlinfError):
-                raise CommTimeoutError(f"channel {self.name!r}: no item within {timeout} s") from None
-            raise
-        self._gets.pop(rid, None)
-        return self._deliver(items, ack)
-
-    async def _get_buffered(self, key: Any, max_items: int | None, target: float | None, ack: bool,
-                            timeout: float | None) -> list[Any]:
-        self._ensure_credit(key)
-        buffer = self._buffers.setdefault(key, collections.deque())
-        if buffer and self._must_yield:
-            # A tight get loop served from the buffer never lets the loop run: yield once
-            # so the credit it returned goes out and the server keeps the buffer full.
-            self._must_yield = False
-            await asyncio.sleep(0)
-        if not buffer:   # (a buffered item is taken without setting up a timeout)
-            try:
-                async with asyncio.timeout(timeout):
-                    while not buffer:
-                        self._check_consumer(key)
-                        waiter = self._loop.create_future()
-                        self._buffer_waiters.setdefault(key, []).append(waiter)
-                        try:
-                            await waiter
-                        finally:
-                            waiters = self._buffer_waiters.get(key)
-                            if waiters and waiter in waiters:
-                                waiters.remove(waiter)
-            except TimeoutError:
-                raise CommTimeoutError(f"channel {self.name!r}: no item within {timeout} s") from None
-        taken, total = [], 0.0
-        while buffer:
-            weight = buffer[0][1]
-            if taken and ((max_items and len(taken) >= max_items) or (target is not None and total + weight > target)):
-                break
-            taken.append(buffer.popleft())
-            total += weight
-            if max_items and len(taken) >= max_items:
-                break
-        self._credit(key, len(taken))
-        return self._deliver(taken, ack)
-
-    # -- channel-wide ----------------------------------------------------------------------
     async def close(self, timeout: float | None = None) -> None:
         """Close the channel for everyone: puts are refused from now on; consumers drain
         what is left, then get ``EndOfChannel``. The channel process exits once drained.

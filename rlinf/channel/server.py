@@ -33,7 +33,7 @@ from ..info import socket_dirs
 from ..util.futures import retrieve
 from ..util.pipe import MessagePipe
 from ..core.routing import CUDA_IPC
-from . import _lost
+from . import _ahead, _lost
 from ._core import ChannelCore
 from ._state import Handle
 from ._wire import decode_ops, encode_ops
@@ -110,6 +110,8 @@ class ChannelServer:
         self._closing = False
         self._close_task: asyncio.Future | None = None
         self._held: dict[tuple[str, int], list] = {}   # answers to a suspended handle: [ops, large]
+        self._timer: asyncio.TimerHandle | None = None    # the core's next item to send ahead (_ahead)
+        self._timer_due = 0.0
 
     def __repr__(self) -> str:
         return f"<ChannelServer {self.name} {self.core!r}>"
@@ -144,13 +146,37 @@ class ChannelServer:
                         if self._held:
                             self._release_held(src, message[0])
                         core.handle_ops(src, message[0], decode_ops(message[1:]))
+                    if core.timers:
+                        self._arm()
                 except (ProtocolError, ValueError, TypeError, KeyError, IndexError) as exc:
                     log.warning("channel %s: rejected a malformed request from %s: %r", self.name, src, exc)
         except ClosedError:
             return
         finally:
+            if self._timer is not None:
+                self._timer.cancel()
             self._flush()
             self.done.set()
+
+    def _arm(self) -> None:
+        """Wake up when the core has items to send ahead or recall (:mod:`._ahead`)."""
+        due = _ahead.next_due(self.core)
+        if due is None or (self._timer is not None and self._timer_due <= due):
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_due = due
+        self._timer = self._loop.call_later(max(due - self.core.clock(), 0.0), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self.core.finished:
+            return
+        try:
+            _ahead.run_due(self.core)
+        except Exception:    # (a bug: logged; the gets of those consumers are still answered)
+            log.exception("channel %s: sending items ahead failed", self.name)
+        self._arm()
 
     def _on_gone(self, address: str, incarnation: str) -> None:
         # Messages that peer sent before leaving may still wait in our mailbox: a marker
@@ -210,7 +236,10 @@ class ChannelServer:
         if out is None:
             out = self._out[key] = [[], False]
         ops = out[0]
-        if op[0] == "items":
+        if op[0] == "ahead":       # items sent ahead (_ahead): large ones go out of band too
+            if any(i[2] is not None and i[2][0] == 2 for i in op[2]):
+                out[1] = True
+        elif op[0] == "items":
             if any(i[2] is not None and i[2][0] == 2 for i in op[3]):
                 out[1] = True
             last = ops[-1] if ops else None
@@ -227,7 +256,12 @@ class ChannelServer:
         out, self._out = self._out, {}
         for (src, hid), (ops, large) in out.items():
             try:
-                future = self.comm.internal.start_send(encode_ops(ops, large), src, reply_tag(hid))
+                message = encode_ops(ops, large)
+            except Exception:     # (a bug) lost for that handle alone: the others' ops still go
+                log.exception("channel %s: could not encode %d ops for %s", self.name, len(ops), src)
+                continue
+            try:
+                future = self.comm.internal.start_send(message, src, reply_tag(hid))
             except PeerLostError:
                 # taken for lost: kept in order for it in case it comes back (dropped
                 # once its handle is forgotten)
