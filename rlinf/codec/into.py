@@ -136,8 +136,10 @@ def copy_into(target: Any, source: Any, path: str = "$") -> None:
 
         with torch.no_grad():
             for t, s in torch_pairs:
-                raw = byte_view(t, write=True)
-                src = byte_view(s) if raw is not None and raw.nbytes >= STREAM_BYTES else None
+                # (the size first: small tensors, most of them, skip building views)
+                big = t.numel() * t.element_size() >= STREAM_BYTES
+                raw = byte_view(t, write=True) if big else None
+                src = byte_view(s) if raw is not None else None
                 if src is not None:
                     copy_bytes(raw, src)
                     wrote(t)
